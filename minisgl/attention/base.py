@@ -1,0 +1,45 @@
+"""The attention backend interface."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch
+
+ATTENTION_BACKENDS = ("torch", "fi", "fa", "trtllm")
+
+
+def parse_attention_backend(value: str) -> tuple[str, str]:
+    """'auto', a backend name, or a 'prefill,decode' pair -> (prefill, decode); 'auto' stays 'auto'."""
+    parts = [p.strip() for p in value.split(",")]
+    if value == "auto":
+        return ("auto", "auto")
+    if len(parts) not in (1, 2) or any(p not in ATTENTION_BACKENDS for p in parts):
+        raise ValueError(
+            f"attention_backend={value!r} is not valid: use 'auto', one of {', '.join(ATTENTION_BACKENDS)}, "
+            "or a 'prefill,decode' pair such as 'fa,fi'"
+        )
+    return (parts[0], parts[-1])
+
+
+@dataclass
+class BaseAttnMetadata:
+    """Per-batch attention plan. `last_indices` selects each request's last computed token (prefill);
+    None means every row is already one per request (decode)."""
+
+    last_indices: torch.Tensor | None
+
+
+class BaseAttnBackend(ABC):
+    @abstractmethod
+    def prepare_metadata(self, batch: Batch) -> None:
+        """Builds `batch.attn_metadata` from the requests and the page table, without a host sync."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        """Stores k, v at `batch.out_loc` for `layer_id`, then returns attention output shaped like q."""

@@ -1,0 +1,84 @@
+"""Paged attention in plain PyTorch: runs on CPU and GPU, and is the reference for every other backend.
+
+Each request's keys and values are gathered from the paged pool through its page-table row into a
+padded (batch, max_kv_len) layout; queries are padded to (batch, max_extend_len); one masked
+scaled-dot-product attention call serves prefill of mixed lengths, extension of a cached prefix
+(chunked prefill) and decode alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.kvcache import MHAKVCachePool
+
+
+@dataclass
+class TorchAttnMetadata(BaseAttnMetadata):
+    kv_index: torch.Tensor  # (B, max_kv) KV locations of each request's tokens, int64
+    mask: torch.Tensor  # (B, 1, max_q, max_kv) True where a query may attend
+    q_index: torch.Tensor | None  # (T,) row of each token in the padded (B * max_q) layout; None: no padding
+    max_q: int
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def __init__(self, kv_cache: MHAKVCachePool, page_table: torch.Tensor, device: torch.device) -> None:
+        self.kv_cache, self.page_table, self.device = kv_cache, page_table, device
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        extend = [req.extend_len for req in batch.reqs]
+        cached = torch.tensor([req.cached_len for req in batch.reqs], dtype=torch.int64)
+        max_q, max_kv = max(extend), max(req.device_len for req in batch.reqs)
+        num_reqs, num_tokens = len(extend), sum(extend)
+        extend_t = torch.tensor(extend, dtype=torch.int64)
+
+        last_indices = q_index = None
+        if batch.is_prefill or max_q > 1:
+            last_indices = self._to_device(extend_t.cumsum(0) - 1)
+        if any(e != max_q for e in extend):
+            starts = extend_t.cumsum(0) - extend_t
+            row_base = torch.arange(num_reqs, dtype=torch.int64) * max_q - starts
+            q_index = self._to_device(torch.arange(num_tokens) + row_base.repeat_interleave(extend_t))
+
+        table_idx = self._to_device(torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64))
+        kv_index = self.page_table[table_idx, :max_kv].long()
+        q_pos = self._to_device(cached)[:, None] + torch.arange(max_q, device=self.device)
+        mask = torch.arange(max_kv, device=self.device) <= q_pos[:, :, None]
+        batch.attn_metadata = TorchAttnMetadata(
+            last_indices=last_indices, kv_index=kv_index, mask=mask.unsqueeze(1), q_index=q_index, max_q=max_q
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        meta = batch.attn_metadata
+        assert isinstance(meta, TorchAttnMetadata), "prepare_metadata must run before forward"
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        num_tokens, num_heads, head_dim = q.shape
+        num_reqs, max_q = meta.kv_index.shape[0], meta.max_q
+        if meta.q_index is None:
+            q_pad = q.view(num_reqs, max_q, num_heads, head_dim)
+        else:
+            q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim).index_copy_(0, meta.q_index, q)
+            q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim)
+        keys = self.kv_cache.k_flat(layer_id)[meta.kv_index]  # (B, max_kv, KVH, D)
+        values = self.kv_cache.v_flat(layer_id)[meta.kv_index]
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=meta.mask,
+            enable_gqa=True,
+        )
+        out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
+        return out if meta.q_index is None else out[meta.q_index]

@@ -1,0 +1,187 @@
+"""The objects that travel between the scheduler side and the engine: requests, batches, context."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+    from minisgl.kvcache import BaseKVCachePool
+
+Phase = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next tokens.
+
+    ``temperature`` 0 means greedy (argmax). With a positive temperature the logits are divided by it and
+    the softmax is filtered: ``top_k`` keeps the k most likely tokens (-1 or 0: all), ``top_p`` keeps the
+    smallest set of most likely tokens whose probability reaches ``top_p``, ``min_p`` drops tokens whose
+    probability is below ``min_p`` times the largest one. A token survives only if every filter keeps it
+    (each filter looks at the unfiltered softmax). ``seed`` makes the draws a function of (seed, position):
+    the same request gives the same tokens alone or inside any batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 1024
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature must be a finite number >= 0, got temperature={self.temperature!r}"
+            )
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy), got temperature={self.temperature!r}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0: no limit), got top_k={self.top_k!r}")
+        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got top_p={self.top_p!r}")
+        if not (isinstance(self.min_p, int | float) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got min_p={self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got seed={self.seed!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got max_tokens={self.max_tokens!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Req:
+    """One request as the engine sees it.
+
+    ``input_ids`` holds every token known on the host (prompt, then generated tokens). The KV of the
+    first ``cached_len`` tokens is in the cache. A forward computes tokens ``[cached_len, device_len)``
+    (the scheduler side sets ``device_len``; by default all known tokens) and then ``complete_one``
+    marks them cached. If ``device_len`` stops short of ``len(input_ids)`` the forward is one chunk of a
+    chunked prefill and the token it samples is not part of the output.
+    """
+
+    input_ids: list[int]
+    table_idx: int
+    cached_len: int
+    output_len: int
+    uid: int
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    device_len: int = -1
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.device_len < 0:
+            self.device_len = len(self.input_ids)
+        self.num_prompt_tokens = len(self.input_ids)
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens this forward computes."""
+        return self.device_len - self.cached_len
+
+    @property
+    def is_partial(self) -> bool:
+        """True while a chunked prefill has prompt tokens left after this forward."""
+        return self.device_len < len(self.input_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.input_ids) - self.num_prompt_tokens
+
+    @property
+    def max_device_len(self) -> int:
+        return self.num_prompt_tokens + self.output_len
+
+    def complete_one(self) -> None:
+        """Called by the engine after a forward: the computed tokens are now in the KV cache."""
+        self.cached_len = self.device_len
+
+
+@dataclass(eq=False)
+class Batch:
+    """Requests that run through one forward, with the tensors the scheduler side prepared.
+
+    ``input_ids`` (int32), ``positions`` (int64) and ``out_loc`` (int64, where each token's K and V are
+    stored in the flat KV pool) have one row per computed token, requests in order. ``attn_metadata`` is
+    filled by the attention backend's ``prepare_metadata``.
+    """
+
+    reqs: list[Req]
+    phase: Phase
+    input_ids: torch.Tensor = field(init=False)
+    positions: torch.Tensor = field(init=False)
+    out_loc: torch.Tensor = field(init=False)
+    attn_metadata: BaseAttnMetadata | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.phase not in ("prefill", "decode"):
+            raise ValueError(f"phase must be 'prefill' or 'decode', got phase={self.phase!r}")
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(req.extend_len for req in self.reqs)
+
+
+@dataclass(eq=False)
+class Context:
+    """Shared state of one engine: the KV pool, the backends, and the batch being run."""
+
+    page_size: int
+    kv_cache: BaseKVCachePool
+    page_table: torch.Tensor
+    attn_backend: BaseAttnBackend
+    moe_backend: Any = None
+    _batch: Batch | None = field(default=None, init=False)
+
+    @property
+    def batch(self) -> Batch:
+        if self._batch is None:
+            raise RuntimeError("no batch is running: the model forward must run inside Engine.forward_batch")
+        return self._batch
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[None]:
+        """Makes ``batch`` the running batch and this context the current one while the model runs."""
+        global _current_ctx
+        previous, self._batch = _current_ctx, batch
+        _current_ctx = self
+        try:
+            yield
+        finally:
+            self._batch = None
+            _current_ctx = previous
+
+
+_current_ctx: Context | None = None
+
+
+def get_global_ctx() -> Context:
+    """The context of the engine whose forward is running (read by the attention op)."""
+    if _current_ctx is None:
+        raise RuntimeError("no engine forward is running: use Engine.forward_batch")
+    return _current_ctx

@@ -1,0 +1,186 @@
+"""The scheduler side's batch preparation, small enough to drive an Engine without a scheduler.
+
+`BatchPreparer` owns a request-slot allocator and a page allocator for one engine. It turns token
+lists into `Req`s (a page-table row each), allocates KV pages as sequences grow, writes the page table,
+and fills a `Batch`'s `input_ids`, `positions` and `out_loc`. Everything is checked before anything is
+allocated, so a refused request or batch leaves the engine and the pools as they were.
+
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(ids, SamplingParams(max_tokens=16)) for ids in prompts]
+    batch = prep.prefill(reqs)
+    out = engine.forward_batch(batch, prep.sampling_args(batch))
+    out.copy_done_event.synchronize()
+    prep.append_tokens(batch, out.next_tokens_cpu)
+    batch = prep.decode(reqs)
+    ...
+    prep.release(reqs)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from minisgl.core import Batch, Phase, Req, SamplingParams
+from minisgl.engine.engine import Engine
+from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.kvcache import PageAllocator, SlotAllocator
+
+
+class BatchPreparer:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.page_size = engine.config.page_size
+        self.pages = PageAllocator(engine.num_pages)
+        self.slots = SlotAllocator(engine.config.max_running_req)
+        self._req_pages: dict[int, list[int]] = {}
+        self._uids = itertools.count()
+
+    def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
+        """Checks the prompt and takes a page-table row for it (no KV pages yet)."""
+        params = sampling_params or SamplingParams()
+        tokens = [int(t) for t in token_ids]
+        vocab_size, max_seq_len = self.engine.config.model_config.vocab_size, self.engine.max_seq_len
+        if not tokens:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if len(tokens) + params.max_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds max_seq_len="
+                f"{max_seq_len}; shorten the prompt or lower max_tokens"
+            )
+        slot = self.slots.alloc()
+        req = Req(
+            input_ids=tokens,
+            table_idx=slot,
+            cached_len=0,
+            output_len=params.max_tokens,
+            uid=next(self._uids),
+            sampling_params=params,
+        )
+        self._req_pages[req.uid] = []
+        return req
+
+    def prefill(self, reqs: Sequence[Req], chunk_size: int | None = None) -> Batch:
+        """A prefill batch computing each request's uncached tokens, at most `chunk_size` per request."""
+        ends = []
+        for req in reqs:
+            end = len(req.input_ids)
+            if chunk_size is not None:
+                end = min(end, req.cached_len + chunk_size)
+            if end <= req.cached_len:
+                raise ValueError(f"request {req.uid} has no uncached tokens to prefill")
+            ends.append(end)
+        return self._build(reqs, ends, "prefill")
+
+    def decode(self, reqs: Sequence[Req]) -> Batch:
+        """A decode batch computing each request's newest token."""
+        for req in reqs:
+            if req.cached_len != len(req.input_ids) - 1:
+                raise ValueError(
+                    f"request {req.uid} cannot decode: {req.cached_len} of {len(req.input_ids)} tokens cached "
+                    "(finish its prefill, then append the sampled token)"
+                )
+        return self._build(reqs, [len(req.input_ids) for req in reqs], "decode")
+
+    def _build(self, reqs: Sequence[Req], ends: list[int], phase: Phase) -> Batch:
+        if len(reqs) > self.engine.config.max_running_req:
+            raise ValueError(
+                f"batch of {len(reqs)} requests exceeds max_running_req={self.engine.config.max_running_req}"
+            )
+        for req, end in zip(reqs, ends):
+            if req.uid not in self._req_pages:
+                raise ValueError(f"request {req.uid} is not active in this BatchPreparer (released?)")
+            if end > self.engine.max_seq_len:
+                raise ValueError(
+                    f"request {req.uid} would reach {end} tokens > max_seq_len={self.engine.max_seq_len}"
+                )
+        ps = self.page_size
+        wanted = [-(-end // ps) - len(self._req_pages[req.uid]) for req, end in zip(reqs, ends)]
+        if sum(wanted) > self.pages.num_free:
+            self.pages.alloc(sum(wanted))  # raises the out-of-pages error, allocating nothing
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        for req, end, n_new in zip(reqs, ends, wanted):
+            pages = self._req_pages[req.uid]
+            if n_new > 0:
+                first = len(pages)
+                pages.extend(self.pages.alloc(n_new))
+                locs = torch.tensor(pages[first:], dtype=torch.int32).repeat_interleave(ps) * ps
+                locs += torch.arange(n_new * ps, dtype=torch.int32) % ps
+                self.engine.page_table[req.table_idx, first * ps : (first + n_new) * ps] = locs.to(
+                    self.engine.device
+                )
+            req.device_len = end
+            input_ids += req.input_ids[req.cached_len : end]
+            span = range(req.cached_len, end)
+            positions += span
+            out_loc += [pages[p // ps] * ps + p % ps for p in span]
+        batch = Batch(reqs=list(reqs), phase=phase)
+        device = self.engine.device
+        batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
+        batch.positions = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+        batch.out_loc = torch.tensor(out_loc, dtype=torch.int64).to(device, non_blocking=True)
+        return batch
+
+    def sampling_args(self, batch: Batch) -> BatchSamplingArgs:
+        return self.engine.sampler.prepare(batch)
+
+    def append_tokens(self, batch: Batch, next_tokens_cpu: torch.Tensor) -> list[Req]:
+        """Appends each sampled token to its request, except for unfinished prefill chunks.
+        Returns the requests that got a token."""
+        got = []
+        for req, token in zip(batch.reqs, next_tokens_cpu.tolist()):
+            if req.cached_len == len(req.input_ids):
+                req.input_ids.append(token)
+                got.append(req)
+        return got
+
+    def release(self, reqs: Req | Sequence[Req]) -> None:
+        """Returns the requests' KV pages and page-table rows."""
+        for req in [reqs] if isinstance(reqs, Req) else reqs:
+            pages = self._req_pages.pop(req.uid, None)
+            if pages is None:
+                continue
+            self.pages.free(pages)
+            self.slots.free(req.table_idx)
+
+
+def generate(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    chunk_size: int | None = None,
+    preparer: BatchPreparer | None = None,
+) -> list[list[int]]:
+    """Runs all prompts as one batch (prefill, in chunks if asked, then decode) until each has produced
+    `max_tokens` tokens; returns the new tokens of each. EOS is not special here: that is the scheduler's
+    business. Pages and slots are released even when a step fails."""
+    prep = preparer or BatchPreparer(engine)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+    reqs: list[Req] = []
+    try:
+        for tokens, params in zip(prompts, sampling_params):
+            reqs.append(prep.add_request(tokens, params))
+        running = [req for req in reqs]
+        while running:
+            filling = [req for req in running if req.cached_len < req.num_prompt_tokens]
+            if filling:
+                batch = prep.prefill(filling, chunk_size)
+            else:
+                batch = prep.decode(running)
+            out = engine.forward_batch(batch, prep.sampling_args(batch))
+            out.copy_done_event.synchronize()
+            prep.append_tokens(batch, out.next_tokens_cpu)
+            running = [req for req in running if req.num_output_tokens < req.output_len]
+        return [req.input_ids[req.num_prompt_tokens :] for req in reqs]
+    finally:
+        prep.release(reqs)

@@ -1,0 +1,237 @@
+"""The Engine: one per tensor-parallel rank. Its constructor reads top to bottom as the init steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import NamedTuple
+
+import torch
+
+from minisgl.attention import create_attention_backend
+from minisgl.core import Batch, Context
+from minisgl.distributed import destroy_process_group, init_process_group
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import GraphRunner
+from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kvcache import MHAKVCachePool, bytes_per_page
+from minisgl.models import build_model
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+CPU_KV_FRACTION = 0.10  # default CPU KV budget: this share of the RAM available at start
+
+
+class ForwardOutput(NamedTuple):
+    next_tokens_gpu: torch.Tensor  # (B,) int32 on the engine's device
+    next_tokens_cpu: torch.Tensor  # (B,) int32 on the host, valid once copy_done_event has completed
+    copy_done_event: torch.cuda.Event | _CompletedEvent
+
+
+class _CompletedEvent:
+    """Stands in for the CUDA event on CPU, where the tokens are on the host as soon as they exist."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        model_config = config.model_config
+        self._closed = False
+        started = time.perf_counter()
+
+        # 1. communication
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._owns_process_group = init_process_group(
+            config.tp_info, config.distributed_addr, config.distributed_timeout, self.device
+        )
+        available_before = _available_memory(self.device)
+
+        # 2. model
+        self.model = build_model(
+            model_config,
+            config.model_path,
+            config.max_seq_len,
+            self.device,
+            self.dtype,
+            dummy=config.use_dummy_weight,
+        )
+        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        # 3. KV cache
+        self.num_pages = self._num_pages(available_before, model_bytes)
+        self.kv_cache = MHAKVCachePool(
+            model_config.num_layers,
+            self.num_pages,
+            config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.max_seq_len = min(config.max_seq_len, self.num_pages * config.page_size)
+
+        # 4. page table: (request slot, position) -> KV location; the last row is the dummy request's
+        page_size = config.page_size
+        aligned_max_seq_len = -(-self.max_seq_len // page_size) * page_size
+        self.page_table = torch.zeros(
+            (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device
+        )
+        dummy_loc = self.kv_cache.dummy_page * page_size
+        self.page_table[config.max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
+
+        # 5. attention and MoE backends
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, self.kv_cache, self.page_table, self.device
+        )
+        self.moe_backend = None  # dense models only
+        self.ctx = Context(
+            page_size=page_size,
+            kv_cache=self.kv_cache,
+            page_table=self.page_table,
+            attn_backend=self.attn_backend,
+            moe_backend=self.moe_backend,
+        )
+
+        # 6. sampler
+        self.sampler = Sampler(self.device, model_config.vocab_size)
+
+        # 7. CUDA graphs
+        self.graph_runner = GraphRunner(self.device, config.cuda_graph_max_bs)
+
+        logger.info(
+            "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights), %d KV pages of %d tokens "
+            "(%.2f GiB), max_seq_len %d",
+            time.perf_counter() - started,
+            model_config.architecture,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            model_bytes / GIB,
+            self.num_pages,
+            page_size,
+            self.kv_cache.size_bytes / GIB,
+            self.max_seq_len,
+        )
+
+    def _num_pages(self, available_before: int, model_bytes: int) -> int:
+        cfg, mc = self.config, self.config.model_config
+        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.num_page_override is not None:
+            logger.info("KV cache: num_page_override=%d", cfg.num_page_override)
+            return cfg.num_page_override
+        if self.device.type == "cuda":
+            budget = int(available_before * cfg.memory_ratio) - model_bytes
+            how = (
+                f"{available_before / GIB:.2f} GiB free before loading x memory_ratio {cfg.memory_ratio}"
+                f" - {model_bytes / GIB:.2f} GiB of weights"
+            )
+        elif cfg.cpu_kv_budget_gib is not None:
+            budget = int(cfg.cpu_kv_budget_gib * GIB)
+            how = f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}"
+        else:
+            budget = int(available_before * CPU_KV_FRACTION)
+            how = f"{CPU_KV_FRACTION:.0%} of {available_before / GIB:.2f} GiB RAM available (set cpu_kv_budget_gib)"
+        num_pages = budget // page_bytes
+        if num_pages < 1:
+            raise MemoryError(
+                f"KV cache does not fit: one page of {cfg.page_size} tokens needs {page_bytes} bytes, the "
+                f"budget is {max(budget, 0)} bytes ({how}). Free memory, raise the budget, or set num_page_override."
+            )
+        # more pages than every request slot can fill at max_seq_len would never be used
+        useful = cfg.max_running_req * -(-cfg.max_seq_len // cfg.page_size)
+        if num_pages > useful:
+            num_pages = useful
+            how += f", capped at max_running_req x max_seq_len = {useful} pages"
+        logger.info("KV cache: %d pages x %d bytes (%s)", num_pages, page_bytes, how)
+        return num_pages
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        """Runs the model on a prepared batch and samples one token per request."""
+        next_tokens = self.sampler.sample(self.forward_logits(batch), args)
+        if self.device.type != "cuda":
+            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent())
+        next_tokens_cpu = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
+        next_tokens_cpu.copy_(next_tokens, non_blocking=True)
+        copy_done_event = torch.cuda.Event()
+        copy_done_event.record()
+        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: Batch) -> torch.Tensor:
+        """The model part of `forward_batch`: float32 logits (B, vocab) of each request's last computed
+        token. Marks the computed tokens cached, as `forward_batch` does."""
+        self._check_batch(batch)
+        with self.ctx.forward_batch(batch):
+            if batch.attn_metadata is None:
+                self.attn_backend.prepare_metadata(batch)
+            if self.graph_runner.can_use_cuda_graph(batch):
+                logits = self.graph_runner.replay(batch)
+            else:
+                logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+        for req in batch.reqs:
+            req.complete_one()
+        return logits
+
+    def _check_batch(self, batch: Batch) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is shut down; create a new Engine")
+        if not batch.reqs:
+            raise ValueError("batch has no requests")
+        if len(batch.reqs) > self.config.max_running_req:
+            raise ValueError(
+                f"batch has {len(batch.reqs)} requests, more than max_running_req={self.config.max_running_req}"
+            )
+        for name in ("input_ids", "positions", "out_loc"):
+            if not hasattr(batch, name):
+                raise ValueError(
+                    f"batch.{name} is not set: the scheduler side prepares input_ids, positions and out_loc "
+                    "(see minisgl.engine.BatchPreparer)"
+                )
+        for req in batch.reqs:
+            if req.extend_len < 1 or (batch.is_decode and req.extend_len != 1):
+                raise ValueError(
+                    f"request {req.uid} computes {req.extend_len} tokens in a {batch.phase} batch "
+                    "(prefill: at least 1, decode: exactly 1)"
+                )
+            if req.device_len > self.max_seq_len:
+                raise ValueError(
+                    f"request {req.uid} reaches {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
+                )
+
+    def shutdown(self) -> None:
+        """Destroys CUDA graphs, leaves the process group and releases device memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.graph_runner.destroy()
+        if self._owns_process_group:
+            destroy_process_group()
+        self.model = self.kv_cache = self.page_table = None  # type: ignore[assignment]
+        self.ctx.kv_cache = self.ctx.page_table = None  # type: ignore[assignment]
+        self.attn_backend = self.ctx.attn_backend = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _available_memory(device: torch.device) -> int:
+    """Bytes free on the device: GPU memory, or the RAM the OS reports available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,195 @@
+"""Token sampling: greedy, temperature, top-k / top-p / min-p, with counter-based (seedable) noise.
+
+A sampled token is ``argmax_i(log p_i + G_i)`` over the tokens that survive the filters, where
+``G_i = -log(E_i)`` and ``E_i ~ Exp(1)`` (the Gumbel-max / exponential-race trick). That is an exact draw
+from the filtered, renormalised softmax. The noise does not come from torch's global RNG: ``E_i`` is a
+function of ``(seed, offset, token id)`` through an integer hash, so a row's draw depends only on its own
+logits, parameters, seed and offset, never on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch, Req
+
+# top_k value stored for requests without a top-k limit (larger than any vocabulary)
+TOP_K_ALL = 2**62
+
+_MASK32 = 0xFFFFFFFF
+
+# seeds for requests without one, when from_reqs is given no generator
+_default_rng = random.Random()
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32) and a 32-bit constant ``c``.
+
+    A constant of 2**31 or more is replaced by ``c - 2**32`` (the same residue mod 2**32), so the int64
+    product stays inside (-2**63, 2**63): nothing overflows, and the mask takes the residue exactly.
+    """
+    return (x * (c if c < 2**31 else c - 2**32)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The "lowbias32" integer finaliser (xorshift-multiply rounds, a bijection on 32-bit values).
+
+    ``x`` is int64 with values in [0, 2**32); so is the result. Values stay non-negative, so the
+    right shifts are logical shifts.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def _absorb(h: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Chains a non-negative int64 ``value`` (both 32-bit halves) into the 32-bit hash state ``h``."""
+    h = _mix32(h ^ (value & _MASK32))
+    return _mix32(h ^ ((value >> 32) & _MASK32))
+
+
+def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise of shape (B, vocab_size), float32, a pure function of (seed, offset, token).
+
+    ``seeds`` and ``offsets`` are int64 (B,) tensors with non-negative values. Each row's 32-bit state is
+    the chained hash of its seed and offset; token ``i`` gets ``k = mix(state ^ (i * 0x9E3779B1 mod 2**32))``
+    (the odd multiplier spreads the token ids over all 32 bits, so two rows share noise values no more
+    often than independent random rows would). Then ``u = (k + 0.5) / 2**32`` lies in (0, 1), never at
+    either end (float64 holds it exactly), ``E = -log(u)`` is Exp(1) and ``G = -log(E)`` is Gumbel.
+    """
+    h = torch.full_like(seeds, 0x9E3779B9)
+    h = _absorb(h, seeds)
+    h = _absorb(h, offsets)
+    token_keys = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64), 0x9E3779B1)
+    bits = _mix32(h[:, None] ^ token_keys[None, :])
+    exp_noise = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32).log_().neg_()
+    return exp_noise.to(torch.float32).log_().neg_()
+
+
+@dataclass
+class BatchSamplingArgs:
+    """Per-request sampling parameters of one batch, as tensors on the device.
+
+    The tensors are (B,): ``temperatures`` float32 (0 = greedy), ``top_k`` int64 (``TOP_K_ALL`` when
+    unlimited), ``top_p`` float32, ``min_p`` float32, ``seeds`` int64 (a fresh random seed for requests
+    without one) and ``offsets`` int64 (the position of the token being sampled, ``req.device_len``).
+    They are None when every request is greedy. ``all_greedy`` and ``need_filter`` (some sampled request
+    uses top-k, top-p or min-p) are host booleans, so ``Sampler.sample`` can pick its path without a
+    device sync.
+    """
+
+    all_greedy: bool
+    need_filter: bool
+    temperatures: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+    @classmethod
+    def from_reqs(
+        cls, reqs: list[Req], device: torch.device, rng: random.Random | None = None
+    ) -> BatchSamplingArgs:
+        """Builds the arguments on the host and copies them to ``device`` without blocking.
+
+        Requests without a seed draw a new 63-bit seed from ``rng`` (default: a module-level
+        ``random.Random``) on every call, so their tokens vary between steps and runs.
+        """
+        params = [req.sampling_params for req in reqs]
+        if all(p.is_greedy for p in params):
+            return cls(all_greedy=True, need_filter=False)
+        rng = rng if rng is not None else _default_rng
+        need_filter = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
+        pin = device.type == "cuda"
+        floats = torch.tensor(
+            [
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ],
+            dtype=torch.float32,
+            pin_memory=pin,
+        )
+        ints = torch.tensor(
+            [
+                [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params],
+                [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
+                [req.device_len for req in reqs],
+            ],
+            dtype=torch.int64,
+            pin_memory=pin,
+        )
+        floats = floats.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        return cls(
+            all_greedy=False,
+            need_filter=need_filter,
+            temperatures=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            top_k=ints[0],
+            seeds=ints[1],
+            offsets=ints[2],
+        )
+
+
+class Sampler:
+    """Turns the last-position logits of a batch into next tokens (see the module docstring)."""
+
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self._rng = random.Random()
+
+    def prepare(self, batch: Batch) -> BatchSamplingArgs:
+        """The sampling arguments of ``batch``; call it before the forward so the copy overlaps."""
+        return BatchSamplingArgs.from_reqs(batch.reqs, self.device, self._rng)
+
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        """Next token ids, int32 of shape (B,), on the device of ``logits``.
+
+        ``logits`` is (B, V) with V >= ``vocab_size``; columns past ``vocab_size`` (padding) are
+        ignored. Rows with temperature 0 take the argmax of the logits. The other rows draw from
+        ``softmax(logits / T)`` restricted to the tokens that every active filter keeps, each filter
+        judged on that unfiltered softmax: top-k keeps the k most likely tokens; top-p keeps a token
+        if the probability of the tokens sorted before it (descending, stable sort, so ties go to
+        the lower token id) sums to less than ``top_p`` (so the most likely token is always kept);
+        min-p keeps tokens with ``p >= min_p * max(p)``. Nothing here syncs with the host.
+        """
+        if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
+            raise ValueError(
+                f"logits must be (batch, >= vocab_size={self.vocab_size}), got shape {tuple(logits.shape)}"
+            )
+        logits = logits[:, : self.vocab_size]
+        greedy_tokens = logits.argmax(dim=-1)
+        if args.all_greedy:
+            return greedy_tokens.to(torch.int32)
+        assert args.temperatures is not None and args.seeds is not None and args.offsets is not None
+        is_greedy = args.temperatures == 0
+        temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
+        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
+        scores = logprobs + gumbel_noise(args.seeds, args.offsets, self.vocab_size)
+        if args.need_filter:
+            scores = scores.masked_fill(~self._keep_mask(logprobs, args), float("-inf"))
+        sampled = scores.argmax(dim=-1)
+        return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
+
+    @staticmethod
+    def _keep_mask(logprobs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        """Boolean (B, V): the tokens that top-k, top-p and min-p all keep."""
+        assert args.top_k is not None and args.top_p is not None and args.min_p is not None
+        probs, order = torch.sort(logprobs.exp(), dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+        keep = rank < args.top_k[:, None]
+        # probability mass strictly before each token; float64 so long tails add up accurately
+        mass_before = probs.double().cumsum(dim=-1) - probs.double()
+        keep &= (mass_before < args.top_p[:, None]) | (args.top_p[:, None] >= 1.0)
+        keep &= probs >= args.min_p[:, None] * probs[:, :1]
+        return torch.zeros_like(keep).scatter_(1, order, keep)

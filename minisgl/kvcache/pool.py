@@ -1,0 +1,79 @@
+"""Paged KV storage: per layer, K and V pools of shape (num_pages + 1, page_size, kv_heads, head_dim).
+
+A KV location is `page * page_size + offset`; the flat views index by location. The last page
+(index `num_pages`) is the dummy page that padding and the dummy request write into.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+def bytes_per_page(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+class BaseKVCachePool(ABC):
+    num_pages: int
+    page_size: int
+
+    @property
+    def dummy_page(self) -> int:
+        return self.num_pages
+
+    @abstractmethod
+    def k_cache(self, layer_id: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def v_cache(self, layer_id: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None: ...
+
+
+class MHAKVCachePool(BaseKVCachePool):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        # zeroed, so that never-written slots (the dummy page, padding) hold finite values
+        self.buffer = torch.zeros(
+            (2, num_layers, num_pages + 1, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        num_slots = (num_pages + 1) * page_size
+        self._k_flat = self.buffer[0].view(num_layers, num_slots, num_kv_heads, head_dim)
+        self._v_flat = self.buffer[1].view(num_layers, num_slots, num_kv_heads, head_dim)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        """(num_pages + 1, page_size, kv_heads, head_dim)"""
+        return self.buffer[0, layer_id]
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self.buffer[1, layer_id]
+
+    def k_flat(self, layer_id: int) -> torch.Tensor:
+        """(num_locations, kv_heads, head_dim), indexed by KV location"""
+        return self._k_flat[layer_id]
+
+    def v_flat(self, layer_id: int) -> torch.Tensor:
+        return self._v_flat[layer_id]
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+        self._k_flat[layer_id].index_copy_(0, out_loc, k)
+        self._v_flat[layer_id].index_copy_(0, out_loc, v)

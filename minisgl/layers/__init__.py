@@ -1,0 +1,17 @@
+"""Pure layer functions: explicit tensors in, tensors out, no hidden state."""
+
+from minisgl.layers.attention import attention
+from minisgl.layers.basic import add_rms_norm, embed, linear, lm_head, mlp, rms_norm
+from minisgl.layers.rope import apply_rope, build_rope_cache
+
+__all__ = [
+    "add_rms_norm",
+    "apply_rope",
+    "attention",
+    "build_rope_cache",
+    "embed",
+    "linear",
+    "lm_head",
+    "mlp",
+    "rms_norm",
+]

@@ -1,0 +1,40 @@
+"""Norms, projections, the gated MLP and the embedding, as plain functions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back to x's dtype, then scaled by weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adds x to the residual stream, then normalises it. Returns (normalised, new residual)."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP with the gate and up projections merged into one weight of 2 * intermediate rows."""
+    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down)
+
+
+def embed(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(input_ids, weight)
+
+
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 (sampling and comparisons want full precision)."""
+    return F.linear(hidden, weight).float()

@@ -1,0 +1,93 @@
+"""Loading safetensors checkpoints tensor by tensor into a model's parameters, or dummy weights.
+
+A model describes its checkpoint as `checkpoint_map()`: checkpoint tensor name -> the destination view
+(a parameter, or a slice of a merged one such as QKV). Each tensor is read, checked against its
+destination's shape and copied into it (converting dtype and moving device on the way), so peak host
+memory stays at the model plus the largest tensor. Only safetensors are read: never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+# tensors a checkpoint may carry that minisgl recomputes or does not need
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_path: str | Path) -> list[Path]:
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [folder / name for name in names]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found {', '.join(pickles)}: minisgl never loads pickled checkpoints)" if pickles else ""
+        raise FileNotFoundError(f"no *.safetensors files in model folder {str(folder)!r}{hint}")
+    return files
+
+
+@torch.no_grad()
+def load_checkpoint(
+    destinations: dict[str, torch.Tensor], model_path: str | Path, ignored: frozenset[str] = frozenset()
+) -> None:
+    """Fills every destination from the checkpoint; tensors named in `ignored` are skipped quietly."""
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    files = checkpoint_files(model_path)
+    with tqdm(total=len(destinations), desc="loading weights", unit="tensor", leave=False) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    dest = destinations.get(name)
+                    if dest is None:
+                        if name not in ignored and not name.endswith(IGNORED_SUFFIXES):
+                            unexpected.append(name)
+                        continue
+                    tensor = f.get_tensor(name)
+                    if tuple(tensor.shape) != tuple(dest.shape):
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(dest.shape)} from config.json; the weights do not match the config"
+                        )
+                    dest.copy_(tensor)
+                    del tensor
+                    seen.add(name)
+                    bar.update(1)
+    missing = sorted(set(destinations) - seen)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(
+            f"checkpoint in {str(model_path)!r} is missing tensor(s) {', '.join(map(repr, missing[:5]))}{more}"
+        )
+    if unexpected:
+        logger.warning(
+            "ignored %d checkpoint tensor(s) the model does not use, e.g. %s", len(unexpected), unexpected[0]
+        )
+
+
+@torch.no_grad()
+def init_dummy_weights(params: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Random weights made on the parameters' device: norms at 1, everything else N(0, 0.02)."""
+    generator = None
+    for name, param in params.items():
+        if generator is None or generator.device != param.device:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dim() == 1 and "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

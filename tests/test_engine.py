@@ -1,0 +1,213 @@
+"""Engine API, KV pool and page table, bad input (clear errors, engine still usable), compile-cleanliness."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model, rel_err
+from safetensors.torch import load_file, save_file
+
+from minisgl.attention import BaseAttnBackend
+from minisgl.core import Batch, SamplingParams
+from minisgl.distributed import DistributedInfo
+from minisgl.engine import BatchPreparer, Engine, EngineConfig, ForwardOutput, generate
+from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kvcache import BaseKVCachePool, bytes_per_page
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3], list(range(100, 117))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+
+
+def _engine(folder, **kw) -> Engine:
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("device", "cpu")
+    return Engine(EngineConfig(model_path=str(folder), **kw))
+
+
+def test_documented_construction_and_attributes(tiny_llama):
+    config = EngineConfig(
+        model_path=str(tiny_llama),
+        dtype=torch.float32,
+        tp_info=DistributedInfo(rank=0, size=1),
+        page_size=16,
+        max_running_req=8,
+        device="cpu",
+    )
+    engine = Engine(config)
+    assert isinstance(engine.model, torch.nn.Module)
+    assert isinstance(engine.kv_cache, BaseKVCachePool)
+    assert isinstance(engine.attn_backend, BaseAttnBackend)
+    assert isinstance(engine.sampler, Sampler)
+    assert engine.moe_backend is None
+    assert engine.graph_runner is not None and not engine.graph_runner.enabled
+    assert engine.ctx.attn_backend is engine.attn_backend and engine.ctx.page_size == 16
+    # page table: one row per request slot plus the dummy request's, width max_seq_len aligned to pages
+    assert engine.page_table.dtype == torch.int32
+    assert engine.page_table.shape == (9, 512)
+    dummy_page = engine.kv_cache.num_pages
+    assert engine.kv_cache.dummy_page == dummy_page
+    assert torch.equal(engine.page_table[8, :16], dummy_page * 16 + torch.arange(16, dtype=torch.int32))
+    assert engine.kv_cache.k_cache(0).shape == (engine.num_pages + 1, 16, 2, 16)
+    assert config.model_config.num_layers == 3 and config.max_seq_len == 512
+    engine.shutdown()
+
+
+def test_forward_batch_output_and_shutdown(tiny_llama):
+    engine = _engine(tiny_llama)
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(p, SamplingParams(max_tokens=4)) for p in PROMPTS]
+    batch = prep.prefill(reqs)
+    assert batch.input_ids.dtype == torch.int32 and batch.input_ids.shape == (sum(map(len, PROMPTS)),)
+    assert batch.positions.tolist()[:5] == [0, 1, 2, 3, 4]
+    output = engine.forward_batch(batch, prep.sampling_args(batch))
+    assert isinstance(output, ForwardOutput)
+    output.copy_done_event.synchronize()
+    assert output.next_tokens_cpu.shape == (4,) and output.next_tokens_cpu.dtype == torch.int32
+    assert output.next_tokens_cpu.device.type == "cpu"
+    # greedy: the sampled token is the argmax of the last position's logits
+    engine2 = _engine(tiny_llama)
+    prep2 = BatchPreparer(engine2)
+    logits = engine2.forward_logits(
+        prep2.prefill([prep2.add_request(p, SamplingParams(max_tokens=4)) for p in PROMPTS])
+    )
+    assert output.next_tokens_cpu.tolist() == logits.argmax(-1).tolist()
+    for req in reqs:
+        assert req.cached_len == len(req.input_ids)
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.forward_batch(batch, prep.sampling_args(batch))
+
+
+def test_kv_pool_sizing(tiny_llama):
+    engine = _engine(tiny_llama, num_page_override=7)
+    assert engine.num_pages == 7 and engine.kv_cache.k_cache(0).shape[0] == 8  # + dummy page
+    assert engine.max_seq_len == 7 * 16  # a sequence can't outgrow the pool
+    cfg = engine.config.model_config
+    page_bytes = bytes_per_page(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    engine = _engine(tiny_llama, cpu_kv_budget_gib=100 * page_bytes / 2**30)
+    assert engine.num_pages == 100
+    with pytest.raises(MemoryError, match="KV cache does not fit"):
+        _engine(tiny_llama, cpu_kv_budget_gib=0.5 * page_bytes / 2**30)
+    engine = _engine(tiny_llama, max_running_req=2)  # default budget, capped at what 2 requests can use
+    assert engine.num_pages == 2 * 512 // 16
+
+
+def test_pages_are_freed_and_reused(tiny_llama):
+    engine = _engine(tiny_llama, num_page_override=8, page_size=4)
+    prep = BatchPreparer(engine)
+    first = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=2), preparer=prep)
+    assert prep.pages.num_used == 0 and prep.slots.num_free == engine.config.max_running_req
+    again = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=2), preparer=prep)
+    assert first == again
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"page_size": 0}, "page_size=0"),
+        ({"page_size": 257}, "page_size=257"),
+        ({"num_page_override": 0}, "num_page_override=0"),
+        ({"memory_ratio": 0.0}, "memory_ratio=0.0"),
+        ({"memory_ratio": 1.5}, "memory_ratio=1.5"),
+        ({"max_running_req": 0}, "max_running_req=0"),
+        ({"attention_backend": "flash"}, "attention_backend='flash'"),
+        ({"dtype": "int8"}, "dtype='int8'"),
+    ],
+)
+def test_invalid_config_values(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model_path=str(tiny_llama), device="cpu", **kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        EngineConfig(model_path=str(tmp_path / "nowhere"))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(
+        ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+    ):
+        Engine(EngineConfig(model_path=str(tmp_path), device="cpu"))
+
+
+def test_missing_and_misshaped_tensors(tmp_path, tiny_llama):
+    tensors = load_file(tiny_llama / "model.safetensors")
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_llama / "config.json").read_text())
+    name = "model.layers.1.self_attn.k_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=f"missing tensor.*{name}"):
+        _engine(folder)
+    bad = dict(tensors)
+    bad[name] = bad[name][:-1].clone()
+    save_file(bad, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"{name}.*shape \(31, 64\), expected \(32, 64\)"):
+        _engine(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="never loads pickled"):
+        _engine(folder)
+
+
+def test_bad_requests_leave_engine_usable(tiny_llama):
+    engine = _engine(tiny_llama, max_running_req=2, num_page_override=12, page_size=4)  # max_seq_len 48
+    prep = BatchPreparer(engine)
+    expected = generate(engine, PROMPTS[:2], SamplingParams(max_tokens=5), preparer=prep)
+
+    with pytest.raises(ValueError, match="exceeds max_seq_len=48"):
+        prep.add_request(list(range(3, 50)), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        prep.add_request([5, 320], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        prep.add_request([], SamplingParams(max_tokens=4))
+    held = [prep.add_request([5, 6], SamplingParams(max_tokens=4)) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="max_running_req=2"):
+        prep.add_request([5, 6], SamplingParams(max_tokens=4))
+    prep.release(held)
+    # the pool has 12 pages of 4 tokens: two 30-token prompts need 16
+    reqs = [prep.add_request(list(range(3, 33)), SamplingParams(max_tokens=4)) for _ in range(2)]
+    with pytest.raises(MemoryError, match="out of KV cache pages: 16 needed, 12 of 12 free"):
+        prep.prefill(reqs)
+    assert prep.pages.num_used == 0 and all(req.cached_len == 0 for req in reqs)
+    prep.release(reqs)
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}="):
+            SamplingParams(**bad)
+    # a batch larger than max_running_req, and a decode batch with a multi-token request
+    big = Batch(reqs=[held[0]] * 3, phase="decode")
+    big.input_ids = big.positions = big.out_loc = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="more than max_running_req=2"):
+        engine.forward_batch(big, BatchSamplingArgs.from_reqs(big.reqs, engine.device))
+    unprepared = Batch(reqs=[held[0]], phase="prefill")
+    with pytest.raises(ValueError, match="batch.input_ids is not set"):
+        engine.forward_batch(unprepared, BatchSamplingArgs.from_reqs(unprepared.reqs, engine.device))
+
+    assert prep.pages.num_used == 0 and prep.slots.num_free == 2
+    assert generate(engine, PROMPTS[:2], SamplingParams(max_tokens=5), preparer=prep) == expected
+
+
+def test_compiled_forward_matches_eager(tiny_llama):
+    torch._dynamo.reset()
+    engines = [_engine(tiny_llama) for _ in range(2)]
+    engines[1].model.forward = torch.compile(engines[1].model.forward, fullgraph=True, dynamic=True)
+    results = []
+    for engine in engines:
+        prep = BatchPreparer(engine)
+        reqs = [prep.add_request(p, SamplingParams(max_tokens=3)) for p in PROMPTS]
+        logits = [engine.forward_logits(prep.prefill(reqs))]
+        for step in range(2):
+            for req in reqs:
+                req.input_ids.append(7 + step)
+            logits.append(engine.forward_logits(prep.decode(reqs)))
+        results.append(torch.cat(logits))
+    assert rel_err(results[1], results[0]) < 1e-5

@@ -1,0 +1,284 @@
+"""Tests of minisgl.engine.sample: greedy, filters, seeded reproducibility, exact distributions."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.sample import TOP_K_ALL, BatchSamplingArgs, Sampler
+
+CPU = torch.device("cpu")
+NUM_DRAWS = 20_000
+
+
+def make_req(uid: int, params: SamplingParams, offset: int = 5) -> Req:
+    req = Req(input_ids=[1, 2, 3], table_idx=uid, cached_len=0, output_len=8, uid=uid, sampling_params=params)
+    req.device_len = offset
+    return req
+
+
+def run_sampler(logits: torch.Tensor, reqs: list[Req], rng: random.Random | None = None) -> torch.Tensor:
+    sampler = Sampler(CPU, logits.shape[1])
+    if rng is None:
+        args = sampler.prepare(Batch(reqs=reqs, phase="decode"))
+    else:
+        args = BatchSamplingArgs.from_reqs(reqs, CPU, rng)
+    return sampler.sample(logits, args)
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    """Any kind of request: greedy or sampled, with or without filters and seed."""
+    if rng.random() < 0.2:
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(
+        temperature=rng.choice([0.3, 0.7, 1.0, 1.5]),
+        top_k=rng.choice([-1, 0, 1, 5, 40]),
+        top_p=rng.choice([1.0, 0.9, 0.5]),
+        min_p=rng.choice([0.0, 0.05, 0.2]),
+        seed=rng.choice([None, rng.randrange(2**63)]),
+    )
+
+
+def expected_distribution(
+    logits: list[float], temperature: float, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
+    """The filtered, renormalised softmax, written out plainly in float64.
+
+    Also checks that no token sits within a hair of a top-p or min-p threshold, where float32 and
+    float64 could disagree and the test would not be well posed.
+    """
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])  # Python's sort is stable
+    pmax = probs[order[0]]
+    keep = [False] * len(probs)
+    mass_before = 0.0
+    for rank, token in enumerate(order):
+        if top_p < 1.0:
+            assert abs(mass_before - top_p) > 1e-4, "top_p too close to a cumulative sum"
+        if min_p > 0.0:
+            assert abs(probs[token] - min_p * pmax) > 1e-4 * pmax, "min_p too close to a probability"
+        kept_by_k = top_k <= 0 or rank < top_k
+        kept_by_p = top_p >= 1.0 or mass_before < top_p
+        kept_by_min_p = probs[token] >= min_p * pmax
+        keep[token] = kept_by_k and kept_by_p and kept_by_min_p
+        mass_before += probs[token]
+    filtered = np.array([p if k else 0.0 for p, k in zip(probs, keep)])
+    return filtered / filtered.sum()
+
+
+def draw_many(logits: torch.Tensor, params: SamplingParams, rng: random.Random | None = None) -> np.ndarray:
+    """NUM_DRAWS draws from one row of logits, one per offset 0..NUM_DRAWS-1; returns counts per token."""
+    reqs = [make_req(i, params, offset=i) for i in range(NUM_DRAWS)]
+    tokens = run_sampler(logits[None, :].expand(NUM_DRAWS, -1), reqs, rng)
+    return np.bincount(tokens.numpy(), minlength=logits.shape[0])
+
+
+def check_distribution(counts: np.ndarray, expected: np.ndarray) -> None:
+    assert counts.sum() == NUM_DRAWS
+    dropped = expected == 0
+    assert counts[dropped].sum() == 0, f"filtered-out tokens were drawn: {np.nonzero(counts * dropped)}"
+    f_exp = expected[~dropped] * NUM_DRAWS
+    assert f_exp.min() >= 5, "test setup: every surviving cell needs an expected count >= 5"
+    result = chisquare(counts[~dropped], f_exp)
+    assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e}, counts={counts}, expected={f_exp}"
+
+
+def spread_logits(vocab: int, seed: int) -> torch.Tensor:
+    """Distinct logits spread over [-1.5, 1.5] in a shuffled order (no ties, no vanishing tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.linspace(-1.5, 1.5, vocab) + 0.01 * torch.rand(vocab, generator=gen)
+    return values[torch.randperm(vocab, generator=gen)]
+
+
+# --- greedy ------------------------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(0))
+    reqs = [make_req(i, SamplingParams(temperature=0.0)) for i in range(16)]
+    assert torch.equal(run_sampler(logits, reqs), logits.argmax(dim=-1).to(torch.int32))
+
+
+def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
+    logits = torch.randn(12, 100, generator=torch.Generator().manual_seed(1))
+    params = [
+        SamplingParams(temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(temperature=1.5, top_k=50, top_p=0.9, min_p=0.01, seed=i)
+        for i in range(12)
+    ]
+    out = run_sampler(logits, [make_req(i, p) for i, p in enumerate(params)])
+    argmax = logits.argmax(dim=-1).to(torch.int32)
+    assert torch.equal(out[0::2], argmax[0::2])
+    # the sampled rows are not all stuck on the argmax at T=1.5 over 100 tokens
+    assert not torch.equal(out[1::2], argmax[1::2])
+
+
+def test_top_k_1_is_greedy() -> None:
+    logits = torch.randn(32, 200, generator=torch.Generator().manual_seed(2))
+    reqs = [make_req(i, SamplingParams(temperature=1.0, top_k=1)) for i in range(32)]
+    assert torch.equal(run_sampler(logits, reqs), logits.argmax(dim=-1).to(torch.int32))
+
+
+# --- seeds -------------------------------------------------------------------------------------------
+
+
+def test_seed_gives_same_token_alone_and_in_any_batch() -> None:
+    vocab = 64
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    for pair in range(40):
+        seed, offset = rng.randrange(2**63), rng.randrange(1, 100_000)
+        params = SamplingParams(
+            temperature=rng.choice([0.5, 1.0, 2.0]), top_k=rng.choice([-1, 30]), top_p=0.95, seed=seed
+        )
+        row = torch.randn(vocab, generator=gen) * 2
+        alone = run_sampler(row[None, :], [make_req(0, params, offset)])
+        for batch_size in (2, 5, 9):
+            position = rng.randrange(batch_size)
+            logits = torch.randn(batch_size, vocab, generator=gen) * 2
+            logits[position] = row
+            reqs = [
+                make_req(i, random_params(rng), offset=rng.randrange(1, 100_000)) for i in range(batch_size)
+            ]
+            reqs[position] = make_req(position, params, offset)
+            out = run_sampler(logits, reqs)
+            assert out[position] == alone[0], f"pair {pair}: seed {seed} offset {offset}, batch {batch_size}"
+
+
+def test_seed_and_offset_both_change_the_draw() -> None:
+    logits = torch.zeros(1, 64)  # uniform: every token equally likely
+
+    def draw(seed: int, offset: int) -> int:
+        return int(run_sampler(logits, [make_req(0, SamplingParams(temperature=1.0, seed=seed), offset)]))
+
+    assert len({draw(seed, 10) for seed in range(30)}) > 1
+    assert len({draw(1234, offset) for offset in range(30)}) > 1
+    assert draw(1234, 10) == draw(1234, 10)
+
+
+def test_unseeded_requests_vary_between_prepares() -> None:
+    logits = torch.zeros(8, 1000)
+    reqs = [make_req(i, SamplingParams(temperature=1.0)) for i in range(8)]
+    sampler = Sampler(CPU, 1000)
+    batch = Batch(reqs=reqs, phase="decode")
+    args1, args2 = sampler.prepare(batch), sampler.prepare(batch)
+    assert args1.seeds is not None and args2.seeds is not None
+    assert not torch.equal(args1.seeds, args2.seeds)
+    assert not torch.equal(sampler.sample(logits, args1), sampler.sample(logits, args2))
+
+
+# --- exact distributions (chi-square over NUM_DRAWS draws) ------------------------------------------
+
+
+def test_distribution_temperature() -> None:
+    logits = spread_logits(16, seed=10)
+    counts = draw_many(logits, SamplingParams(temperature=0.7, seed=42))
+    check_distribution(counts, expected_distribution(logits.tolist(), 0.7))
+
+
+def test_distribution_unseeded() -> None:
+    logits = spread_logits(20, seed=11)
+    counts = draw_many(logits, SamplingParams(temperature=1.0), rng=random.Random(7))
+    check_distribution(counts, expected_distribution(logits.tolist(), 1.0))
+
+
+def test_distribution_top_k() -> None:
+    logits = spread_logits(24, seed=12)
+    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=7, seed=43))
+    check_distribution(counts, expected_distribution(logits.tolist(), 1.0, top_k=7))
+
+
+def test_distribution_top_p() -> None:
+    logits = spread_logits(24, seed=13)
+    counts = draw_many(logits, SamplingParams(temperature=0.8, top_p=0.6, seed=44))
+    expected = expected_distribution(logits.tolist(), 0.8, top_p=0.6)
+    assert 1 < (expected > 0).sum() < 24
+    check_distribution(counts, expected)
+
+
+def test_distribution_min_p() -> None:
+    logits = spread_logits(24, seed=14)
+    counts = draw_many(logits, SamplingParams(temperature=1.0, min_p=0.25, seed=45))
+    expected = expected_distribution(logits.tolist(), 1.0, min_p=0.25)
+    assert 1 < (expected > 0).sum() < 24
+    check_distribution(counts, expected)
+
+
+def test_distribution_combined_filters() -> None:
+    logits = spread_logits(40, seed=15)
+    params = SamplingParams(temperature=0.9, top_k=15, top_p=0.8, min_p=0.1, seed=46)
+    counts = draw_many(logits, params)
+    expected = expected_distribution(logits.tolist(), 0.9, top_k=15, top_p=0.8, min_p=0.1)
+    # each filter keeps a prefix of the tokens sorted by probability, so together they keep the shortest
+    assert 1 < (expected > 0).sum() <= 15
+    check_distribution(counts, expected)
+
+
+# --- parameters and outputs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"min_p": 1.5}, "min_p=1.5"),
+    ],
+)
+def test_invalid_params_raise(kwargs: dict[str, float], text: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(text)):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_dtype_shape_device(temperature: float, dtype: torch.dtype) -> None:
+    logits = torch.randn(5, 50).to(dtype)
+    out = run_sampler(logits, [make_req(i, SamplingParams(temperature=temperature)) for i in range(5)])
+    assert out.dtype == torch.int32
+    assert out.shape == (5,)
+    assert out.device == logits.device
+
+
+def test_args_from_reqs() -> None:
+    greedy = BatchSamplingArgs.from_reqs([make_req(0, SamplingParams())], CPU)
+    assert greedy.all_greedy and not greedy.need_filter and greedy.temperatures is None
+
+    # filters on a greedy request do not count
+    reqs = [make_req(0, SamplingParams(top_k=3)), make_req(1, SamplingParams(temperature=1.0), offset=17)]
+    args = BatchSamplingArgs.from_reqs(reqs, CPU)
+    assert not args.all_greedy and not args.need_filter
+    assert args.offsets is not None and args.offsets.tolist() == [5, 17]
+    assert args.top_k is not None and args.top_k.tolist() == [3, TOP_K_ALL]
+
+    for params in (
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.1),
+    ):
+        assert BatchSamplingArgs.from_reqs([make_req(0, params)], CPU).need_filter
+
+
+def test_padded_vocab_columns_are_ignored() -> None:
+    logits = torch.randn(4, 40)
+    logits[:, 32:] = 100.0
+    reqs = [make_req(i, SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(4)]
+    args = BatchSamplingArgs.from_reqs(reqs, CPU)
+    out = Sampler(CPU, 32).sample(logits, args)
+    assert bool((out < 32).all())
+    with pytest.raises(ValueError, match="vocab_size=64"):
+        Sampler(CPU, 64).sample(logits, args)
