@@ -27,6 +27,10 @@ class SamplingParams:
     probability is below ``min_p`` times the largest one. A token survives only if every filter keeps it
     (each filter looks at the unfiltered softmax). ``seed`` makes the draws a function of (seed, position):
     the same request gives the same tokens alone or inside any batch.
+
+    Generation stops after ``max_tokens`` tokens, or earlier at the model's EOS token (unless
+    ``ignore_eos``), at a token of ``stop_token_ids`` or when the text contains a string of ``stop``
+    (the text is cut before it); none of those stop it before ``min_tokens`` tokens.
     """
 
     temperature: float = 0.0
@@ -36,8 +40,15 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 1024
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
             raise ValueError(
                 f"temperature must be a finite number >= 0, got temperature={self.temperature!r}"
@@ -56,6 +67,16 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got seed={self.seed!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got max_tokens={self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got min_tokens={self.min_tokens!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got stop={self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must hold token ids >= 0, got stop_token_ids={self.stop_token_ids!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -50,3 +50,34 @@ def test_logits_match_transformers(tmp_path, arch, page_size):
     prep.release(reqs)
     assert prep.pages.num_used == 0
     engine.shutdown()
+
+
+def test_sharded_checkpoint_and_tied_embeddings(tmp_path):
+    """A checkpoint split into shards with model.safetensors.index.json, and tied embeddings."""
+    single = make_tiny_model(tmp_path, "qwen2", tie_word_embeddings=True)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    ref.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    seq = list(range(3, 40))
+    with torch.no_grad():
+        expected = ref(torch.tensor([seq])).logits[0, -1:]
+    engine = Engine(EngineConfig(model_path=str(sharded), dtype=torch.float32, device="cpu"))
+    assert engine.config.model_config.tie_word_embeddings and engine.model.lm_head is None
+    prep = BatchPreparer(engine)
+    got = engine.forward_logits(prep.prefill([prep.add_request(seq, SamplingParams(max_tokens=1))]))
+    assert rel_err(got, expected) < 1e-4
+
+
+def test_dummy_weights_need_only_config(tmp_path):
+    folder = make_tiny_model(tmp_path, "qwen3")
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    engine = Engine(EngineConfig(model_path=str(folder), device="cpu", use_dummy_weight=True))
+    assert engine.dtype == torch.float32  # dtype auto on CPU
+    prep = BatchPreparer(engine)
+    logits = engine.forward_logits(prep.prefill([prep.add_request([5, 6, 7], SamplingParams(max_tokens=1))]))
+    assert logits.shape == (1, 320) and torch.isfinite(logits).all() and logits.std() > 0
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        Engine(EngineConfig(model_path=str(folder), device="cpu"))

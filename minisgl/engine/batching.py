@@ -38,10 +38,8 @@ class BatchPreparer:
         self._req_pages: dict[int, list[int]] = {}
         self._uids = itertools.count()
 
-    def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
-        """Checks the prompt and takes a page-table row for it (no KV pages yet)."""
-        params = sampling_params or SamplingParams()
-        tokens = [int(t) for t in token_ids]
+    def check_request(self, tokens: list[int], params: SamplingParams) -> None:
+        """Raises a ValueError if the request can never run on this engine."""
         vocab_size, max_seq_len = self.engine.config.model_config.vocab_size, self.engine.max_seq_len
         if not tokens:
             raise ValueError("the prompt is empty: give at least one token")
@@ -53,6 +51,15 @@ class BatchPreparer:
                 f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds max_seq_len="
                 f"{max_seq_len}; shorten the prompt or lower max_tokens"
             )
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
+        """Checks the prompt and takes a page-table row for it (no KV pages yet)."""
+        params = sampling_params or SamplingParams()
+        tokens = [int(t) for t in token_ids]
+        self.check_request(tokens, params)
         slot = self.slots.alloc()
         req = Req(
             input_ids=tokens,
@@ -65,13 +72,16 @@ class BatchPreparer:
         self._req_pages[req.uid] = []
         return req
 
-    def prefill(self, reqs: Sequence[Req], chunk_size: int | None = None) -> Batch:
-        """A prefill batch computing each request's uncached tokens, at most `chunk_size` per request."""
+    def prefill(self, reqs: Sequence[Req], chunk_size: int | Sequence[int] | None = None) -> Batch:
+        """A prefill batch computing each request's uncached tokens, at most `chunk_size` per request
+        (one number for all, or one per request)."""
+        if chunk_size is None or isinstance(chunk_size, int):
+            chunk_size = [chunk_size] * len(reqs)
         ends = []
-        for req in reqs:
+        for req, chunk in zip(reqs, chunk_size, strict=True):
             end = len(req.input_ids)
-            if chunk_size is not None:
-                end = min(end, req.cached_len + chunk_size)
+            if chunk is not None:
+                end = min(end, req.cached_len + chunk)
             if end <= req.cached_len:
                 raise ValueError(f"request {req.uid} has no uncached tokens to prefill")
             ends.append(end)
@@ -100,7 +110,7 @@ class BatchPreparer:
                     f"request {req.uid} would reach {end} tokens > max_seq_len={self.engine.max_seq_len}"
                 )
         ps = self.page_size
-        wanted = [-(-end // ps) - len(self._req_pages[req.uid]) for req, end in zip(reqs, ends)]
+        wanted = [self.pages_needed(end) - len(self._req_pages[req.uid]) for req, end in zip(reqs, ends)]
         if sum(wanted) > self.pages.num_free:
             self.pages.alloc(sum(wanted))  # raises the out-of-pages error, allocating nothing
         input_ids: list[int] = []

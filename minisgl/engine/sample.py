@@ -92,6 +92,8 @@ class BatchSamplingArgs:
     min_p: torch.Tensor | None = None
     seeds: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    # (B, K) int64 token ids that must not be drawn (e.g. EOS before min_tokens), padded with vocab_size
+    suppress: torch.Tensor | None = None
 
     @classmethod
     def from_reqs(
@@ -168,6 +170,9 @@ class Sampler:
                 f"logits must be (batch, >= vocab_size={self.vocab_size}), got shape {tuple(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
+        if args.suppress is not None:  # an extra column takes the padding entries
+            logits = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
+            logits = logits.scatter_(1, args.suppress, float("-inf"))[:, : self.vocab_size]
         greedy_tokens = logits.argmax(dim=-1)
         if args.all_greedy:
             return greedy_tokens.to(torch.int32)

@@ -1,0 +1,264 @@
+"""`minisgl-run`: generate text, run the offline benchmark, show the effective settings."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from minisgl import metrics
+from minisgl.core import SamplingParams
+from minisgl.settings import EngineSettings, SettingsError
+
+_SETTINGS_KEY = "settings"
+
+
+def _settings_options(command: Callable) -> Callable:
+    """One option per engine setting (--page-size, --device, ...), help text from the settings layer."""
+    for name, field in reversed(EngineSettings.model_fields.items()):
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} [env MINISGL_{name.upper()}]"
+        if name == "model_path":
+            command = click.option(
+                "--model",
+                "model_path",
+                default=None,
+                metavar="PATH|ALIAS|HUB_ID",
+                help="Model: a local folder, 'smollm2-135m' (the default) or a Hugging Face hub id. "
+                "[env MINISGL_MODEL_PATH]",
+            )(command)
+        elif field.annotation in (bool, "bool"):
+            command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
+        else:
+            command = click.option(flag, name, default=None, help=help_text, metavar="VALUE")(command)
+    command = click.option(
+        "--config",
+        "config",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="YAML settings file (else $MINISGL_CONFIG). Options and MINISGL_* variables override it.",
+    )(command)
+    return command
+
+
+def _explicit(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k in EngineSettings.model_fields and v is not None}
+
+
+def _sampling_options(command: Callable) -> Callable:
+    options = [
+        click.option(
+            "--max-tokens",
+            type=click.IntRange(min=1),
+            default=256,
+            show_default=True,
+            help="Most tokens to generate per prompt.",
+        ),
+        click.option(
+            "--temperature",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="Sampling temperature; 0 is greedy.",
+        ),
+        click.option(
+            "--top-k", type=int, default=-1, show_default=True, help="Keep the k most likely tokens; -1: all."
+        ),
+        click.option(
+            "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1]."
+        ),
+        click.option(
+            "--min-p",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="Drop tokens below this share of the top probability.",
+        ),
+        click.option("--seed", type=int, default=None, help="Seed: the same seed gives the same tokens."),
+        click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
+        click.option(
+            "--min-tokens",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
+            help="Generate at least this many tokens before any stop condition.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _common(command: Callable) -> Callable:
+    command = click.option(
+        "--max-prefill-tokens",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Prompt tokens per prefill step (chunked prefill budget); default 512 on CPU, 8192 on GPU.",
+    )(command)
+    command = click.option(
+        "--metrics-port",
+        type=click.IntRange(1, 65535),
+        default=None,
+        help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while running.",
+    )(command)
+    command = click.option("-q", "--quiet", is_flag=True, help="Log warnings only.")(command)
+    return _settings_options(command)
+
+
+def _make_llm(kwargs: dict[str, Any]):
+    from minisgl.llm import LLM
+
+    logging.basicConfig(
+        level=logging.WARNING if kwargs["quiet"] else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
+    explicit = _explicit(kwargs)
+    model = explicit.pop("model_path", None)
+    if kwargs["metrics_port"] is not None:
+        metrics.serve(kwargs["metrics_port"])
+    extra = (
+        {} if kwargs["max_prefill_tokens"] is None else {"max_prefill_tokens": kwargs["max_prefill_tokens"]}
+    )
+    try:
+        return LLM(model, config=kwargs["config"], **explicit, **extra)
+    except (SettingsError, FileNotFoundError, ValueError, MemoryError, ModuleNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="minisgl")
+def main() -> None:
+    """minisgl: a small LLM inference engine. Without --model, the embedded SmolLM2-135M-Instruct runs."""
+
+
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option(
+    "--file",
+    "prompt_file",
+    type=click.File("r"),
+    default=None,
+    help="Read prompts from a file, one per line ('-' for stdin).",
+)
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template as a user message.")
+@_sampling_options
+@_common
+def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -> None:
+    """Generate text for PROMPTS (or --file, or lines of stdin), streaming a single prompt as it is produced."""
+    texts = list(prompts)
+    if prompt_file is not None:
+        texts += [line.rstrip("\n") for line in prompt_file if line.strip()]
+    elif not texts and not sys.stdin.isatty():
+        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not texts:
+        raise click.UsageError('give a prompt: minisgl-run generate "The capital of France is"')
+    try:
+        params = SamplingParams(
+            temperature=kwargs["temperature"],
+            top_k=kwargs["top_k"],
+            top_p=kwargs["top_p"],
+            min_p=kwargs["min_p"],
+            seed=kwargs["seed"],
+            max_tokens=kwargs["max_tokens"],
+            stop=kwargs["stop"],
+            ignore_eos=kwargs["ignore_eos"],
+            min_tokens=kwargs["min_tokens"],
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    llm = _make_llm(kwargs)
+    try:
+        inputs = [llm.chat_prompt([{"role": "user", "content": t}]) if chat else t for t in texts]
+        if len(inputs) == 1:
+            if not chat:
+                click.echo(texts[0], nl=False)
+            for delta in llm.stream(inputs[0], params):
+                click.echo(delta, nl=False)
+            click.echo()
+            return
+        for text, output in zip(texts, llm.generate(inputs, params, progress=True)):
+            click.echo(f"{'' if chat else text}{output.text}" if not chat else f"> {text}\n{output.text}")
+            click.echo()
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        llm.shutdown()
+
+
+@main.command()
+@click.option(
+    "--num-seqs", type=click.IntRange(min=1), default=None, help="Requests [default: 256; 32 on CPU]."
+)
+@click.option(
+    "--min-input", type=click.IntRange(min=1), default=None, help="Shortest prompt [100; 16 on CPU]."
+)
+@click.option(
+    "--max-input", type=click.IntRange(min=1), default=None, help="Longest prompt [1024; 128 on CPU]."
+)
+@click.option(
+    "--min-output", type=click.IntRange(min=1), default=None, help="Fewest new tokens [100; 16 on CPU]."
+)
+@click.option(
+    "--max-output", type=click.IntRange(min=1), default=None, help="Most new tokens [1024; 128 on CPU]."
+)
+@click.option("--temperature", type=float, default=0.6, show_default=True, help="Sampling temperature.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the workload's random generator."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_common
+def bench(
+    num_seqs, min_input, max_input, min_output, max_output, temperature, seed, as_json, **kwargs
+) -> None:
+    """The offline throughput workload: random prompts, ignore_eos, run twice after a warm-up."""
+    from minisgl.bench import CPU_SHAPE, WorkloadShape, dumps, format_report, run_bench
+
+    llm = _make_llm(kwargs)
+    try:
+        base = CPU_SHAPE if llm.engine.device.type == "cpu" else WorkloadShape()
+        given = dict(
+            num_seqs=num_seqs,
+            min_input=min_input,
+            max_input=max_input,
+            min_output=min_output,
+            max_output=max_output,
+        )
+        shape = WorkloadShape(
+            **{
+                **base.__dict__,
+                **{k: v for k, v in given.items() if v is not None},
+                "temperature": temperature,
+                "seed": seed,
+            }
+        )
+        if shape.min_input > shape.max_input or shape.min_output > shape.max_output:
+            raise click.BadParameter("--min-input/--min-output must not exceed --max-input/--max-output")
+        report = run_bench(llm, shape)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        llm.shutdown()
+    click.echo(dumps(report) if as_json else format_report(report))
+
+
+@main.command()
+@_settings_options
+def config(**kwargs: Any) -> None:
+    """Print the effective settings as YAML, each with where its value came from."""
+    explicit = _explicit(kwargs)
+    try:
+        settings = EngineSettings.load(kwargs["config"], **explicit)
+    except (SettingsError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    if kwargs["config"]:
+        click.echo(f"# settings file: {Path(kwargs['config']).resolve()}")
+    click.echo(settings.to_yaml(with_sources=True), nl=False)
+
+
+if __name__ == "__main__":
+    main()

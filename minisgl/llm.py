@@ -1,0 +1,189 @@
+"""The offline `LLM` API: prompts in, text out, over one Engine and the scheduler.
+
+from minisgl.llm import LLM
+from minisgl.core import SamplingParams
+
+llm = LLM()  # the embedded SmolLM2-135M-Instruct
+[out] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+print(out.text, out.finish_reason, out.time_to_first_token)
+for delta in llm.stream("Tell me a story.", SamplingParams(max_tokens=64)):
+    print(delta, end="", flush=True)
+llm.shutdown()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from minisgl.core import SamplingParams
+from minisgl.engine import Engine
+from minisgl.models import DEFAULT_MODEL_ALIAS
+from minisgl.scheduler import Request, Scheduler
+from minisgl.settings import EngineSettings
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. Times are in seconds from the request's arrival."""
+
+    index: int  # position in the input list
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop token, stop string) or "length" (max_tokens)
+    time_to_first_token: float
+    total_time: float
+
+    @classmethod
+    def from_request(cls, index: int, prompt: str | None, request: Request) -> RequestOutput:
+        assert request.finish_reason is not None and request.first_token_time is not None
+        return cls(
+            index=index,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_ids,
+            text=request.text,
+            token_ids=list(request.output_ids),
+            finish_reason=request.finish_reason,
+            time_to_first_token=request.first_token_time - request.arrival_time,
+            total_time=request.finish_time - request.arrival_time,
+        )
+
+
+def resolve_model(model: str | None) -> str | None:
+    """A local folder stays; None or the default alias stays for the settings layer; a hub id is
+    downloaded (config, tokenizer and safetensors only) when the hub can be reached."""
+    if model is None or model == DEFAULT_MODEL_ALIAS or Path(model).is_dir():
+        return model
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B'; "
+            f"pass a folder with config.json and *.safetensors, or {DEFAULT_MODEL_ALIAS!r}"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+        )
+    except Exception as e:  # offline, unknown repository, gated model...
+        raise FileNotFoundError(
+            f"could not download {model!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "Offline, download it elsewhere and pass its local folder."
+        ) from e
+
+
+class LLM:
+    """An engine, a tokenizer and a scheduler in one process (rank 0 of a single-rank group)."""
+
+    def __init__(
+        self, model: str | None = None, *, config: str | Path | None = None, **settings: Any
+    ) -> None:
+        """`model`: a local folder, 'smollm2-135m' (also what None means), or a hub id. `config`: a
+        YAML settings file; other keyword arguments are settings (see `minisgl.settings`), plus
+        `max_prefill_tokens` for the scheduler."""
+        import transformers
+
+        max_prefill_tokens = settings.pop("max_prefill_tokens", None)
+        if model is not None:
+            settings["model_path"] = resolve_model(model)
+        self.settings = EngineSettings.load(config, **settings)
+        self.engine = Engine(self.settings.to_engine_config())
+        model_path = self.engine.config.model_path
+        self.model_name = Path(model_path).name
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        if max_prefill_tokens is None:
+            max_prefill_tokens = 8192 if self.engine.device.type == "cuda" else 512
+        self.scheduler = Scheduler(
+            self.engine,
+            max_prefill_tokens=max_prefill_tokens,
+            eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
+            tokenizer=self.tokenizer,
+            model_name=self.model_name,
+        )
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        return None, [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs every prompt (text, or a list of token ids) to completion; outputs in input order.
+        All requests are checked before any runs, so a bad one raises without side effects."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        encoded = [self._encode(p) for p in prompts]
+        for (_, ids), params in zip(encoded, sampling_params):
+            self.scheduler.prep.check_request(ids, params)
+        requests = [
+            self.scheduler.add_request(ids, params) for (_, ids), params in zip(encoded, sampling_params)
+        ]
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not progress) as bar:
+            while self.scheduler.has_work():
+                bar.update(sum(update.finished for update in self.scheduler.step()))
+        return [
+            RequestOutput.from_request(i, text, r) for i, ((text, _), r) in enumerate(zip(encoded, requests))
+        ]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one request as its tokens are produced."""
+        _, ids = self._encode(prompt)
+        request = self.scheduler.add_request(ids, sampling_params or SamplingParams(), stream=True)
+        while not request.finished:
+            for update in self.scheduler.step():
+                if update.request is request and update.text:
+                    yield update.text
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation under the tokenizer's chat template, ready for the reply."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def chat(
+        self, messages: list[dict[str, str]] | str, sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """One reply to a conversation ([{"role": "user", "content": ...}, ...]) or a single user message."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _eos_token_ids(model_path: str, engine: Engine, tokenizer: Any) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer together."""
+    ids = set(engine.config.model_config.eos_token_ids)
+    gen_config = Path(model_path) / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

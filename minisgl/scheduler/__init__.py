@@ -1,0 +1,6 @@
+"""Offline continuous batching over one Engine."""
+
+from minisgl.scheduler.detokenizer import IncrementalDetokenizer
+from minisgl.scheduler.scheduler import Request, Scheduler, Update
+
+__all__ = ["IncrementalDetokenizer", "Request", "Scheduler", "Update"]
