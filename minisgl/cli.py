@@ -120,7 +120,12 @@ def _make_llm(kwargs: dict[str, Any]):
     explicit = _explicit(kwargs)
     model = explicit.pop("model_path", None)
     if kwargs["metrics_port"] is not None:
-        metrics.serve(kwargs["metrics_port"])
+        try:
+            metrics.serve(kwargs["metrics_port"])
+        except OSError as e:
+            raise click.ClickException(
+                f"cannot serve metrics on 127.0.0.1:{kwargs['metrics_port']}: {e}"
+            ) from e
     extra = (
         {} if kwargs["max_prefill_tokens"] is None else {"max_prefill_tokens": kwargs["max_prefill_tokens"]}
     )
@@ -175,9 +180,10 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
     try:
         inputs = [llm.chat_prompt([{"role": "user", "content": t}]) if chat else t for t in texts]
         if len(inputs) == 1:
+            deltas = llm.stream(inputs[0], params)  # checks the request: nothing is printed if it can't run
             if not chat:
                 click.echo(texts[0], nl=False)
-            for delta in llm.stream(inputs[0], params):
+            for delta in deltas:
                 click.echo(delta, nl=False)
             click.echo()
             return

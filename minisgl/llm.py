@@ -146,9 +146,13 @@ class LLM:
         ]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yields text deltas of one request as its tokens are produced."""
+        """Yields text deltas of one request as its tokens are produced. The request is checked (and
+        queued) at the call, so a bad one raises here, before any iteration."""
         _, ids = self._encode(prompt)
         request = self.scheduler.add_request(ids, sampling_params or SamplingParams(), stream=True)
+        return self._deltas(request)
+
+    def _deltas(self, request: Request) -> Iterator[str]:
         while not request.finished:
             for update in self.scheduler.step():
                 if update.request is request and update.text:

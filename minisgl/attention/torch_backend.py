@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: runs on CPU and GPU, and is the reference for every other backend.
 
-Each request's keys and values are gathered from the paged pool through its page-table row into a
-padded (batch, max_kv_len) layout; queries are padded to (batch, max_extend_len); one masked
+Each request's keys and values are gathered page by page from the paged pool, through its page-table
+row, into a padded (batch, pages * page_size) layout; queries are padded to (batch, max_extend_len); one masked
 scaled-dot-product attention call serves prefill of mixed lengths, extension of a cached prefix
 (chunked prefill) and decode alike.
 """
@@ -20,10 +20,11 @@ from minisgl.kvcache import MHAKVCachePool
 
 @dataclass
 class TorchAttnMetadata(BaseAttnMetadata):
-    kv_index: torch.Tensor  # (B, max_kv) KV locations of each request's tokens, int64
-    mask: torch.Tensor  # (B, 1, max_q, max_kv) True where a query may attend
+    page_index: torch.Tensor  # (B, max_pages) pages holding each request's tokens, in order, int64
+    mask: torch.Tensor  # (B, 1, max_q, max_pages * page_size) True where a query may attend
     q_index: torch.Tensor | None  # (T,) row of each token in the padded (B * max_q) layout; None: no padding
     max_q: int
+    group_mask: torch.Tensor | None = None  # `mask` repeated for the query heads sharing a KV head
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -50,12 +51,18 @@ class TorchAttnBackend(BaseAttnBackend):
             row_base = torch.arange(num_reqs, dtype=torch.int64) * max_q - starts
             q_index = self._to_device(torch.arange(num_tokens) + row_base.repeat_interleave(extend_t))
 
+        page_size = self.kv_cache.page_size
+        max_kv = -(-max_kv // page_size) * page_size
         table_idx = self._to_device(torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64))
-        kv_index = self.page_table[table_idx, :max_kv].long()
+        page_index = self.page_table[table_idx, :max_kv:page_size].long() // page_size
         q_pos = self._to_device(cached)[:, None] + torch.arange(max_q, device=self.device)
         mask = torch.arange(max_kv, device=self.device) <= q_pos[:, :, None]
         batch.attn_metadata = TorchAttnMetadata(
-            last_indices=last_indices, kv_index=kv_index, mask=mask.unsqueeze(1), q_index=q_index, max_q=max_q
+            last_indices=last_indices,
+            page_index=page_index,
+            mask=mask.unsqueeze(1),
+            q_index=q_index,
+            max_q=max_q,
         )
 
     def forward(
@@ -65,20 +72,26 @@ class TorchAttnBackend(BaseAttnBackend):
         assert isinstance(meta, TorchAttnMetadata), "prepare_metadata must run before forward"
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         num_tokens, num_heads, head_dim = q.shape
-        num_reqs, max_q = meta.kv_index.shape[0], meta.max_q
+        num_reqs, max_q = meta.page_index.shape[0], meta.max_q
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
         if meta.q_index is None:
-            q_pad = q.view(num_reqs, max_q, num_heads, head_dim)
+            q_pad = q.reshape(num_reqs, max_q, num_heads, head_dim)
         else:
             q_pad = q.new_zeros(num_reqs * max_q, num_heads, head_dim).index_copy_(0, meta.q_index, q)
             q_pad = q_pad.view(num_reqs, max_q, num_heads, head_dim)
-        keys = self.kv_cache.k_flat(layer_id)[meta.kv_index]  # (B, max_kv, KVH, D)
-        values = self.kv_cache.v_flat(layer_id)[meta.kv_index]
+        # the query heads sharing a KV head become extra query rows of it: (B, KVH, group * max_q, D)
+        q_pad = q_pad.reshape(num_reqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q_pad = q_pad.reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
+        if meta.group_mask is None:  # once per batch, shared by the layers
+            meta.group_mask = meta.mask.repeat(1, 1, group, 1)
+        kv_shape = (num_reqs, -1, num_kv_heads, head_dim)  # (B, max_pages * page_size, KVH, D)
+        pages = meta.page_index.view(-1)  # index_select: much faster than advanced indexing on CPU
+        keys = self.kv_cache.k_cache(layer_id).index_select(0, pages).view(kv_shape)
+        values = self.kv_cache.v_cache(layer_id).index_select(0, pages).view(kv_shape)
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=meta.mask,
-            enable_gqa=True,
-        )
-        out = out.transpose(1, 2).reshape(num_reqs * max_q, num_heads, head_dim)
-        return out if meta.q_index is None else out[meta.q_index]
+            q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.group_mask
+        )  # (B, KVH, group * max_q, D)
+        out = out.reshape(num_reqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(num_reqs * max_q, num_heads, head_dim)
+        return out if meta.q_index is None else out.index_select(0, meta.q_index)

@@ -1,10 +1,10 @@
-"""Token sampling: greedy, temperature, top-k / top-p / min-p, with counter-based (seedable) noise.
+"""Token sampling: greedy, temperature, top-k / top-p / min-p, with counter-based (seedable) randomness.
 
-A sampled token is ``argmax_i(log p_i + G_i)`` over the tokens that survive the filters, where
-``G_i = -log(E_i)`` and ``E_i ~ Exp(1)`` (the Gumbel-max / exponential-race trick). That is an exact draw
-from the filtered, renormalised softmax. The noise does not come from torch's global RNG: ``E_i`` is a
-function of ``(seed, offset, token id)`` through an integer hash, so a row's draw depends only on its own
-logits, parameters, seed and offset, never on the other rows of the batch.
+A sampled token is drawn by inverse transform: with ``u`` uniform in (0, 1), the token is the first one
+(in vocabulary order) at which the cumulative sum of the filtered probabilities exceeds ``u`` times their
+total: an exact draw from the filtered, renormalised softmax. ``u`` does not come from torch's global RNG:
+it is a hash of ``(seed, offset)``, so a row's draw depends only on its own logits, parameters, seed and
+offset, never on the other rows of the batch. One hash per row keeps sampling cheap on large vocabularies.
 """
 
 from __future__ import annotations
@@ -54,22 +54,15 @@ def _absorb(h: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return _mix32(h ^ ((value >> 32) & _MASK32))
 
 
-def gumbel_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Standard Gumbel noise of shape (B, vocab_size), float32, a pure function of (seed, offset, token).
+def uniform_from_hash(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One uniform number in (0, 1) per row, float64, a pure function of (seed, offset).
 
-    ``seeds`` and ``offsets`` are int64 (B,) tensors with non-negative values. Each row's 32-bit state is
-    the chained hash of its seed and offset; token ``i`` gets ``k = mix(state ^ (i * 0x9E3779B1 mod 2**32))``
-    (the odd multiplier spreads the token ids over all 32 bits, so two rows share noise values no more
-    often than independent random rows would). Then ``u = (k + 0.5) / 2**32`` lies in (0, 1), never at
-    either end (float64 holds it exactly), ``E = -log(u)`` is Exp(1) and ``G = -log(E)`` is Gumbel.
+    ``seeds`` and ``offsets`` are int64 (B,) tensors with non-negative values; the row's 32-bit state is
+    the chained hash of both, mixed once more, and ``u = (k + 0.5) / 2**32`` (never 0 or 1).
     """
     h = torch.full_like(seeds, 0x9E3779B9)
-    h = _absorb(h, seeds)
-    h = _absorb(h, offsets)
-    token_keys = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64), 0x9E3779B1)
-    bits = _mix32(h[:, None] ^ token_keys[None, :])
-    exp_noise = bits.to(torch.float64).add_(0.5).mul_(1.0 / 2**32).log_().neg_()
-    return exp_noise.to(torch.float32).log_().neg_()
+    h = _mix32(_absorb(_absorb(h, seeds), offsets))
+    return h.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
 
 
 @dataclass
@@ -179,18 +172,22 @@ class Sampler:
         assert args.temperatures is not None and args.seeds is not None and args.offsets is not None
         is_greedy = args.temperatures == 0
         temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
-        logprobs = torch.log_softmax(logits.float() / temps[:, None], dim=-1)
-        scores = logprobs + gumbel_noise(args.seeds, args.offsets, self.vocab_size)
+        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
         if args.need_filter:
-            scores = scores.masked_fill(~self._keep_mask(logprobs, args), float("-inf"))
-        sampled = scores.argmax(dim=-1)
+            probs = probs * self._keep_mask(probs, args)
+        # inverse transform: the first token whose cumulative probability exceeds u * total
+        cdf = probs.double().cumsum(dim=-1)
+        target = uniform_from_hash(args.seeds, args.offsets) * cdf[:, -1]
+        sampled = (
+            torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
+        )
         return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
 
     @staticmethod
-    def _keep_mask(logprobs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    def _keep_mask(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         """Boolean (B, V): the tokens that top-k, top-p and min-p all keep."""
         assert args.top_k is not None and args.top_p is not None and args.min_p is not None
-        probs, order = torch.sort(logprobs.exp(), dim=-1, descending=True, stable=True)
+        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
         keep = rank < args.top_k[:, None]
         # probability mass strictly before each token; float64 so long tails add up accurately

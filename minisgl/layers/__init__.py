@@ -2,7 +2,7 @@
 
 from minisgl.layers.attention import attention
 from minisgl.layers.basic import add_rms_norm, embed, linear, lm_head, mlp, rms_norm
-from minisgl.layers.rope import apply_rope, build_rope_cache
+from minisgl.layers.rope import apply_rope, build_rope_cache, rope_cos_sin
 
 __all__ = [
     "add_rms_norm",
@@ -14,4 +14,5 @@ __all__ = [
     "lm_head",
     "mlp",
     "rms_norm",
+    "rope_cos_sin",
 ]

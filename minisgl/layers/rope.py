@@ -38,12 +38,16 @@ def build_rope_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim); returns both rotated, same dtype."""
-    cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (T, 1, head_dim) cos and (T, 1, head_dim) sin rows of `positions`, stacked: (2, T, 1, head_dim).
+    Looked up once per forward and shared by every layer."""
+    cos, sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)])
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim), cos_sin from `rope_cos_sin`."""
+    cos, sin = cos_sin[0], cos_sin[1]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

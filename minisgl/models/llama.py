@@ -19,6 +19,7 @@ from minisgl.layers import (
     lm_head,
     mlp,
     rms_norm,
+    rope_cos_sin,
 )
 from minisgl.models.config import ModelConfig
 
@@ -104,13 +105,14 @@ class LlamaForCausalLM(nn.Module):
         when `last_indices` is None)."""
         cfg = self.cfg
         hidden = embed(input_ids, self.embed_tokens)
+        cos_sin = rope_cos_sin(positions, self.cos_sin, hidden.dtype)
         residual = hidden
         for layer_id, layer in enumerate(self.layers):
             if layer_id == 0:
                 x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
                 x, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            hidden = self._attention(layer, layer_id, x, positions)
+            hidden = self._attention(layer, layer_id, x, cos_sin)
             x, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             hidden = mlp(x, layer.gate_up_proj, layer.down_proj)
         hidden = residual + hidden
@@ -120,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
 
     def _attention(
-        self, layer: DecoderLayer, layer_id: int, x: torch.Tensor, positions: torch.Tensor
+        self, layer: DecoderLayer, layer_id: int, x: torch.Tensor, cos_sin: torch.Tensor
     ) -> torch.Tensor:
         cfg = self.cfg
         num_tokens = x.shape[0]
@@ -132,6 +134,6 @@ class LlamaForCausalLM(nn.Module):
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, k, positions, self.cos_sin)
+        q, k = apply_rope(q, k, cos_sin)
         out = attention(q, k, v.contiguous(), layer_id)
-        return linear(out.view(num_tokens, q_size), layer.o_proj, layer.o_bias)
+        return linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)

@@ -4,7 +4,7 @@ Each `step()` runs one forward:
 - Admission: waiting requests are admitted first come, first served while a request slot is free and
   the KV pool can *reserve* the request's worst case (prompt + max_tokens). Reserving at admission means
   a running request never runs out of pages and nothing is ever preempted; a request that could never
-  fit is refused when it is added, with the numbers.
+  fit (longer than max_seq_len, which never exceeds the pool) is refused when it is added.
 - Prefill and decode alternate: while admitted requests still have prompt tokens to prefill, every other
   step is a prefill step (a prefill step is never followed by another one while requests wait to
   decode), so running requests wait at most one prefill chunk, and a newly admitted request starts its
@@ -101,12 +101,8 @@ class Scheduler:
         """Queues a request; raises a ValueError naming the problem if it could never run."""
         prompt = [int(t) for t in prompt_ids]
         self.prep.check_request(prompt, params)
+        # max_seq_len never exceeds the pool, so a request that passed the check can always be reserved
         need = self.prep.pages_needed(len(prompt) + params.max_tokens)
-        if need > self.engine.num_pages:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens={params.max_tokens} needs {need} KV pages, the "
-                f"whole pool has {self.engine.num_pages}; lower max_tokens or give the KV cache more memory"
-            )
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streaming text need a tokenizer")
         detok = IncrementalDetokenizer(self.tokenizer) if (params.stop or stream) else None
@@ -114,6 +110,7 @@ class Scheduler:
         request.reserved_pages = need
         self._uids += 1
         self.waiting.append(request)
+        metrics.REQUESTS_WAITING.labels(**self._labels).set(len(self.waiting))
         return request
 
     def has_work(self) -> bool:

@@ -1,0 +1,192 @@
+"""Scheduler invariants: random arrivals, tiny KV pools, chunked prefill, fairness, stop conditions."""
+
+import random
+
+import pytest
+import torch
+import transformers
+from conftest import make_tiny_model
+
+from minisgl.core import SamplingParams
+from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.llm import LLM
+from minisgl.scheduler import IncrementalDetokenizer, Scheduler
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+
+
+def _engine(folder, **kw) -> Engine:
+    return Engine(EngineConfig(model_path=str(folder), dtype=torch.float32, device="cpu", **kw))
+
+
+def _alone(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return generate(engine, [prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+
+
+def _check_drained(sched: Scheduler) -> None:
+    assert not sched.running and not sched.waiting
+    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
+    assert sched.prep.slots.num_free == sched.engine.config.max_running_req
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed):
+    rng = random.Random(seed)
+    engine = _engine(tiny_llama, page_size=4, max_running_req=6, num_page_override=60)
+    sched = Scheduler(engine, max_prefill_tokens=24, eos_token_ids=[2])
+    specs = [
+        ([rng.randrange(3, 320) for _ in range(rng.randint(1, 60))], rng.randint(1, 20)) for _ in range(14)
+    ]
+    requests, pending, steps = [], list(specs), 0
+    while pending or sched.has_work():
+        for _ in range(rng.choice([0, 0, 1, 2])):  # requests arrive between steps
+            if pending:
+                prompt, n = pending.pop(0)
+                requests.append(sched.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+        sched.step()
+        assert sched.prep.pages.num_used <= engine.num_pages and sched.reserved_pages <= engine.num_pages
+        steps += 1
+        assert steps < 2000
+    _check_drained(sched)
+    for request, (prompt, n) in zip(requests, specs):
+        assert request.finish_reason == "length" and len(request.output_ids) == n
+        assert request.output_ids == _alone(engine, prompt, n)
+
+
+def test_tiny_kv_pool_admission(tiny_llama):
+    """12 pages of 4 tokens: requests needing 8-11 pages each must take turns; nothing is lost."""
+    engine = _engine(tiny_llama, page_size=4, num_page_override=12, max_running_req=8)
+    sched = Scheduler(engine, max_prefill_tokens=16)
+    specs = [(list(range(3 + i, 30 + i)), 10 + i) for i in range(6)]  # 27 + 10..15 tokens: 10..11 pages
+    requests = [sched.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in specs]
+    max_running, max_waiting = 0, 0
+    while sched.has_work():
+        sched.step()
+        max_running, max_waiting = max(max_running, len(sched.running)), max(max_waiting, len(sched.waiting))
+    assert max_running == 1 and max_waiting == 5
+    _check_drained(sched)
+    for request, (prompt, n) in zip(requests, specs):
+        assert request.output_ids == _alone(engine, prompt, n)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=48"):  # 12 pages x 4: more can never fit
+        sched.add_request(list(range(3, 43)), SamplingParams(max_tokens=10))
+    assert not sched.has_work()
+
+
+def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama):
+    engine = _engine(tiny_llama, page_size=8)
+    sched = Scheduler(engine, max_prefill_tokens=16)
+    short = sched.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
+    sched.step()  # prefill of the short request
+    long_prompt = [random.Random(3).randrange(3, 320) for _ in range(100)]
+    long = sched.add_request(long_prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    phases, tokens_before = [], len(short.output_ids)
+    while not long.prefilled:
+        before = len(short.output_ids)
+        sched.step()
+        phases.append("decode" if len(short.output_ids) > before else "prefill")
+    # 100 prompt tokens in chunks of at most 16 (7 chunks), alternating with decode steps of the short one
+    assert phases.count("prefill") == 7
+    assert all(a != b for a, b in zip(phases, phases[1:])), phases
+    assert len(short.output_ids) - tokens_before == 7  # D P D P ... P: one decode before each chunk
+    sched.run_until_done()
+    assert long.output_ids == _alone(engine, long_prompt, 5)
+    assert short.output_ids == _alone(engine, [5, 6, 7], 30)
+    _check_drained(sched)
+
+
+def test_waiting_request_starts_within_two_steps(tiny_llama):
+    engine = _engine(tiny_llama, page_size=4, max_running_req=4)
+    sched = Scheduler(engine, max_prefill_tokens=64)
+    for i in range(3):
+        sched.add_request([4 + i] * 5, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        sched.step()
+    for extra_steps in range(3):
+        late = sched.add_request([9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True))
+        for _ in range(extra_steps):  # arrive after a prefill step as well as after a decode step
+            sched.step()
+        steps = 0
+        while not late.prefilled:
+            sched.step()
+            steps += 1
+        assert steps <= 2 and len(late.output_ids) == 1
+
+
+def test_detokenizer_matches_full_decode(smollm2_path):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path)
+    texts = ["Ünïcödé ✓ 日本語のテキスト 🚀🚀 emoji", "plain words, then\n  code(x) -> y", "ąęśćż · ½ ≠ ∞"]
+    rng = random.Random(0)
+    for text in texts + [None] * 5:
+        ids = tokenizer(text)["input_ids"] if text else [rng.randrange(0, 49152) for _ in range(40)]
+        detok, pieces = IncrementalDetokenizer(tokenizer), []
+        for token in ids:
+            pieces.append(detok.add(token))
+        pieces.append(detok.flush())
+        assert "".join(pieces) == detok.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    llm = LLM(device="cpu", dtype="float32", max_running_req=8)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+def test_stop_strings_across_token_boundaries(llm):
+    prompt = "The capital of France is"
+    full = llm.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
+    # a stop string made of the end of one token and the start of the next
+    i = next(
+        i
+        for i in range(3, len(pieces) - 1)
+        if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2
+    )
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    cut = full.text.index(stop)
+    out = llm.generate(prompt, SamplingParams(max_tokens=24, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:cut]
+    streamed = "".join(llm.stream(prompt, SamplingParams(max_tokens=24, stop=[stop, "zzzz"])))
+    assert streamed == full.text[:cut]
+    # min_tokens keeps a stop string from ending the output early
+    late = llm.generate(prompt, SamplingParams(max_tokens=24, stop=[stop], min_tokens=i + 2))[0]
+    assert late.text == full.text and late.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_eos_stop_tokens_ignore_eos_min_tokens(llm):
+    chat = llm.chat_prompt([{"role": "user", "content": "What is 2+2?"}])
+    out = llm.generate([chat], SamplingParams(max_tokens=64))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and len(out.token_ids) < 64
+    assert "4" in out.text and "<|im_end|>" not in out.text
+    n = len(out.token_ids)
+    forced = llm.generate([chat], SamplingParams(max_tokens=n + 5, ignore_eos=True))[0]
+    assert forced.finish_reason == "length" and len(forced.token_ids) == n + 5
+    assert forced.token_ids[: n - 1] == out.token_ids[:-1]
+    longer = llm.generate([chat], SamplingParams(max_tokens=64, min_tokens=n + 3))[0]
+    assert len(longer.token_ids) >= n + 3 and 2 not in longer.token_ids[: n + 3]
+    stop_id = out.token_ids[3]
+    early = llm.generate([chat], SamplingParams(max_tokens=64, stop_token_ids=[stop_id]))[0]
+    assert early.finish_reason == "stop" and early.token_ids == out.token_ids[:4]
+    assert early.text == llm.tokenizer.decode(out.token_ids[:3])
+    _check_drained(llm.scheduler)
+
+
+@pytest.mark.slow
+def test_llm_batched_equals_one_at_a_time(llm):
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3,"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    assert [o.index for o in together] == [0, 1, 2, 3]
+    for prompt, out in zip(prompts, together):
+        assert llm.generate(prompt, params)[0].token_ids == out.token_ids
+        assert out.time_to_first_token <= out.total_time
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        llm.generate(["hi", "x " * 9000], params)
+    assert not llm.scheduler.has_work()  # the bad batch was refused whole
