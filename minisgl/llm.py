@@ -31,6 +31,7 @@ from minisgl.settings import EngineSettings
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -102,7 +103,9 @@ class LLM:
         self.engine = Engine(self.settings.to_engine_config())
         model_path = self.engine.config.model_path
         self.model_name = Path(model_path).name
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
+        # dummy-weight folders hold only config.json: token-id prompts still work, texts are empty
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
         if max_prefill_tokens is None:
             max_prefill_tokens = 8192 if self.engine.device.type == "cuda" else 512
         self.scheduler = Scheduler(
@@ -115,6 +118,10 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"the model folder {self.engine.config.model_path!r} has no tokenizer: give token ids"
+                )
             return prompt, self.tokenizer(prompt)["input_ids"]
         return None, [int(t) for t in prompt]
 
@@ -160,6 +167,8 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation under the tokenizer's chat template, ready for the reply."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError(f"the model folder {self.engine.config.model_path!r} has no chat template")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -188,6 +197,6 @@ def _eos_token_ids(model_path: str, engine: Engine, tokenizer: Any) -> set[int]:
     if gen_config.is_file():
         eos = json.loads(gen_config.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
