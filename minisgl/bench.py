@@ -16,6 +16,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
@@ -87,13 +89,36 @@ def run_pass(llm: LLM, prompts: list[list[int]], max_tokens: list[int], temperat
     )
 
 
-def run_bench(llm: LLM, shape: WorkloadShape, passes: int = 2) -> dict:
-    """Warm-up, then `passes` timed passes of the workload; returns a JSON-able report."""
+def run_single(llm: LLM, prompt_len: int = 128, new_tokens: int = 1024) -> dict:
+    """Decode speed of one request alone: `prompt_len` random tokens, `new_tokens` greedy tokens."""
+    vocab = llm.engine.config.model_config.vocab_size
+    rng = random.Random(1)
+    prompt = [rng.randint(0, TOKEN_ID_MAX) % vocab for _ in range(prompt_len)]
+    started = time.perf_counter()
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    seconds = time.perf_counter() - started
+    return {
+        "prompt_tokens": prompt_len,
+        "new_tokens": len(out.token_ids),
+        "seconds": seconds,
+        "tokens_per_s": len(out.token_ids) / seconds,
+    }
+
+
+def run_bench(llm: LLM, shape: WorkloadShape, passes: int = 2, single: bool = False) -> dict:
+    """Warm-up, then `passes` timed passes of the workload (and, if asked, one request alone);
+    returns a JSON-able report."""
     prompts, max_tokens = make_workload(shape, llm.engine.config.model_config.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
-    results = [run_pass(llm, prompts, max_tokens, shape.temperature) for _ in range(passes)]
     engine = llm.engine
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    results = [run_pass(llm, prompts, max_tokens, shape.temperature) for _ in range(passes)]
+    extra: dict = {"single_request": run_single(llm)} if single else {}
+    if engine.device.type == "cuda":
+        extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return {
+        **extra,
         "model": llm.model_name,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -120,6 +145,16 @@ def format_report(report: dict) -> str:
             f"{i:>4} {p['output_tokens']:>10} {p['input_tokens']:>10} {p['seconds']:>8.2f} {p['tokens_per_s']:>10.1f} "
             f"{p['ttft_p50']:>8.3f}s {p['ttft_p90']:>7.3f}s {p['ttft_p99']:>7.3f}s"
         )
+    if "single_request" in report:
+        single = report["single_request"]
+        lines.append(
+            f"single request: {single['prompt_tokens']} prompt + {single['new_tokens']} new tokens (greedy) in "
+            f"{single['seconds']:.2f} s = {single['tokens_per_s']:.1f} tokens/s"
+        )
+    if "startup_seconds" in report:
+        lines.append(f"startup: {report['startup_seconds']:.1f} s")
+    if "peak_memory_gib" in report:
+        lines.append(f"peak memory allocated by torch: {report['peak_memory_gib']:.1f} GiB")
     return "\n".join(lines)
 
 

@@ -217,14 +217,30 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
     "--seed", type=int, default=0, show_default=True, help="Seed of the workload's random generator."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--single-request", is_flag=True, help="Also time one request alone: 128 prompt tokens, 1024 new, greedy."
+)
 @_common
 def bench(
-    num_seqs, min_input, max_input, min_output, max_output, temperature, seed, as_json, **kwargs
+    num_seqs,
+    min_input,
+    max_input,
+    min_output,
+    max_output,
+    temperature,
+    seed,
+    as_json,
+    single_request,
+    **kwargs,
 ) -> None:
     """The offline throughput workload: random prompts, ignore_eos, run twice after a warm-up."""
+    import time
+
     from minisgl.bench import CPU_SHAPE, WorkloadShape, dumps, format_report, run_bench
 
+    started = time.perf_counter()
     llm = _make_llm(kwargs)
+    startup = time.perf_counter() - started
     try:
         base = CPU_SHAPE if llm.engine.device.type == "cpu" else WorkloadShape()
         given = dict(
@@ -244,7 +260,7 @@ def bench(
         )
         if shape.min_input > shape.max_input or shape.min_output > shape.max_output:
             raise click.BadParameter("--min-input/--min-output must not exceed --max-input/--max-output")
-        report = run_bench(llm, shape)
+        report = {"startup_seconds": startup, **run_bench(llm, shape, single=single_request)}
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     finally:

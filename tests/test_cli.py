@@ -420,8 +420,9 @@ def test_bench_text_report(runner, cli_llm, shared_llm) -> None:
     assert "2 requests, input 4..8, output 2..3" in result.stdout
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["pass", "output"])
     assert "tok/s" in lines[header] and "TTFT p50" in lines[header]
-    rows = [line.split() for line in lines[header + 1 :]]
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
     assert [row[0] for row in rows] == ["1", "2"]  # both passes
+    assert lines[header + 3].startswith("startup: ")
     for row in rows:
         assert row[1:3] == [str(sum(max_tokens)), str(sum(map(len, prompts)))]
         assert float(row[4]) > 0

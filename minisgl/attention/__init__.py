@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -9,26 +10,69 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, parse_attention_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.kvcache import MHAKVCachePool
+from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BaseAttnBackend", "BaseAttnMetadata", "TorchAttnBackend", "create_attention_backend"]
 
-AVAILABLE_BACKENDS = ("torch",)
+
+def resolve_attention_backend(name: str, device: torch.device) -> tuple[str, str]:
+    """(prefill, decode) backend names; 'auto' picks by the hardware, and the choice is checked."""
+    prefill, decode = parse_attention_backend(name)
+    if prefill == "auto":
+        if device.type != "cuda":
+            prefill = decode = "torch"
+        else:
+            major = torch.cuda.get_device_capability(device)[0]
+            prefill, decode = (
+                ("trtllm", "trtllm") if major >= 10 else ("fa", "fi") if major == 9 else ("fi", "fi")
+            )
+        logger.info("attention backend 'auto' -> %s (device %s)", f"{prefill},{decode}", device)
+    for choice in (prefill, decode):
+        if choice == "torch":
+            continue
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend={name!r}: {choice!r} needs a CUDA GPU; on CPU use 'torch'")
+        major, minor = torch.cuda.get_device_capability(device)
+        if choice == "fa" and major != 9:
+            raise ValueError(
+                f"attention_backend={name!r}: 'fa' (FlashAttention-3) needs sm90, this GPU is sm{major}{minor}"
+            )
+        if choice == "trtllm":
+            raise ValueError(
+                f"attention_backend={name!r}: 'trtllm' needs sm100 or later"
+                + (f", this GPU is sm{major}{minor}" if major < 10 else "; it is not built in this version")
+            )
+    if decode == "fa":
+        raise ValueError(f"attention_backend={name!r}: decode with 'fa' is not built yet; use 'fa,fi'")
+    if (prefill == "torch") != (decode == "torch"):
+        raise ValueError(f"attention_backend={name!r}: 'torch' cannot be paired with a FlashInfer backend")
+    return prefill, decode
 
 
 def create_attention_backend(
-    name: str, kv_cache: MHAKVCachePool, page_table: torch.Tensor, device: torch.device
+    name: str,
+    kv_cache: MHAKVCachePool,
+    page_table: torch.Tensor,
+    device: torch.device,
+    model_config: ModelConfig,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair)."""
-    prefill, decode = parse_attention_backend(name)
-    if prefill == "auto":
-        prefill = decode = "torch"
-        logger.info("attention backend 'auto' -> torch (device %s)", device)
-    for choice in (prefill, decode):
-        if choice not in AVAILABLE_BACKENDS:
-            raise ValueError(
-                f"attention_backend={name!r}: backend {choice!r} is not available in this build; "
-                f"available: {', '.join(AVAILABLE_BACKENDS)}"
-            )
-    return TorchAttnBackend(kv_cache, page_table, device)
+    prefill, decode = resolve_attention_backend(name, device)
+    if prefill == "torch":
+        return TorchAttnBackend(kv_cache, page_table, device)
+    if importlib.util.find_spec("flashinfer") is None:
+        raise ValueError(f"attention_backend={name!r} needs flashinfer: pip install 'minisgl[cuda]'")
+    from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(
+        kv_cache,
+        page_table,
+        device,
+        model_config.num_heads,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+        prefill,
+        decode,
+    )

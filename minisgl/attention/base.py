@@ -35,8 +35,9 @@ class BaseAttnMetadata:
 
 class BaseAttnBackend(ABC):
     @abstractmethod
-    def prepare_metadata(self, batch: Batch) -> None:
-        """Builds `batch.attn_metadata` from the requests and the page table, without a host sync."""
+    def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
+        """Builds `batch.attn_metadata` from the requests and the page table, without a host sync.
+        `graph_bs` > 0: plan the decode batch padded to that captured CUDA-graph batch size."""
 
     @abstractmethod
     def forward(

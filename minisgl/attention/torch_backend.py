@@ -36,7 +36,7 @@ class TorchAttnBackend(BaseAttnBackend):
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
-    def prepare_metadata(self, batch: Batch) -> None:
+    def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
         extend = [req.extend_len for req in batch.reqs]
         cached = torch.tensor([req.cached_len for req in batch.reqs], dtype=torch.int64)
         max_q, max_kv = max(extend), max(req.device_len for req in batch.reqs)

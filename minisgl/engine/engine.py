@@ -91,7 +91,7 @@ class Engine:
 
         # 5. attention and MoE backends
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_cache, self.page_table, self.device
+            config.attention_backend, self.kv_cache, self.page_table, self.device, model_config
         )
         self.moe_backend = None  # dense models only
         self.ctx = Context(
@@ -106,7 +106,15 @@ class Engine:
         self.sampler = Sampler(self.device, model_config.vocab_size)
 
         # 7. CUDA graphs
-        self.graph_runner = GraphRunner(self.device, config.cuda_graph_max_bs)
+        self.graph_runner = GraphRunner(
+            self.model,
+            self.ctx,
+            self.device,
+            config.max_running_req,
+            self.max_seq_len,
+            config.cuda_graph_bs,
+            config.cuda_graph_max_bs,
+        )
 
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights), %d KV pages of %d tokens "
@@ -157,7 +165,7 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         """Runs the model on a prepared batch and samples one token per request."""
-        next_tokens = self.sampler.sample(self.forward_logits(batch), args)
+        next_tokens = self.sampler.sample(self._forward(batch), args)
         if self.device.type != "cuda":
             return ForwardOutput(next_tokens, next_tokens, _CompletedEvent())
         next_tokens_cpu = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
@@ -170,13 +178,20 @@ class Engine:
     def forward_logits(self, batch: Batch) -> torch.Tensor:
         """The model part of `forward_batch`: float32 logits (B, vocab) of each request's last computed
         token. Marks the computed tokens cached, as `forward_batch` does."""
+        return self._forward(batch, own_output=True)
+
+    def _forward(self, batch: Batch, own_output: bool = False) -> torch.Tensor:
+        """Logits of the batch. A CUDA graph writes them into its static output, which the next replay
+        overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
         with self.ctx.forward_batch(batch):
-            if batch.attn_metadata is None:
-                self.attn_backend.prepare_metadata(batch)
             if self.graph_runner.can_use_cuda_graph(batch):
-                logits = self.graph_runner.replay(batch)
+                logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
+                if own_output:
+                    logits = logits.clone()
             else:
+                if batch.attn_metadata is None:
+                    self.attn_backend.prepare_metadata(batch)
                 logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
         for req in batch.reqs:
             req.complete_one()

@@ -1,38 +1,135 @@
-"""The CUDA graph runner's interface. Capture of the compiled decode forward per batch size is part of the
-GPU path; until it lands here the runner is always disabled and every batch runs the model directly,
-as the documentation prescribes for batch sizes without a graph."""
+"""CUDA graphs of the compiled decode forward, one per batch size.
+
+The model's forward is compiled once with torch.compile (fullgraph, dynamic batch dimension; attention
+is an opaque custom op), then captured into one CUDA graph per batch size in `batch_sizes`, all in one
+memory pool, from the largest down. A decode batch is padded with the dummy request (page-table row
+`max_running_req`, one token on the dummy page) up to the next captured size and replayed; larger
+batches and prefill run the model directly, as the documentation prescribes.
+"""
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
+from tqdm import tqdm
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Context, Req
 
 logger = logging.getLogger(__name__)
 
 
+def default_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, then every 8 up to max_bs."""
+    return sorted({bs for bs in [1, 2, 4, *range(8, max_bs + 1, 8)] if bs <= max_bs})
+
+
+def default_max_bs(device: torch.device) -> int:
+    """256 on a card of 80 GB or more, 160 below."""
+    return 256 if torch.cuda.get_device_properties(device).total_memory >= 80e9 else 160
+
+
 class GraphRunner:
-    def __init__(self, device: torch.device, max_bs: int | None) -> None:
-        self.batch_sizes: tuple[int, ...] = ()
-        if device.type != "cuda":
-            reason = "no CUDA device"
-        elif max_bs == 0:
-            reason = "cuda_graph_max_bs=0"
-        else:
-            reason = "not built in this version"
-        logger.info("CUDA graphs: disabled (%s)", reason)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ctx: Context,
+        device: torch.device,
+        max_running_req: int,
+        max_seq_len: int,
+        cuda_graph_bs: tuple[int, ...] | None,
+        cuda_graph_max_bs: int | None,
+    ) -> None:
+        self.batch_sizes: list[int] = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if device.type != "cuda" or cuda_graph_max_bs == 0:
+            logger.info(
+                "CUDA graphs: disabled (%s)",
+                "no CUDA device" if device.type != "cuda" else "cuda_graph_max_bs=0",
+            )
+            return
+        backend = ctx.attn_backend
+        if not hasattr(backend, "init_graph_wrappers"):
+            logger.info(
+                "CUDA graphs: disabled (the %s attention backend has no graph support)",
+                type(backend).__name__,
+            )
+            return
+        max_bs = min(cuda_graph_max_bs or default_max_bs(device), max_running_req)
+        sizes = sorted({bs for bs in (cuda_graph_bs or default_batch_sizes(max_bs)) if bs <= max_bs})
+        if not sizes:
+            logger.info("CUDA graphs: disabled (no batch size <= %d)", max_bs)
+            return
+        self.model, self.ctx, self.device = model, ctx, device
+        self.max_running_req = max_running_req
+        page_size = ctx.page_size
+        self.dummy_loc = ctx.kv_cache.dummy_page * page_size
+        top = sizes[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)
+        backend.init_graph_wrappers(sizes, -(-max_seq_len // page_size))
+        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        self._capture(sizes)
+        self.batch_sizes = sizes
+
+    def _dummy_batch(self, bs: int) -> Batch:
+        reqs = [
+            Req(input_ids=[0], table_idx=self.max_running_req, cached_len=0, output_len=1, uid=-1)
+            for _ in range(bs)
+        ]
+        batch = Batch(reqs=reqs, phase="decode")
+        batch.input_ids, batch.positions, batch.out_loc = (
+            self.input_ids[:bs],
+            self.positions[:bs],
+            self.out_loc[:bs],
+        )
+        return batch
+
+    @torch.inference_mode()
+    def _capture(self, sizes: list[int]) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        bar = tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", unit="graph")
+        for bs in bar:
+            batch = self._dummy_batch(bs)
+            self.ctx.attn_backend.prepare_metadata(batch, graph_bs=bs)
+            with self.ctx.forward_batch(batch):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile (first size only) and warm up off the capture
+                        self.forward(batch.input_ids, batch.positions, None)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.forward(batch.input_ids, batch.positions, None)
+            self.graphs[bs] = (graph, logits)
+            free = torch.cuda.mem_get_info(self.device)[0] / 2**30
+            bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
+        bar.close()
+        logger.info("CUDA graphs: captured %d batch sizes (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
     @property
     def enabled(self) -> bool:
         return bool(self.batch_sizes)
 
     def can_use_cuda_graph(self, batch: Batch) -> bool:
-        return False
+        return bool(self.batch_sizes) and batch.is_decode and batch.size <= self.batch_sizes[-1]
 
     def replay(self, batch: Batch) -> torch.Tensor:
-        raise RuntimeError("no CUDA graph was captured")
+        """Pads the decode batch to the next captured size, plans attention for it, replays."""
+        bs = batch.size
+        graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:bs].copy_(batch.positions, non_blocking=True)
+        self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
+        self.out_loc[bs:graph_bs].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
+        self.ctx.attn_backend.prepare_metadata(batch, graph_bs=graph_bs)
+        graph, logits = self.graphs[graph_bs]
+        graph.replay()
+        return logits[:bs]
 
     def destroy(self) -> None:
-        self.batch_sizes = ()
+        self.graphs.clear()
+        self.batch_sizes = []

@@ -83,7 +83,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.register_buffer(
-            "cos_sin", build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope), persistent=False
+            "cos_sin",
+            build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope, self.embed_tokens.device),
+            persistent=False,
         )
 
     def checkpoint_map(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,145 @@
+"""FlashInfer attention on CUDA: `fi` (FA2 paged prefill, tensor-core paged decode) and `fa` (the
+FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only) for prefill.
+
+Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
+region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
+table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
+batch size whose plan writes into fixed buffers, so a replay only needs a new plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.kvcache import MHAKVCachePool
+
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class FlashInferMetadata(BaseAttnMetadata):
+    wrapper: Any  # the planned prefill or decode wrapper
+
+
+class FlashInferAttnBackend(BaseAttnBackend):
+    def __init__(
+        self,
+        kv_cache: MHAKVCachePool,
+        page_table: torch.Tensor,
+        device: torch.device,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        prefill: str,
+        decode: str,
+    ) -> None:
+        import flashinfer
+
+        self.flashinfer = flashinfer
+        self.kv_cache, self.page_table, self.device = kv_cache, page_table, device
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = kv_cache.page_size
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa3" if prefill == "fa" else "fa2"
+        )
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=True
+        )
+        self.names = (prefill, decode)
+        # FlashInfer's plan() stages its plan in a pinned host buffer of the wrapper and copies it to the
+        # GPU asynchronously; planning the same wrapper again before that copy ran would overwrite it.
+        # An event after each plan, waited on before the wrapper's next plan, orders the two. In a loop
+        # that reads each step's tokens it has long completed, so the wait costs nothing.
+        self._planned: dict[int, torch.cuda.Event] = {}
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_buffers: dict[str, torch.Tensor] = {}
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _plan_inputs(self, batch: Batch, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv indptr (host), page indices (device), last page lengths (host)) for the batch's requests,
+        padded with requests of one token on the dummy page up to `pad_to` requests."""
+        ps = self.page_size
+        seq_lens = [req.device_len for req in batch.reqs]
+        num_pages = [-(-n // ps) for n in seq_lens]
+        table_idx = torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64)
+        pages_t = torch.tensor(num_pages, dtype=torch.int64)
+        total = int(sum(num_pages))
+        starts = pages_t.cumsum(0) - pages_t
+        rows = table_idx.repeat_interleave(pages_t)
+        cols = (torch.arange(total) - starts.repeat_interleave(pages_t)) * ps
+        flat = (rows * self.page_table.shape[1] + cols).to(self.device, non_blocking=True)
+        indices = self.page_table.view(-1)[flat] // ps
+        last = [n - (p - 1) * ps for n, p in zip(seq_lens, num_pages)]
+        if pad_to > len(seq_lens):
+            extra = pad_to - len(seq_lens)
+            dummy = torch.full((extra,), self.kv_cache.dummy_page, dtype=torch.int32, device=self.device)
+            indices = torch.cat([indices, dummy])
+            num_pages += [1] * extra
+            last += [1] * extra
+        indptr = torch.zeros(len(num_pages) + 1, dtype=torch.int32)
+        indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
+        return indptr, indices.to(torch.int32), torch.tensor(last, dtype=torch.int32)
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        previous = self._planned.get(id(wrapper))
+        if previous is not None:
+            previous.synchronize()
+        dtype = self.kv_cache.dtype
+        wrapper.plan(*args, q_data_type=dtype, kv_data_type=dtype, **kwargs)
+        event = torch.cuda.Event()
+        event.record()
+        self._planned[id(wrapper)] = event
+
+    def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
+        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        if batch.is_decode:
+            wrapper = self._graph_wrappers[graph_bs] if graph_bs else self.decode_wrapper
+            self._plan(wrapper, *self._plan_inputs(batch, pad_to=graph_bs), *heads)
+            batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=wrapper)
+            return
+        extend = torch.tensor([req.extend_len for req in batch.reqs], dtype=torch.int32)
+        qo_indptr = torch.zeros(len(batch.reqs) + 1, dtype=torch.int32)
+        qo_indptr[1:] = extend.cumsum(0)
+        self._plan(self.prefill_wrapper, qo_indptr, *self._plan_inputs(batch), *heads, causal=True)
+        last_indices = (qo_indptr[1:].long() - 1).to(self.device, non_blocking=True)
+        batch.attn_metadata = FlashInferMetadata(last_indices=last_indices, wrapper=self.prefill_wrapper)
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------
+
+    def init_graph_wrappers(self, batch_sizes: list[int], max_pages_per_req: int) -> None:
+        """One decode wrapper per captured batch size, over shared fixed buffers."""
+        max_bs = max(batch_sizes)
+        buffers = {
+            "indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            "indices": torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device),
+            "last": torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+        }
+        self._graph_buffers = buffers
+        for bs in batch_sizes:
+            self._graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=buffers["indptr"][: bs + 1],
+                paged_kv_indices_buffer=buffers["indices"],
+                paged_kv_last_page_len_buffer=buffers["last"][:bs],
+            )
+
+    # -- the op ------------------------------------------------------------------------------------
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        meta = batch.attn_metadata
+        assert isinstance(meta, FlashInferMetadata), "prepare_metadata must run before forward"
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
+        return meta.wrapper.run(q, kv)

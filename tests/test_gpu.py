@@ -1,0 +1,151 @@
+"""GPU path: FlashInfer backends against the torch backend, CUDA graph replay against the same compiled
+code without a graph, transformers on a tiny model, seeded sampling on the GPU. Skips without CUDA.
+
+All tests use one attention shape (head_dim 128, 16 query / 8 KV heads, bf16: Qwen3-0.6B's), so the
+FlashInfer kernels compile once. Run them all with `python -m pytest tests/test_gpu.py`.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+import transformers
+from conftest import rel_err
+
+from minisgl.core import SamplingParams
+from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer"),
+]
+BF16_TOL = 2e-2
+PROMPT_LENS = [7, 33, 1, 150, 64]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    cfg = transformers.Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _engine(folder, **kw) -> Engine:
+    kw.setdefault("dtype", torch.bfloat16)
+    kw.setdefault("device", "cuda")
+    kw.setdefault("max_running_req", 64)
+    kw.setdefault("num_page_override", 2048)
+    return Engine(EngineConfig(model_path=str(folder), **kw))
+
+
+def _teacher_forced_logits(engine: Engine, seqs, prompt_lens) -> torch.Tensor:
+    """Prefill, then STEPS decode steps fed from `seqs`; the stacked logits of every step."""
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=STEPS + 1)) for s, n in zip(seqs, prompt_lens)]
+    steps = [engine.forward_logits(prep.prefill(reqs))]
+    for step in range(STEPS):
+        for r, s, n in zip(reqs, seqs, prompt_lens):
+            r.input_ids.append(s[n + step])
+        steps.append(engine.forward_logits(prep.decode(reqs)))
+    prep.release(reqs)
+    return torch.stack(steps, dim=1).float()
+
+
+def _seqs(vocab: int, lens=PROMPT_LENS):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n + STEPS,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
+    seqs = _seqs(512)
+    ref = _teacher_forced_logits(
+        _engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS
+    )
+    got = _teacher_forced_logits(
+        _engine(tiny_qwen3, attention_backend=backend, page_size=page_size, cuda_graph_max_bs=0),
+        seqs,
+        PROMPT_LENS,
+    )
+    assert rel_err(got, ref) < BF16_TOL
+
+
+def test_transformers_logits_within_bf16(tiny_qwen3):
+    seqs = _seqs(512, [40, 12])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = [model(torch.tensor([s])).logits[0] for s in seqs]
+    want = torch.stack(
+        [torch.stack([f[n - 1 + i] for i in range(STEPS + 1)]) for f, n in zip(full, [40, 12])]
+    )
+    got = _teacher_forced_logits(_engine(tiny_qwen3, attention_backend="fi", page_size=16), seqs, [40, 12])
+    assert rel_err(got.cpu(), want) < BF16_TOL
+
+
+def test_chunked_prefill_matches_whole(tiny_qwen3):
+    engine = _engine(tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_max_bs=0)
+    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)]
+    whole = generate(engine, prompts, SamplingParams(max_tokens=8))
+    assert generate(engine, prompts, SamplingParams(max_tokens=8), chunk_size=40) == whole
+
+
+def test_graph_replay_bit_identical_to_compiled(tiny_qwen3):
+    """The same compiled forward with and without a CUDA graph, on captured and uncaptured sizes."""
+    graphs = _engine(
+        tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_bs=(1, 2, 4, 8, 16), cuda_graph_max_bs=16
+    )
+    plain = _engine(tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_max_bs=0)
+    # both run the same compiled function outside graphs (prefill, uncaptured sizes): only the graph differs
+    plain.model.forward = graphs.model.forward = graphs.graph_runner.forward
+    assert graphs.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
+    g = torch.Generator().manual_seed(2)
+    for bs in (1, 3, 4, 7, 16, 17, 30):
+        prompts = [
+            torch.randint(3, 512, (int(torch.randint(1, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(bs)
+        ]
+        out = [generate(e, prompts, SamplingParams(max_tokens=6)) for e in (graphs, plain)]
+        assert out[0] == out[1], f"bs={bs}"
+        # logits of one decode step, bit for bit
+        logits = []
+        for e in (graphs, plain):
+            prep = BatchPreparer(e)
+            reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
+            e.forward_logits(prep.prefill(reqs))
+            for r in reqs:
+                r.input_ids.append(5)
+            batch = prep.decode(reqs)
+            assert e.graph_runner.can_use_cuda_graph(batch) == (e is graphs and bs <= 16)
+            logits.append(e.forward_logits(batch))
+            prep.release(reqs)
+        assert torch.equal(logits[0], logits[1]), f"bs={bs}"
+
+
+def test_seeded_sampling_batch_invariant_on_gpu(tiny_qwen3):
+    engine = _engine(tiny_qwen3, attention_backend="fi", page_size=16)
+    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=12) for i in range(len(prompts))
+    ]
+    together = generate(engine, prompts, params)
+    alone = [generate(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert together == alone
