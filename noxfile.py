@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, perf (CPU benchmarks); perf_gpu arrives with the GPU path."""
+"""nox sessions: tests, lint, perf (CPU benchmarks), perf_gpu (the GPU benchmark, current environment)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,18 @@ def perf(session: nox.Session) -> None:
     """CPU benchmarks (pytest-benchmark): SmolLM2 decode steps at batch 1 and 16, a 512-token prefill."""
     _install(session)
     session.run("python", "-m", "pytest", "perf", "--benchmark-only", "-q", *session.posargs, env=OFFLINE)
+
+
+@nox.session(venv_backend="none")
+def perf_gpu(session: nox.Session) -> None:
+    """The GPU benchmark in the current environment: the offline workload on Qwen3-0.6B (dummy weights)
+    with the H200 preset, plus one request alone. Same as `python -m minisgl.bench --config ...`."""
+    session.run(
+        "python",
+        "-m",
+        "minisgl.bench",
+        "--config",
+        "configs/h200-qwen3-0.6b.yaml",
+        "--single-request",
+        *session.posargs,
+    )
