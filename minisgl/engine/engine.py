@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -11,16 +12,25 @@ import torch
 
 from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context
-from minisgl.distributed import destroy_process_group, init_process_group
+from minisgl.distributed import (
+    DistributedInfo,
+    destroy_process_group,
+    divide,
+    init_process_group,
+    set_tp_info,
+    shard_heads,
+)
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
 from minisgl.models import build_model
+from minisgl.moe import create_moe_backend
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+TP_FAMILIES = ("llama", "qwen2", "qwen3")  # model families that shard themselves under tensor parallelism
 CPU_KV_FRACTION = 0.10  # default CPU KV budget: this share of the RAM available at start
 
 
@@ -44,16 +54,27 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        model_config = config.model_config
+        model_config = config.model_config  # global: the whole model's sizes
         self._closed = False
         started = time.perf_counter()
+        tp_info = config.tp_info
+        if tp_info.size > 1 and model_config.family not in TP_FAMILIES:
+            raise ValueError(
+                f"tensor parallelism is not supported for {model_config.architecture} yet "
+                f"(tp size {tp_info.size}); supported: {', '.join(TP_FAMILIES)} models"
+            )
+        # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
+        self.local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
+        divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
+        divide(model_config.vocab_size, tp_info.size, "vocab_size")
 
         # 1. communication
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._owns_process_group = init_process_group(
-            config.tp_info, config.distributed_addr, config.distributed_timeout, self.device
+            tp_info, config.distributed_addr, config.distributed_timeout, self.device
         )
+        set_tp_info(tp_info)  # read by the model's construction and the layer functions' collectives
         available_before = _available_memory(self.device)
 
         # 2. model
@@ -73,7 +94,7 @@ class Engine:
             model_config.num_layers,
             self.num_pages,
             config.page_size,
-            model_config.num_kv_heads,
+            self.local_heads.num_kv_heads,
             model_config.head_dim,
             self.dtype,
             self.device,
@@ -89,11 +110,16 @@ class Engine:
         dummy_loc = self.kv_cache.dummy_page * page_size
         self.page_table[config.max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
 
-        # 5. attention and MoE backends
-        self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_cache, self.page_table, self.device, model_config
+        # 5. attention and MoE backends (attention sees this rank's heads)
+        attn_config = dataclasses.replace(
+            model_config, num_heads=self.local_heads.num_heads, num_kv_heads=self.local_heads.num_kv_heads
         )
-        self.moe_backend = None  # dense models only
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, self.kv_cache, self.page_table, self.device, attn_config
+        )
+        self.moe_backend = (
+            create_moe_backend(config.moe_backend, self.device) if model_config.num_experts else None
+        )
         self.ctx = Context(
             page_size=page_size,
             kv_cache=self.kv_cache,
@@ -117,13 +143,14 @@ class Engine:
         )
 
         logger.info(
-            "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights), %d KV pages of %d tokens "
+            "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
             "(%.2f GiB), max_seq_len %d",
             time.perf_counter() - started,
             model_config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             model_bytes / GIB,
+            f", tp rank {tp_info.rank} of {tp_info.size}" if tp_info.size > 1 else "",
             self.num_pages,
             page_size,
             self.kv_cache.size_bytes / GIB,
@@ -132,7 +159,8 @@ class Engine:
 
     def _num_pages(self, available_before: int, model_bytes: int) -> int:
         cfg, mc = self.config, self.config.model_config
-        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        kv_heads = self.local_heads.num_kv_heads  # this rank's share of the KV cache
+        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
         if cfg.num_page_override is not None:
             logger.info("KV cache: num_page_override=%d", cfg.num_page_override)
             return cfg.num_page_override
@@ -231,9 +259,11 @@ class Engine:
         self.graph_runner.destroy()
         if self._owns_process_group:
             destroy_process_group()
+        set_tp_info(DistributedInfo())
         self.model = self.kv_cache = self.page_table = None  # type: ignore[assignment]
         self.ctx.kv_cache = self.ctx.page_table = None  # type: ignore[assignment]
         self.attn_backend = self.ctx.attn_backend = None  # type: ignore[assignment]
+        self.moe_backend = self.ctx.moe_backend = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

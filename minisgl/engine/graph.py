@@ -56,6 +56,12 @@ class GraphRunner:
                 type(backend).__name__,
             )
             return
+        if ctx.moe_backend is not None and not getattr(ctx.moe_backend, "graph_capturable", False):
+            logger.info(
+                "CUDA graphs: disabled (the %s MoE backend cannot be captured)",
+                type(ctx.moe_backend).__name__,
+            )
+            return
         max_bs = min(cuda_graph_max_bs or default_max_bs(device), max_running_req)
         sizes = sorted({bs for bs in (cuda_graph_bs or default_batch_sizes(max_bs)) if bs <= max_bs})
         if not sizes:

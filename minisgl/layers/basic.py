@@ -1,9 +1,16 @@
-"""Norms, projections, the gated MLP and the embedding, as plain functions."""
+"""Norms, projections, the gated MLP and the embedding, as plain functions.
+
+Under tensor parallelism `embed` and `lm_head` are vocab-parallel: each rank holds a contiguous slice of
+the vocabulary (rank r: rows [r * V / tp, (r + 1) * V / tp)) and they communicate themselves. Column- and
+row-parallel projections need no special function: the caller all-reduces a row-parallel output.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from minisgl.distributed import all_gather, all_reduce, get_tp_info
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,9 +39,18 @@ def mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch
 
 
 def embed(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.embedding(input_ids, weight)
+    """Embedding rows of `input_ids`. Vocab-parallel: ids outside this rank's slice give zeros, and the
+    sum over ranks gives every rank the full embedding."""
+    tp = get_tp_info()
+    if tp.size == 1:
+        return F.embedding(input_ids, weight)
+    local_ids = input_ids - tp.rank * weight.shape[0]
+    inside = (local_ids >= 0) & (local_ids < weight.shape[0])
+    out = F.embedding(local_ids.masked_fill(~inside, 0), weight)
+    return all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
 def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits in float32 (sampling and comparisons want full precision)."""
-    return F.linear(hidden, weight).float()
+    """Logits in float32 (sampling and comparisons want full precision). Vocab-parallel: each rank's
+    logits over its slice, gathered so that every rank holds (and samples from) the full vocabulary."""
+    return all_gather(F.linear(hidden, weight).float(), dim=-1)

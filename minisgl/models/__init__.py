@@ -12,6 +12,7 @@ from torch import nn
 from minisgl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl.models.weights import init_dummy_weights, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -47,6 +48,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
+    # mixture of experts (Qwen3-MoE); dense models have num_experts == 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """True where the layer's MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -77,6 +93,25 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(raw.get("attention_bias", False))
+        moe: dict[str, Any] = {}
+        if family == "qwen3_moe":
+            # transformers 5 writes `num_local_experts`; the hub's config.json files say `num_experts`
+            num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+            if num_experts is None:
+                raise ValueError(f"{source}: missing required key 'num_experts' for {arch}")
+            moe = dict(
+                num_experts=int(num_experts),
+                num_experts_per_tok=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default
+                decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+            )
+            if not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
+                raise ValueError(
+                    f"{source}: num_experts_per_tok={moe['num_experts_per_tok']} must be in "
+                    f"[1, num_experts={moe['num_experts']}]"
+                )
         return cls(
             architecture=arch,
             family=family,
@@ -94,10 +129,11 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=False if family == "qwen2" else attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            **moe,
         )
 
     @classmethod

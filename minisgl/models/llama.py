@@ -2,6 +2,13 @@
 
 The module only holds weights; `forward` composes the pure functions of `minisgl.layers`. Q, K and V
 are one merged projection, and so are the MLP's gate and up projections: fewer, larger GEMMs.
+
+Tensor parallelism (the process's `get_tp_info()` at construction): each rank holds its query heads and
+KV heads of the QKV rows (KV heads replicated when there are fewer than ranks, see `shard_heads`), the
+matching input columns of o_proj, its part of the intermediate rows of gate_up and columns of down, and
+a vocabulary slice of the embedding and LM head. o_proj and down are row-parallel: their outputs are
+partial sums, all-reduced in `forward`. Norms (q/k norms included) are replicated. `checkpoint_map`
+describes each rank's part as a `Shard` of the checkpoint tensor, so each rank reads only its part.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.distributed import DistributedInfo, all_reduce, divide, get_tp_info, shard_heads
 from minisgl.layers import (
     add_rms_norm,
     apply_rope,
@@ -22,6 +30,7 @@ from minisgl.layers import (
     rope_cos_sin,
 )
 from minisgl.models.config import ModelConfig
+from minisgl.models.weights import Shard
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -31,39 +40,44 @@ def _param(*shape: int) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.tp = tp = get_tp_info()
+        self.heads = heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp)
         hidden, head_dim = cfg.hidden_size, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+        q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
+        inter = divide(cfg.intermediate_size, tp.size, "intermediate_size")
         self.input_norm = _param(hidden)
         self.qkv_proj = _param(q_size + 2 * kv_size, hidden)
         self.qkv_bias = _param(q_size + 2 * kv_size) if cfg.qkv_bias else None
         self.q_norm = _param(head_dim) if cfg.qk_norm else None
         self.k_norm = _param(head_dim) if cfg.qk_norm else None
         self.o_proj = _param(hidden, q_size)
-        self.o_bias = _param(hidden) if cfg.o_bias else None
+        self.o_bias = _param(hidden) if cfg.o_bias else None  # added once, after the all-reduce
         self.post_norm = _param(hidden)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, hidden)
-        self.down_proj = _param(hidden, cfg.intermediate_size)
+        self.gate_up_proj = _param(2 * inter, hidden)
+        self.down_proj = _param(hidden, inter)
 
-    def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv_rows = {
-            "q": slice(0, q_size),
-            "k": slice(q_size, q_size + kv_size),
-            "v": slice(q_size + kv_size, None),
+    def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor | Shard]:
+        rank, size, heads = self.tp.rank, self.tp.size, self.heads
+        q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
+        # (local rows, part, parts) of each of q, k and v
+        qkv = {
+            "q": (slice(0, q_size), rank, size),
+            "k": (slice(q_size, q_size + kv_size), heads.kv_part, heads.kv_parts),
+            "v": (slice(q_size + kv_size, None), heads.kv_part, heads.kv_parts),
         }
-        inter = cfg.intermediate_size
-        out = {
+        inter = self.down_proj.shape[1]
+        out: dict[str, torch.Tensor | Shard] = {
             f"{prefix}.input_layernorm.weight": self.input_norm,
             f"{prefix}.post_attention_layernorm.weight": self.post_norm,
-            f"{prefix}.self_attn.o_proj.weight": self.o_proj,
-            f"{prefix}.mlp.gate_proj.weight": self.gate_up_proj[:inter],
-            f"{prefix}.mlp.up_proj.weight": self.gate_up_proj[inter:],
-            f"{prefix}.mlp.down_proj.weight": self.down_proj,
+            f"{prefix}.self_attn.o_proj.weight": Shard(self.o_proj, 1, rank, size),
+            f"{prefix}.mlp.gate_proj.weight": Shard(self.gate_up_proj[:inter], 0, rank, size),
+            f"{prefix}.mlp.up_proj.weight": Shard(self.gate_up_proj[inter:], 0, rank, size),
+            f"{prefix}.mlp.down_proj.weight": Shard(self.down_proj, 1, rank, size),
         }
-        for name, rows in qkv_rows.items():
-            out[f"{prefix}.self_attn.{name}_proj.weight"] = self.qkv_proj[rows]
+        for name, (rows, part, parts) in qkv.items():
+            out[f"{prefix}.self_attn.{name}_proj.weight"] = Shard(self.qkv_proj[rows], 0, part, parts)
             if self.qkv_bias is not None:
-                out[f"{prefix}.self_attn.{name}_proj.bias"] = self.qkv_bias[rows]
+                out[f"{prefix}.self_attn.{name}_proj.bias"] = Shard(self.qkv_bias[rows], 0, part, parts)
         if self.o_bias is not None:
             out[f"{prefix}.self_attn.o_proj.bias"] = self.o_bias
         if self.q_norm is not None:
@@ -78,20 +92,26 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.tp: DistributedInfo = get_tp_info()
+        vocab = divide(cfg.vocab_size, self.tp.size, "vocab_size")  # this rank's slice
+        self.embed_tokens = _param(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, cfg.hidden_size)
         self.register_buffer(
             "cos_sin",
             build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope, self.embed_tokens.device),
             persistent=False,
         )
 
-    def checkpoint_map(self) -> dict[str, torch.Tensor]:
-        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+    def checkpoint_map(self) -> dict[str, torch.Tensor | Shard]:
+        rank, size = self.tp.rank, self.tp.size
+        out: dict[str, torch.Tensor | Shard] = {
+            "model.embed_tokens.weight": Shard(self.embed_tokens, 0, rank, size),
+            "model.norm.weight": self.norm,
+        }
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head
+            out["lm_head.weight"] = Shard(self.lm_head, 0, rank, size)
         for i, layer in enumerate(self.layers):
             out.update(layer.checkpoint_map(f"model.layers.{i}", self.cfg))
         return out
@@ -116,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             hidden = self._attention(layer, layer_id, x, cos_sin)
             x, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = mlp(x, layer.gate_up_proj, layer.down_proj)
+            hidden = all_reduce(mlp(x, layer.gate_up_proj, layer.down_proj))  # row-parallel down
         hidden = residual + hidden
         if last_indices is not None:
             hidden = hidden[last_indices]
@@ -126,16 +146,17 @@ class LlamaForCausalLM(nn.Module):
     def _attention(
         self, layer: DecoderLayer, layer_id: int, x: torch.Tensor, cos_sin: torch.Tensor
     ) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, heads = self.cfg, layer.heads  # this rank's heads
         num_tokens = x.shape[0]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
         q, k, v = linear(x, layer.qkv_proj, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = q.view(num_tokens, heads.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, k, cos_sin)
         out = attention(q, k, v.contiguous(), layer_id)
-        return linear(out.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
+        out = all_reduce(linear(out.reshape(num_tokens, q_size), layer.o_proj))  # row-parallel o_proj
+        return out if layer.o_bias is None else out + layer.o_bias

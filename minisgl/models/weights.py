@@ -1,15 +1,18 @@
 """Loading safetensors checkpoints tensor by tensor into a model's parameters, or dummy weights.
 
 A model describes its checkpoint as `checkpoint_map()`: checkpoint tensor name -> the destination view
-(a parameter, or a slice of a merged one such as QKV). Each tensor is read, checked against its
-destination's shape and copied into it (converting dtype and moving device on the way), so peak host
-memory stays at the model plus the largest tensor. Only safetensors are read: never pickles.
+(a parameter, or a slice of a merged one such as QKV), or a `Shard` of it under tensor parallelism:
+then only the rank's part of the checkpoint tensor is read from the file. Each tensor is read, checked
+against its destination's shape and copied into it (converting dtype and moving device on the way), so
+peak host memory stays at the model plus the largest tensor. Only safetensors are read: never pickles.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,9 +44,31 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class Shard:
+    """`dest` receives part `part` of the checkpoint tensor cut into `parts` equal parts along `dim`."""
+
+    dest: torch.Tensor
+    dim: int
+    part: int
+    parts: int
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.dest.shape)
+        shape[self.dim] *= self.parts
+        return tuple(shape)
+
+    def index(self) -> tuple[slice, ...]:
+        size = self.dest.shape[self.dim]
+        return (slice(None),) * self.dim + (slice(self.part * size, (self.part + 1) * size),)
+
+
 @torch.no_grad()
 def load_checkpoint(
-    destinations: dict[str, torch.Tensor], model_path: str | Path, ignored: frozenset[str] = frozenset()
+    destinations: Mapping[str, torch.Tensor | Shard],
+    model_path: str | Path,
+    ignored: frozenset[str] = frozenset(),
 ) -> None:
     """Fills every destination from the checkpoint; tensors named in `ignored` are skipped quietly."""
     seen: set[str] = set()
@@ -58,14 +83,18 @@ def load_checkpoint(
                         if name not in ignored and not name.endswith(IGNORED_SUFFIXES):
                             unexpected.append(name)
                         continue
-                    tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(dest.shape):
+                    source = f.get_slice(name)  # reads nothing yet
+                    shape = tuple(source.get_shape())
+                    expected = dest.full_shape if isinstance(dest, Shard) else tuple(dest.shape)
+                    if shape != expected:
                         raise ValueError(
-                            f"checkpoint tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                            f"expected {tuple(dest.shape)} from config.json; the weights do not match the config"
+                            f"checkpoint tensor {name!r} in {file.name} has shape {shape}, expected "
+                            f"{expected} from config.json; the weights do not match the config"
                         )
-                    dest.copy_(tensor)
-                    del tensor
+                    if isinstance(dest, Shard):
+                        dest.dest.copy_(source[dest.index()])  # reads only this rank's part
+                    else:
+                        dest.copy_(f.get_tensor(name))
                     seen.add(name)
                     bar.update(1)
     missing = sorted(set(destinations) - seen)

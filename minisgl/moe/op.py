@@ -1,0 +1,53 @@
+"""`moe`: the sparse MLP as one call into the running engine's MoE backend.
+
+Like `minisgl.layers.attention`, the backend is not held by the model: it is read from the engine's
+context (`get_global_ctx().moe_backend`) at call time, and under torch.compile the call goes through
+the opaque `minisgl::moe` custom op (with a fake implementation for shapes), so the model's forward
+stays one graph with `fullgraph=True` whatever the backend does inside. The Engine sets the backend
+(`moe_backend` setting) for models with experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core import get_global_ctx
+from minisgl.moe.base import BaseMoeBackend
+
+
+def _backend() -> BaseMoeBackend:
+    backend = get_global_ctx().moe_backend
+    if backend is None:
+        raise RuntimeError("the engine has no MoE backend: it sets one for models with experts")
+    return backend
+
+
+@torch.library.custom_op("minisgl::moe", mutates_args=())
+def _moe_op(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)
+
+
+@_moe_op.register_fake
+def _(x, router_logits, w13, w2, top_k, renormalize):
+    return torch.empty_like(x)
+
+
+def moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """x (T, H), router_logits (T, E), w13 (E, 2I, H), w2 (E, H, I) -> (T, H); see BaseMoeBackend."""
+    if torch.compiler.is_compiling():
+        return _moe_op(x, router_logits, w13, w2, top_k, renormalize)
+    return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)

@@ -1,0 +1,57 @@
+"""The reference MoE backend in plain torch, on CPU and GPU, numerically matching transformers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.moe.base import BaseMoeBackend
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, top_k) in `dtype`, expert ids (T, top_k)): softmax in float32, top-k, optional
+    renormalisation in float32, then the cast, as transformers' Qwen3MoeTopKRouter does."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class TorchMoeBackend(BaseMoeBackend):
+    """Loops over the experts that received tokens: gathers their tokens, runs SwiGLU and the down
+    projection, scales by the routing weight and adds into the output in expert order (the order, and
+    the dtypes, of transformers' Qwen3MoeExperts).
+
+    The token count of each expert is data-dependent, so this backend is for eager execution (CPU, and
+    GPU without CUDA graphs); a graph-capturable GPU backend is the job of the 'fused' one.
+    """
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()  # (T * top_k,): token t's slot j is row t * top_k + j
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        tokens = order // top_k
+        slot_weights = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            gate, up = F.linear(x[tokens[rows]], w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[expert]) * slot_weights[rows, None]
+            out.index_add_(0, tokens[rows], y)
+        return out
