@@ -69,3 +69,31 @@ def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> Pa
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def teacher_forced_logits(engine, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+    """Prefills each seq[:n] as one batch, then decodes `steps` steps fed from the sequences (teacher
+    forcing). Returns the float32 logits, (requests, steps + 1, vocab): step 0 predicts position n."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import BatchPreparer
+
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, prompt_lens)]
+    out = [engine.forward_logits(prep.prefill(reqs))]
+    for step in range(steps):
+        for req, s, n in zip(reqs, seqs, prompt_lens):
+            req.input_ids.append(s[n + step])
+        out.append(engine.forward_logits(prep.decode(reqs)))
+    prep.release(reqs)
+    assert prep.pages.num_used == 0
+    return torch.stack(out, dim=1).float()
+
+
+def reference_logits(folder: Path, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+    """transformers' logits at the same positions as `teacher_forced_logits`, each sequence alone."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = [model(torch.tensor([s])).logits[0] for s in seqs]
+    return torch.stack([f[n - 1 : n + steps] for f, n in zip(full, prompt_lens)])

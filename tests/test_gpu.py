@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from conftest import rel_err
+from conftest import rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
@@ -56,17 +56,8 @@ def _engine(folder, **kw) -> Engine:
     return Engine(EngineConfig(model_path=str(folder), **kw))
 
 
-def _teacher_forced_logits(engine: Engine, seqs, prompt_lens) -> torch.Tensor:
-    """Prefill, then STEPS decode steps fed from `seqs`; the stacked logits of every step."""
-    prep = BatchPreparer(engine)
-    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=STEPS + 1)) for s, n in zip(seqs, prompt_lens)]
-    steps = [engine.forward_logits(prep.prefill(reqs))]
-    for step in range(STEPS):
-        for r, s, n in zip(reqs, seqs, prompt_lens):
-            r.input_ids.append(s[n + step])
-        steps.append(engine.forward_logits(prep.decode(reqs)))
-    prep.release(reqs)
-    return torch.stack(steps, dim=1).float()
+def _tf(engine: Engine, seqs, prompt_lens) -> torch.Tensor:
+    return teacher_forced_logits(engine, seqs, prompt_lens, STEPS)
 
 
 def _seqs(vocab: int, lens=PROMPT_LENS):
@@ -78,10 +69,8 @@ def _seqs(vocab: int, lens=PROMPT_LENS):
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
     seqs = _seqs(512)
-    ref = _teacher_forced_logits(
-        _engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS
-    )
-    got = _teacher_forced_logits(
+    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
+    got = _tf(
         _engine(tiny_qwen3, attention_backend=backend, page_size=page_size, cuda_graph_max_bs=0),
         seqs,
         PROMPT_LENS,
@@ -97,7 +86,7 @@ def test_transformers_logits_within_bf16(tiny_qwen3):
     want = torch.stack(
         [torch.stack([f[n - 1 + i] for i in range(STEPS + 1)]) for f, n in zip(full, [40, 12])]
     )
-    got = _teacher_forced_logits(_engine(tiny_qwen3, attention_backend="fi", page_size=16), seqs, [40, 12])
+    got = _tf(_engine(tiny_qwen3, attention_backend="fi", page_size=16), seqs, [40, 12])
     assert rel_err(got.cpu(), want) < BF16_TOL
 
 

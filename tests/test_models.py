@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import make_tiny_model, rel_err
+from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig
@@ -12,43 +12,20 @@ PROMPT_LENS = [5, 17, 1, 40]
 DECODE_STEPS = 12
 
 
-def _reference_logits(folder, sequences):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [ref(torch.tensor([seq])).logits[0] for seq in sequences]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_logits_match_transformers(tmp_path, arch, page_size):
+    """Prefill of prompts of different lengths in one batch, then teacher-forced decode steps."""
     folder = make_tiny_model(tmp_path, arch)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 320, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
-    expected = _reference_logits(folder, seqs)
-
     engine = Engine(
         EngineConfig(model_path=str(folder), dtype=torch.float32, device="cpu", page_size=page_size)
     )
-    prep = BatchPreparer(engine)
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1)
-    reqs = [prep.add_request(seq[:n], params) for seq, n in zip(seqs, PROMPT_LENS)]
-    logits = engine.forward_logits(prep.prefill(reqs))
-    got = [[row] for row in logits]
-    want = [[exp[n - 1]] for exp, n in zip(expected, PROMPT_LENS)]
-    for step in range(DECODE_STEPS):  # teacher forcing: feed the reference sequence
-        for req, seq, n in zip(reqs, seqs, PROMPT_LENS):
-            req.input_ids.append(seq[n + step])
-        logits = engine.forward_logits(prep.decode(reqs))
-        for i, (exp, n) in enumerate(zip(expected, PROMPT_LENS)):
-            got[i].append(logits[i])
-            want[i].append(exp[n + step])
-    got_t = torch.stack([torch.stack(g) for g in got])
-    want_t = torch.stack([torch.stack(w) for w in want])
-    err = rel_err(got_t, want_t)
+    got = teacher_forced_logits(engine, seqs, PROMPT_LENS, DECODE_STEPS)
+    err = rel_err(got, reference_logits(folder, seqs, PROMPT_LENS, DECODE_STEPS))
     print(f"{arch} page_size={page_size}: relative error {err:.2e}")
     assert err < 1e-4, f"{arch}: relative error {err:.2e}"
-    prep.release(reqs)
-    assert prep.pages.num_used == 0
     engine.shutdown()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import rel_err
+from conftest import reference_logits, rel_err, teacher_forced_logits
 from safetensors import safe_open
 
 from minisgl.core import SamplingParams
@@ -96,29 +96,13 @@ def test_logits_match_transformers(tmp_path, norm_topk_prob):
     folder = make_tiny_moe(tmp_path, norm_topk_prob)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, VOCAB, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
-    ref = _reference(folder)
-    with torch.no_grad():
-        expected = [ref(torch.tensor([seq])).logits[0] for seq in seqs]
+    want = reference_logits(folder, seqs, PROMPT_LENS, DECODE_STEPS)
 
     engine = Engine(EngineConfig(model_path=str(folder), dtype=torch.float32, device="cpu", page_size=4))
     assert isinstance(engine.moe_backend, TorchMoeBackend) and engine.ctx.moe_backend is engine.moe_backend
-    prep = BatchPreparer(engine)
-    params = SamplingParams(max_tokens=DECODE_STEPS + 1)
-    reqs = [prep.add_request(seq[:n], params) for seq, n in zip(seqs, PROMPT_LENS)]
-    logits = engine.forward_logits(prep.prefill(reqs))
-    got = [[row] for row in logits]
-    want = [[exp[n - 1]] for exp, n in zip(expected, PROMPT_LENS)]
-    for step in range(DECODE_STEPS):  # teacher forcing: feed the reference sequence
-        for req, seq, n in zip(reqs, seqs, PROMPT_LENS):
-            req.input_ids.append(seq[n + step])
-        logits = engine.forward_logits(prep.decode(reqs))
-        for i, (exp, n) in enumerate(zip(expected, PROMPT_LENS)):
-            got[i].append(logits[i])
-            want[i].append(exp[n + step])
-    err = rel_err(torch.stack([torch.stack(g) for g in got]), torch.stack([torch.stack(w) for w in want]))
+    err = rel_err(teacher_forced_logits(engine, seqs, PROMPT_LENS, DECODE_STEPS), want)
     print(f"qwen3_moe norm_topk_prob={norm_topk_prob}: relative error {err:.2e}")
     assert err < 1e-4, f"relative error {err:.2e}"
-    prep.release(reqs)
     engine.shutdown()
 
 

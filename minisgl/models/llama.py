@@ -136,12 +136,15 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             hidden = self._attention(layer, layer_id, x, cos_sin)
             x, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = all_reduce(mlp(x, layer.gate_up_proj, layer.down_proj))  # row-parallel down
+            hidden = self._mlp(layer, x)
         hidden = residual + hidden
         if last_indices is not None:
             hidden = hidden[last_indices]
         hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
+
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(mlp(x, layer.gate_up_proj, layer.down_proj))  # row-parallel down
 
     def _attention(
         self, layer: DecoderLayer, layer_id: int, x: torch.Tensor, cos_sin: torch.Tensor

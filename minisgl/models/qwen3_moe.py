@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from minisgl.layers import add_rms_norm, embed, linear, lm_head, mlp, rms_norm, rope_cos_sin
+from minisgl.layers import linear
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
 from minisgl.moe import moe
@@ -61,30 +61,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             for i in range(cfg.num_layers)
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """As LlamaForCausalLM.forward, with the sparse layers' MLP replaced by the MoE."""
-        cfg = self.cfg
-        hidden = embed(input_ids, self.embed_tokens)
-        cos_sin = rope_cos_sin(positions, self.cos_sin, hidden.dtype)
-        residual = hidden
-        for layer_id, layer in enumerate(self.layers):
-            if layer_id == 0:
-                x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            hidden = self._attention(layer, layer_id, x, cos_sin)
-            x, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            if isinstance(layer, SparseDecoderLayer):
-                router_logits = linear(x, layer.gate)
-                hidden = moe(
-                    x, router_logits, layer.w13, layer.w2, cfg.num_experts_per_tok, cfg.norm_topk_prob
-                )
-            else:
-                hidden = mlp(x, layer.gate_up_proj, layer.down_proj)
-        hidden = residual + hidden
-        if last_indices is not None:
-            hidden = hidden[last_indices]
-        hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
-        return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP."""
+        if not isinstance(layer, SparseDecoderLayer):
+            return super()._mlp(layer, x)
+        router_logits = linear(x, layer.gate)
+        return moe(
+            x, router_logits, layer.w13, layer.w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
+        )
