@@ -31,6 +31,15 @@ def _settings_options(command: Callable) -> Callable:
                 help="Model: a local folder, 'smollm2-135m' (the default) or a Hugging Face hub id. "
                 "[env MINISGL_MODEL_PATH]",
             )(command)
+        elif name == "tp_size":
+            command = click.option(
+                "--tp",
+                "--tp-size",
+                "tp_size",
+                default=None,
+                metavar="N",
+                help=f"{help_text} Rank 0 runs here, N-1 ranks in spawned processes.",
+            )(command)
         elif field.annotation in (bool, "bool"):
             command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
         else:

@@ -93,14 +93,29 @@ class LLM:
     ) -> None:
         """`model`: a local folder, 'smollm2-135m' (also what None means), or a hub id. `config`: a
         YAML settings file; other keyword arguments are settings (see `minisgl.settings`), plus
-        `max_prefill_tokens` for the scheduler."""
+        `max_prefill_tokens` for the scheduler. `tp=N` (or `tp_size`) runs N tensor-parallel ranks: this
+        process is rank 0 and schedules, N-1 spawned processes follow."""
         import transformers
 
         max_prefill_tokens = settings.pop("max_prefill_tokens", None)
+        if "tp" in settings:
+            settings["tp_size"] = settings.pop("tp")
         if model is not None:
             settings["model_path"] = resolve_model(model)
         self.settings = EngineSettings.load(config, **settings)
-        self.engine = Engine(self.settings.to_engine_config())
+        if self.settings.tp_size > 1:  # rank 0 here, ranks 1..N-1 in processes of their own
+            from minisgl.distributed.launch import RankZeroEngine, start_workers
+
+            settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
+            workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
+            try:
+                self.engine = RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers)
+            except BaseException:
+                for proc in workers:
+                    proc.kill()
+                raise
+        else:
+            self.engine = Engine(self.settings.to_engine_config())
         model_path = self.engine.config.model_path
         self.model_name = Path(model_path).name
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)

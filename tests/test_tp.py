@@ -6,6 +6,7 @@ produce the same tokens. Each run also returns the first step's (prefill) logits
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -17,11 +18,14 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import transformers
 from conftest import make_tiny_model, rel_err
+from test_moe import make_tiny_moe
 
 from minisgl.core import SamplingParams
-from minisgl.distributed import DistributedInfo, HeadShard, shard_heads
+from minisgl.distributed import DistributedInfo, HeadShard, set_tp_info, shard_heads
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.models import ModelConfig, build_model
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [7], list(range(20, 61)), [300, 12, 250, 8]]
 MAX_TOKENS = 8
@@ -205,6 +209,46 @@ def test_sizes_that_do_not_divide(tmp_path):
     # the same error reaches a real multi-process launch, from every rank, without hanging
     for status, message in run_tp(folder, 3):
         assert status == "error" and "num_attention_heads=4 is not divisible" in message
+
+
+def test_tp2_qwen3_moe_matches_tp1(tmp_path):
+    """Qwen3-MoE: 8 experts, top-2, moe_intermediate_size 32 split over 2 ranks (every rank holds every
+    expert's half), replicated router, all-reduced MoE output; layer 1 is dense (mlp_only_layers)."""
+    assert_tp_matches_single(make_tiny_moe(tmp_path), 2)
+
+
+def test_qwen3_moe_shards_experts(tmp_path):
+    """Each rank's w13 rows are [gate part r | up part r] of each expert, its w2 columns part r of down;
+    the router is replicated. A moe_intermediate_size the ranks cannot split fails clearly."""
+    folder = make_tiny_moe(tmp_path)  # moe_intermediate_size 32
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    experts = ref.model.layers[0].mlp.experts  # fused in memory: gate_up_proj (E, 2I, H), down_proj (E, H, I)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    inter = gate_up.shape[1] // 2
+    for rank in range(2):
+        set_tp_info(DistributedInfo(rank, 2))
+        try:
+            model = build_model(ModelConfig.from_path(folder), folder, 64, torch.device("cpu"), torch.float32)
+        finally:
+            set_tp_info(DistributedInfo())
+        layer = model.layers[0]
+        part = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        want_w13 = torch.cat([gate_up[:, :inter][:, part], gate_up[:, inter:][:, part]], dim=1)
+        assert torch.equal(layer.w13, want_w13)
+        assert torch.equal(layer.w2, down[:, :, part])
+        assert torch.equal(layer.gate, ref.model.layers[0].mlp.gate.weight.detach())
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "moe_intermediate_size": 30}))
+    set_tp_info(DistributedInfo(0, 4))
+    try:
+        with pytest.raises(
+            ValueError, match="moe_intermediate_size=30 is not divisible by the tensor-parallel size 4"
+        ):
+            build_model(
+                ModelConfig.from_path(folder), folder, 64, torch.device("cpu"), torch.float32, dummy=True
+            )
+    finally:
+        set_tp_info(DistributedInfo())
 
 
 def test_dummy_weights_under_tp(tmp_path):

@@ -121,17 +121,14 @@ class BatchPreparer:
             if n_new > 0:
                 first = len(pages)
                 pages.extend(self.pages.alloc(n_new))
-                locs = torch.tensor(pages[first:], dtype=torch.int32).repeat_interleave(ps) * ps
-                locs += torch.arange(n_new * ps, dtype=torch.int32) % ps
-                self.engine.page_table[req.table_idx, first * ps : (first + n_new) * ps] = locs.to(
-                    self.engine.device
-                )
+                self.engine.write_page_table(req.table_idx, first * ps, pages[first:])
             req.device_len = end
             input_ids += req.input_ids[req.cached_len : end]
             span = range(req.cached_len, end)
             positions += span
             out_loc += [pages[p // ps] * ps + p % ps for p in span]
         batch = Batch(reqs=list(reqs), phase=phase)
+        batch.host_inputs = (input_ids, positions, out_loc)
         device = self.engine.device
         batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
         batch.positions = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)

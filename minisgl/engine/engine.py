@@ -30,7 +30,7 @@ from minisgl.moe import create_moe_backend
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-TP_FAMILIES = ("llama", "qwen2", "qwen3")  # model families that shard themselves under tensor parallelism
+TP_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # families that shard themselves under TP
 CPU_KV_FRACTION = 0.10  # default CPU KV budget: this share of the RAM available at start
 
 
@@ -67,6 +67,8 @@ class Engine:
         self.local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
         divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
         divide(model_config.vocab_size, tp_info.size, "vocab_size")
+        if model_config.num_experts:
+            divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
 
         # 1. communication
         if self.device.type == "cuda":
@@ -189,6 +191,13 @@ class Engine:
             how += f", capped at max_running_req x max_seq_len = {useful} pages"
         logger.info("KV cache: %d pages x %d bytes (%s)", num_pages, page_bytes, how)
         return num_pages
+
+    def write_page_table(self, table_idx: int, start: int, pages: list[int]) -> None:
+        """Maps positions [start, start + len(pages) * page_size) of request slot `table_idx` to `pages`."""
+        ps = self.config.page_size
+        locs = torch.tensor(pages, dtype=torch.int32).repeat_interleave(ps) * ps
+        locs += torch.arange(len(pages) * ps, dtype=torch.int32) % ps
+        self.page_table[table_idx, start : start + len(locs)] = locs.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:

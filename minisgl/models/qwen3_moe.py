@@ -9,7 +9,11 @@ The MoE computation itself is `minisgl.moe.moe`, which calls the backend of the 
 context, as attention does: the model holds weights only, and the forward stays one graph under
 torch.compile(fullgraph=True) (see `minisgl.moe.op`).
 
-Single GPU only for now: no tensor or expert parallelism (the forward all-reduces nothing).
+Tensor parallelism (the process's `get_tp_info()` at construction): every rank holds every expert, with
+its part of each expert's intermediate dimension: `w13` rows [gate part r | up part r] and `w2` columns
+part r, read from the checkpoint as `Shard`s; the router `gate` is replicated. The experts' down
+projection is then row-parallel, like the dense MLP's: each rank's MoE output is a partial sum,
+all-reduced in `_mlp`. Attention, norms, embedding and dense layers shard as in `minisgl.models.llama`.
 """
 
 from __future__ import annotations
@@ -19,32 +23,37 @@ import dataclasses
 import torch
 from torch import nn
 
+from minisgl.distributed import all_reduce, divide
 from minisgl.layers import linear
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
+from minisgl.models.weights import Shard
 from minisgl.moe import moe
 
 
 class SparseDecoderLayer(DecoderLayer):
     """Qwen3's attention and norms; the MLP is a router plus fused experts. The parent's dense MLP
-    weights are built with zero rows (so its attention code and checkpoint map are reused unchanged)."""
+    weights are built with zero rows (so its attention code and checkpoint map are reused unchanged).
+    Under tensor parallelism each expert holds this rank's part of its intermediate dimension."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(dataclasses.replace(cfg, intermediate_size=0))
-        num_experts, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        num_experts, hidden = cfg.num_experts, cfg.hidden_size
+        inter = divide(cfg.moe_intermediate_size, self.tp.size, "moe_intermediate_size")  # local
         self.gate = _param(num_experts, hidden)
         self.w13 = _param(num_experts, 2 * inter, hidden)
         self.w2 = _param(num_experts, hidden, inter)
 
-    def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor | Shard]:
         out = {k: v for k, v in super().checkpoint_map(prefix, cfg).items() if ".mlp." not in k}
-        out[f"{prefix}.mlp.gate.weight"] = self.gate
-        inter = cfg.moe_intermediate_size
+        out[f"{prefix}.mlp.gate.weight"] = self.gate  # replicated
+        rank, size = self.tp.rank, self.tp.size
+        inter = self.w2.shape[2]  # local
         for e in range(cfg.num_experts):
             experts = f"{prefix}.mlp.experts.{e}"
-            out[f"{experts}.gate_proj.weight"] = self.w13[e, :inter]
-            out[f"{experts}.up_proj.weight"] = self.w13[e, inter:]
-            out[f"{experts}.down_proj.weight"] = self.w2[e]
+            out[f"{experts}.gate_proj.weight"] = Shard(self.w13[e, :inter], 0, rank, size)
+            out[f"{experts}.up_proj.weight"] = Shard(self.w13[e, inter:], 0, rank, size)
+            out[f"{experts}.down_proj.weight"] = Shard(self.w2[e], 1, rank, size)
         return out
 
 
@@ -62,10 +71,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         )
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP."""
+        """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP. Both are
+        row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced."""
         if not isinstance(layer, SparseDecoderLayer):
             return super()._mlp(layer, x)
-        router_logits = linear(x, layer.gate)
-        return moe(
+        router_logits = linear(x, layer.gate)  # replicated router: every rank picks the same experts
+        out = moe(
             x, router_logits, layer.w13, layer.w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
         )
+        return all_reduce(out)

@@ -1,0 +1,93 @@
+"""LLM(tp=N): rank 0 in this process schedules, spawned ranks follow; results equal a single rank."""
+
+import socket
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+
+pytestmark = pytest.mark.slow
+
+
+def _addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3")
+
+
+def _generate(folder, tp: int, prompts, params):
+    llm = LLM(
+        str(folder),
+        tp=tp,
+        device="cpu",
+        dtype="float32",
+        max_running_req=8,
+        distributed_addr=_addr(),
+        distributed_timeout=60,
+        max_prefill_tokens=16,
+    )
+    try:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+
+
+def test_llm_tp2_equals_tp1(tiny_qwen3):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 40, 1, 23, 17)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 3, 9, 4, 7)]
+    params[1] = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)  # rank 0 samples
+    single = _generate(tiny_qwen3, 1, prompts, params)
+    assert _generate(tiny_qwen3, 2, prompts, params) == single
+    assert [len(t) for t in single] == [6, 8, 9, 4, 7]
+
+
+def test_dead_rank_is_a_clear_error(tiny_qwen3):
+    llm = LLM(
+        str(tiny_qwen3), tp=2, device="cpu", dtype="float32", distributed_addr=_addr(), distributed_timeout=60
+    )
+    try:
+        llm.engine.workers[0].kill()
+        llm.engine.workers[0].join(10)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    finally:
+        llm.shutdown()
+
+
+def test_cli_generate_tp3_on_the_default_model(smollm2_path):
+    """`minisgl-run generate --tp 3`: SmolLM2 (9 heads, 3 KV heads) over three processes."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [
+            "minisgl-run",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--tp",
+            "3",
+            "--device",
+            "cpu",
+            "--distributed-addr",
+            _addr(),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("The capital of France is") and "Paris" in out.stdout
