@@ -121,12 +121,20 @@ def _common(command: Callable) -> Callable:
 
 
 def _make_llm(kwargs: dict[str, Any]):
-    from minisgl.llm import LLM
+    from minisgl.distributed.launch import launched_rank, worker_main
+    from minisgl.llm import LLM, resolve_model
 
     logging.basicConfig(
         level=logging.WARNING if kwargs["quiet"] else logging.INFO, format="%(message)s", stream=sys.stderr
     )
     explicit = _explicit(kwargs)
+    launched = launched_rank()
+    if launched is not None and launched[0] > 0:  # a rank started by torchrun & co: follow rank 0, then exit
+        rank, size = launched
+        if "model_path" in explicit:
+            explicit["model_path"] = resolve_model(explicit["model_path"])
+        worker_main(rank, {"tp_size": size, "distributed_addr": "env://", **explicit}, kwargs["config"])
+        sys.exit(0)
     model = explicit.pop("model_path", None)
     if kwargs["metrics_port"] is not None:
         try:

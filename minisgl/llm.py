@@ -23,6 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
+from minisgl.distributed.launch import RankZeroEngine, launched_rank, start_workers
 from minisgl.engine import Engine
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import Request, Scheduler
@@ -102,10 +103,17 @@ class LLM:
             settings["tp_size"] = settings.pop("tp")
         if model is not None:
             settings["model_path"] = resolve_model(model)
+        launched = launched_rank()
+        if launched is not None and launched[1] > 1:  # started by torchrun & co: the other ranks exist
+            if launched[0] != 0:
+                raise RuntimeError(
+                    f"LLM runs on rank 0 only; rank {launched[0]} runs minisgl.distributed.launch.worker_main"
+                )
+            settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
-        if self.settings.tp_size > 1:  # rank 0 here, ranks 1..N-1 in processes of their own
-            from minisgl.distributed.launch import RankZeroEngine, start_workers
-
+        if launched is not None and launched[1] > 1:
+            self.engine = RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
+        elif self.settings.tp_size > 1:  # rank 0 here, ranks 1..N-1 in processes of their own
             settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
             workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
             try:

@@ -91,3 +91,47 @@ def test_cli_generate_tp3_on_the_default_model(smollm2_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("The capital of France is") and "Paris" in out.stdout
+
+
+def test_torchrun_style_ranks_from_the_environment(smollm2_path):
+    """Three processes started as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): rank 0
+    prints the answer, the others follow it and exit quietly."""
+    import os
+    import subprocess
+
+    port = _addr().rsplit(":", 1)[1]
+    base = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+    cmd = [
+        "minisgl-run",
+        "generate",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "-q",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-1500:] for _, err in outs]
+    assert outs[0][0].startswith("The capital of France is") and "Paris" in outs[0][0]
+    assert outs[1][0] == outs[2][0] == ""

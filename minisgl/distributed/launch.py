@@ -7,6 +7,10 @@ scheduler sees a `RankZeroEngine`, which sends that message and then runs its ow
 rank runs the same batch and takes part in the same collectives. Only rank 0's sampled tokens are used;
 the other ranks sample greedily and discard theirs. Messages travel over a gloo group (also on GPUs,
 where tensors use NCCL). A rank that died is noticed before the next step and reported by name.
+
+Ranks can also come from a launcher (torchrun, or one process per machine with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set): rank 0 runs the LLM as usual, the others run `worker_main`
+(`minisgl-run` does this by itself when it finds those variables).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class RankZeroEngine:
         self.engine, self.workers = engine, workers
         self.group = dist.new_group(backend="gloo")
         self._writes: list[tuple[int, int, list[int]]] = []
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -104,9 +109,12 @@ class RankZeroEngine:
         return self.engine.forward_batch(batch, args)
 
     def shutdown(self, notify: bool = True) -> None:
-        """Tells the other ranks to stop (if all still run), waits for them, shuts the engine down.
-        Idempotent."""
-        if notify and self.workers and all(proc.is_alive() for proc in self.workers):
+        """Tells the other ranks to stop (if all still run), waits for the ones it spawned, shuts the
+        engine down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if notify and all(proc.is_alive() for proc in self.workers):
             _broadcast(None, self.group)
         for proc in self.workers:
             proc.join(JOIN_TIMEOUT_S)
@@ -114,6 +122,14 @@ class RankZeroEngine:
                 proc.kill()
         self.workers = []
         self.engine.shutdown()
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher such as torchrun started this process (RANK and WORLD_SIZE set;
+    the group then meets at MASTER_ADDR:MASTER_PORT through `env://`)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 def start_workers(size: int, settings: dict[str, Any], config: str | None) -> list[mp.process.BaseProcess]:
