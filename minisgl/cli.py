@@ -237,6 +237,9 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
 @click.option(
     "--single-request", is_flag=True, help="Also time one request alone: 128 prompt tokens, 1024 new, greedy."
 )
+@click.option(
+    "--passes", type=click.IntRange(min=1), default=2, show_default=True, help="Timed passes of the workload."
+)
 @_common
 def bench(
     num_seqs,
@@ -248,9 +251,10 @@ def bench(
     seed,
     as_json,
     single_request,
+    passes,
     **kwargs,
 ) -> None:
-    """The offline throughput workload: random prompts, ignore_eos, run twice after a warm-up."""
+    """The offline throughput workload: random prompts, ignore_eos, timed --passes times after a warm-up."""
     import time
 
     from minisgl.bench import CPU_SHAPE, WorkloadShape, dumps, format_report, run_bench
@@ -277,7 +281,7 @@ def bench(
         )
         if shape.min_input > shape.max_input or shape.min_output > shape.max_output:
             raise click.BadParameter("--min-input/--min-output must not exceed --max-input/--max-output")
-        report = {"startup_seconds": startup, **run_bench(llm, shape, single=single_request)}
+        report = {"startup_seconds": startup, **run_bench(llm, shape, passes=passes, single=single_request)}
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     finally:

@@ -146,9 +146,12 @@ class Batch:
     positions: torch.Tensor = field(init=False)
     out_loc: torch.Tensor = field(init=False)
     attn_metadata: BaseAttnMetadata | None = field(default=None, init=False)
+    # (B,) int64 page-table rows of the requests on the device (the engine builds it when unset)
+    table_idx: torch.Tensor | None = field(default=None, init=False)
     # host lists the tensors above were made from, when the preparer kept them (tensor-parallel rank 0
-    # sends them to the other ranks without reading the device)
-    host_inputs: tuple[list[int], list[int], list[int]] | None = field(default=None, init=False)
+    # sends them to the other ranks without reading the device); input_ids is None in a pending decode
+    # batch, whose tokens are only on the device
+    host_inputs: tuple[list[int] | None, list[int], list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):

@@ -124,6 +124,10 @@ class EngineSettings(BaseSettings):
     distributed_timeout: float = Field(
         default=300.0, gt=0.0, description="Timeout in seconds for tensor-parallel collectives."
     )
+    overlap_scheduling: bool = Field(
+        default=True,
+        description="Prepare step N+1 on the host while the device runs step N; false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
+    )
     cpu_kv_budget_gib: float | None = Field(
         default=None, gt=0.0, description="KV-cache budget in GiB on CPU; unset = 10% of available RAM."
     )
@@ -277,6 +281,7 @@ class EngineSettings(BaseSettings):
                 distributed_timeout=self.distributed_timeout,
                 device=self.device,
                 cpu_kv_budget_gib=self.cpu_kv_budget_gib,
+                overlap_scheduling=self.overlap_scheduling,
             )
         except (ValueError, TypeError, FileNotFoundError) as e:
             # EngineConfig's messages read "key=value ..."; add where the named keys came from

@@ -12,8 +12,10 @@ import torch
 import transformers
 from conftest import rel_err, teacher_forced_logits
 
+from minisgl.attention import flashinfer_backend
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.scheduler import Scheduler
 
 pytestmark = [
     pytest.mark.cuda,
@@ -65,9 +67,13 @@ def _seqs(vocab: int, lens=PROMPT_LENS):
     return [torch.randint(3, vocab, (n + STEPS,), generator=g).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+# "fi/tc": `fi` with the tensor-core decode kernel (the default picks CUDA cores for 2 query heads per KV head)
+@pytest.mark.parametrize("backend", ["fi", "fi/tc", "fa,fi", "fa"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
-def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
+def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size, monkeypatch):
+    if backend == "fi/tc":
+        backend = "fi"
+        monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_MIN_GROUP", 1)
     seqs = _seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
     got = _tf(
@@ -97,12 +103,17 @@ def test_chunked_prefill_matches_whole(tiny_qwen3):
     assert generate(engine, prompts, SamplingParams(max_tokens=8), chunk_size=40) == whole
 
 
-def test_graph_replay_bit_identical_to_compiled(tiny_qwen3):
+@pytest.mark.parametrize("backend", ["fi", "fa"])
+def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
     """The same compiled forward with and without a CUDA graph, on captured and uncaptured sizes."""
     graphs = _engine(
-        tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_bs=(1, 2, 4, 8, 16), cuda_graph_max_bs=16
+        tiny_qwen3,
+        attention_backend=backend,
+        page_size=16,
+        cuda_graph_bs=(1, 2, 4, 8, 16),
+        cuda_graph_max_bs=16,
     )
-    plain = _engine(tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_max_bs=0)
+    plain = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=0)
     # both run the same compiled function outside graphs (prefill, uncaptured sizes): only the graph differs
     plain.model.forward = graphs.model.forward = graphs.graph_runner.forward
     assert graphs.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
@@ -138,3 +149,22 @@ def test_seeded_sampling_batch_invariant_on_gpu(tiny_qwen3):
     together = generate(engine, prompts, params)
     alone = [generate(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
     assert together == alone
+
+
+def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
+    """Overlap scheduling (decode inputs read from the device, tokens read one step late) with CUDA graphs
+    and chunked prefill gives the tokens the plain loop gives, and frees every page and slot."""
+    engine = _engine(tiny_qwen3, attention_backend="fa,fi", page_size=16)
+    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)] * 3
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, ignore_eos=i % 2 == 0, temperature=0.0 if i % 3 else 0.8, seed=i)
+        for i in range(len(prompts))
+    ]
+    results = []
+    for overlap in (False, True):
+        sched = Scheduler(engine, max_prefill_tokens=64, eos_token_ids=[2], overlap=overlap)
+        requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+        sched.run_until_done()
+        assert sched.prep.pages.num_used == 0 and sched.prep.slots.num_free == engine.config.max_running_req
+        results.append([(r.output_ids, r.finish_reason) for r in requests])
+    assert results[0] == results[1]

@@ -32,11 +32,12 @@ def _check_drained(sched: Scheduler) -> None:
     assert sched.prep.slots.num_free == sched.engine.config.max_running_req
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed):
+def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed, overlap):
     rng = random.Random(seed)
     engine = _engine(tiny_llama, page_size=4, max_running_req=6, num_page_override=60)
-    sched = Scheduler(engine, max_prefill_tokens=24, eos_token_ids=[2])
+    sched = Scheduler(engine, max_prefill_tokens=24, eos_token_ids=[2], overlap=overlap)
     specs = [
         ([rng.randrange(3, 320) for _ in range(rng.randint(1, 60))], rng.randint(1, 20)) for _ in range(14)
     ]
@@ -56,10 +57,11 @@ def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed):
         assert request.output_ids == _alone(engine, prompt, n)
 
 
-def test_tiny_kv_pool_admission(tiny_llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_kv_pool_admission(tiny_llama, overlap):
     """12 pages of 4 tokens: requests needing 8-11 pages each must take turns; nothing is lost."""
     engine = _engine(tiny_llama, page_size=4, num_page_override=12, max_running_req=8)
-    sched = Scheduler(engine, max_prefill_tokens=16)
+    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap)
     specs = [(list(range(3 + i, 30 + i)), 10 + i) for i in range(6)]  # 27 + 10..15 tokens: 10..11 pages
     requests = [sched.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in specs]
     max_running, max_waiting = 0, 0
@@ -75,31 +77,33 @@ def test_tiny_kv_pool_admission(tiny_llama):
     assert not sched.has_work()
 
 
-def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama, overlap):
     engine = _engine(tiny_llama, page_size=8)
-    sched = Scheduler(engine, max_prefill_tokens=16)
+    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap)
     short = sched.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
     sched.step()  # prefill of the short request
     long_prompt = [random.Random(3).randrange(3, 320) for _ in range(100)]
     long = sched.add_request(long_prompt, SamplingParams(max_tokens=5, ignore_eos=True))
-    phases, tokens_before = [], len(short.output_ids)
+    phases, launched_before = [], short.num_launched
     while not long.prefilled:
-        before = len(short.output_ids)
         sched.step()
-        phases.append("decode" if len(short.output_ids) > before else "prefill")
+        phases.append(sched.last_phase)
     # 100 prompt tokens in chunks of at most 16 (7 chunks), alternating with decode steps of the short one
     assert phases.count("prefill") == 7
     assert all(a != b for a, b in zip(phases, phases[1:])), phases
-    assert len(short.output_ids) - tokens_before == 7  # D P D P ... P: one decode before each chunk
+    assert short.num_launched - launched_before == 7  # D P D P ... P: one decode before each chunk
     sched.run_until_done()
     assert long.output_ids == _alone(engine, long_prompt, 5)
     assert short.output_ids == _alone(engine, [5, 6, 7], 30)
     _check_drained(sched)
 
 
-def test_waiting_request_starts_within_two_steps(tiny_llama):
-    engine = _engine(tiny_llama, page_size=4, max_running_req=4)
-    sched = Scheduler(engine, max_prefill_tokens=64)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_waiting_request_starts_within_two_steps(tiny_llama, overlap):
+    # 5 slots: 3 long requests, the new one, and the previous new one while it finishes
+    engine = _engine(tiny_llama, page_size=4, max_running_req=5)
+    sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap)
     for i in range(3):
         sched.add_request([4 + i] * 5, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(5):
@@ -112,7 +116,8 @@ def test_waiting_request_starts_within_two_steps(tiny_llama):
         while not late.prefilled:
             sched.step()
             steps += 1
-        assert steps <= 2 and len(late.output_ids) == 1
+        assert steps <= 2 and late.num_launched == 1  # its first token is sampled (or being sampled)
+        assert len(late.output_ids) == (0 if overlap else 1)
 
 
 def test_detokenizer_matches_full_decode(smollm2_path):
@@ -190,3 +195,43 @@ def test_llm_batched_equals_one_at_a_time(llm):
     with pytest.raises(ValueError, match="exceeds max_seq_len"):
         llm.generate(["hi", "x " * 9000], params)
     assert not llm.scheduler.has_work()  # the bad batch was refused whole
+
+
+def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeypatch):
+    """Overlap scheduling reads a step's tokens one step late; outputs, stops and pages must not change."""
+    engine = _engine(tiny_llama, page_size=4, max_running_req=8, num_page_override=200)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(2, 40))] for _ in range(8)]
+    free_run = Scheduler(engine, max_prefill_tokens=32, overlap=False)
+    probe = [free_run.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+    free_run.run_until_done()
+    eos, stop_id = probe[0].output_ids[4], probe[1].output_ids[6]  # tokens that do come up
+    params = [
+        SamplingParams(max_tokens=20),  # stops at eos
+        SamplingParams(max_tokens=20, stop_token_ids=(stop_id,)),
+        SamplingParams(max_tokens=20, min_tokens=8),  # eos suppressed for 8 tokens
+        SamplingParams(max_tokens=20, ignore_eos=True),
+        SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=17, temperature=0.9, seed=7),
+        SamplingParams(max_tokens=9, temperature=1.3, top_k=20, seed=8),
+        SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=9, stop_token_ids=(stop_id,)),
+    ]
+    results = {}
+    for overlap in (False, True):
+        sched = Scheduler(engine, max_prefill_tokens=32, eos_token_ids=[eos], overlap=overlap)
+        requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+        sched.run_until_done()
+        _check_drained(sched)
+        results[overlap] = [(r.output_ids, r.finish_reason) for r in requests]
+    assert results[True] == results[False]
+    assert results[True][0] == (probe[0].output_ids[:5], "stop")
+    assert results[True][1][1] == "stop" and results[True][1][0][-1] == stop_id
+    assert eos not in results[True][2][0][:8] and len(results[True][2][0]) > 8
+
+    # the environment switch for ablation
+    monkeypatch.setenv("MINISGL_OVERLAP_SCHEDULING", "0")
+    with LLM(str(tiny_llama), device="cpu", dtype="float32") as llm:
+        assert llm.scheduler.overlap is False
+    monkeypatch.delenv("MINISGL_OVERLAP_SCHEDULING")
+    with LLM(str(tiny_llama), device="cpu", dtype="float32") as llm:
+        assert llm.scheduler.overlap is True

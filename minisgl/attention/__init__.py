@@ -44,8 +44,6 @@ def resolve_attention_backend(name: str, device: torch.device) -> tuple[str, str
                 f"attention_backend={name!r}: 'trtllm' needs sm100 or later"
                 + (f", this GPU is sm{major}{minor}" if major < 10 else "; it is not built in this version")
             )
-    if decode == "fa":
-        raise ValueError(f"attention_backend={name!r}: decode with 'fa' is not built yet; use 'fa,fi'")
     if (prefill == "torch") != (decode == "torch"):
         raise ValueError(f"attention_backend={name!r}: 'torch' cannot be paired with a FlashInfer backend")
     return prefill, decode

@@ -1,5 +1,9 @@
-"""FlashInfer attention on CUDA: `fi` (FA2 paged prefill, tensor-core paged decode) and `fa` (the
-FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only) for prefill.
+"""FlashInfer attention on CUDA: `fi` (FA2 paged prefill, FlashInfer's paged decode kernel) and `fa` (the
+FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only; decode runs them as a prefill of
+one query token per request).
+
+`fi` decode uses FlashInfer's tensor-core kernel when each KV head serves at least
+`TENSOR_CORE_MIN_GROUP` query heads and its CUDA-core kernel below that, as FlashInfer recommends.
 
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
@@ -19,6 +23,7 @@ from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
+TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which `fi` decode uses tensor cores
 
 
 @dataclass
@@ -37,6 +42,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         head_dim: int,
         prefill: str,
         decode: str,
+        decode_tensor_cores: bool | None = None,
     ) -> None:
         import flashinfer
 
@@ -48,17 +54,18 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend="fa3" if prefill == "fa" else "fa2"
         )
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=True
-        )
         self.names = (prefill, decode)
+        if decode_tensor_cores is None:
+            decode_tensor_cores = num_qo_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.decode_tensor_cores = decode_tensor_cores
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_buffers: dict[str, torch.Tensor] = {}
+        self.decode_wrapper = self._decode_wrapper()
         # FlashInfer's plan() stages its plan in a pinned host buffer of the wrapper and copies it to the
         # GPU asynchronously; planning the same wrapper again before that copy ran would overwrite it.
         # An event after each plan, waited on before the wrapper's next plan, orders the two. In a loop
         # that reads each step's tokens it has long completed, so the wait costs nothing.
         self._planned: dict[int, torch.cuda.Event] = {}
-        self._graph_wrappers: dict[int, Any] = {}
-        self._graph_buffers: dict[str, torch.Tensor] = {}
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -97,11 +104,41 @@ class FlashInferAttnBackend(BaseAttnBackend):
         event.record()
         self._planned[id(wrapper)] = event
 
+    def _decode_wrapper(self, bs: int = 0) -> Any:
+        """A decode wrapper; with `bs`, one for CUDA graphs of that batch size over the fixed buffers."""
+        fi, buffers = self.flashinfer, self._graph_buffers
+        graph = {}
+        if self.names[1] == "fa":  # FA3 prefill kernels with one query token per request
+            if bs:
+                graph = {
+                    "use_cuda_graph": True,
+                    "qo_indptr_buf": buffers["qo_indptr"][: bs + 1],
+                    "paged_kv_indptr_buf": buffers["indptr"][: bs + 1],
+                    "paged_kv_indices_buf": buffers["indices"],
+                    "paged_kv_last_page_len_buf": buffers["last"][:bs],
+                }
+            return fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa3", **graph)
+        if bs:
+            graph = {
+                "use_cuda_graph": True,
+                "paged_kv_indptr_buffer": buffers["indptr"][: bs + 1],
+                "paged_kv_indices_buffer": buffers["indices"],
+                "paged_kv_last_page_len_buffer": buffers["last"][:bs],
+            }
+        return fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, **graph
+        )
+
     def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
         if batch.is_decode:
             wrapper = self._graph_wrappers[graph_bs] if graph_bs else self.decode_wrapper
-            self._plan(wrapper, *self._plan_inputs(batch, pad_to=graph_bs), *heads)
+            inputs = self._plan_inputs(batch, pad_to=graph_bs)
+            if self.names[1] == "fa":
+                qo_indptr = torch.arange(len(inputs[0]), dtype=torch.int32)
+                self._plan(wrapper, qo_indptr, *inputs, *heads, causal=True)
+            else:
+                self._plan(wrapper, *inputs, *heads)
             batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=wrapper)
             return
         extend = torch.tensor([req.extend_len for req in batch.reqs], dtype=torch.int32)
@@ -117,21 +154,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
         """One decode wrapper per captured batch size, over shared fixed buffers."""
         max_bs = max(batch_sizes)
         buffers = {
+            "qo_indptr": torch.arange(max_bs + 1, dtype=torch.int32, device=self.device),
             "indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             "indices": torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device),
             "last": torch.zeros(max_bs, dtype=torch.int32, device=self.device),
         }
         self._graph_buffers = buffers
         for bs in batch_sizes:
-            self._graph_wrappers[bs] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_cuda_graph=True,
-                use_tensor_cores=True,
-                paged_kv_indptr_buffer=buffers["indptr"][: bs + 1],
-                paged_kv_indices_buffer=buffers["indices"],
-                paged_kv_last_page_len_buffer=buffers["last"][:bs],
-            )
+            self._graph_wrappers[bs] = self._decode_wrapper(bs)
 
     # -- the op ------------------------------------------------------------------------------------
 

@@ -93,9 +93,10 @@ class RankZeroEngine:
                 )
 
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
-        if batch.host_inputs is None:
+        if batch.host_inputs is None or batch.host_inputs[0] is None:
             raise ValueError(
-                "under tensor parallelism batches must come from BatchPreparer (host inputs kept)"
+                "under tensor parallelism batches must come from BatchPreparer with their tokens on the "
+                "host (no pending decode batches: overlap scheduling is off under tensor parallelism)"
             )
         self._check_workers()
         message = {

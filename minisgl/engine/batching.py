@@ -87,17 +87,24 @@ class BatchPreparer:
             ends.append(end)
         return self._build(reqs, ends, "prefill")
 
-    def decode(self, reqs: Sequence[Req]) -> Batch:
-        """A decode batch computing each request's newest token."""
+    def decode(self, reqs: Sequence[Req], pending: bool = False) -> Batch:
+        """A decode batch computing each request's newest token.
+
+        With `pending` (overlap scheduling) the batch reads each request's newest token from the
+        engine's `last_tokens` (what the request's latest forward sampled) on the device, so the
+        host need not have appended it yet."""
         for req in reqs:
-            if req.cached_len != len(req.input_ids) - 1:
+            newest = len(req.input_ids) - 1
+            if req.cached_len < req.num_prompt_tokens or not (
+                req.cached_len == newest or (pending and req.cached_len == newest + 1)
+            ):
                 raise ValueError(
                     f"request {req.uid} cannot decode: {req.cached_len} of {len(req.input_ids)} tokens cached "
                     "(finish its prefill, then append the sampled token)"
                 )
-        return self._build(reqs, [len(req.input_ids) for req in reqs], "decode")
+        return self._build(reqs, [req.cached_len + 1 for req in reqs], "decode", pending)
 
-    def _build(self, reqs: Sequence[Req], ends: list[int], phase: Phase) -> Batch:
+    def _build(self, reqs: Sequence[Req], ends: list[int], phase: Phase, pending: bool = False) -> Batch:
         if len(reqs) > self.engine.config.max_running_req:
             raise ValueError(
                 f"batch of {len(reqs)} requests exceeds max_running_req={self.engine.config.max_running_req}"
@@ -123,16 +130,26 @@ class BatchPreparer:
                 pages.extend(self.pages.alloc(n_new))
                 self.engine.write_page_table(req.table_idx, first * ps, pages[first:])
             req.device_len = end
-            input_ids += req.input_ids[req.cached_len : end]
+            if not pending:
+                input_ids += req.input_ids[req.cached_len : end]
             span = range(req.cached_len, end)
             positions += span
             out_loc += [pages[p // ps] * ps + p % ps for p in span]
         batch = Batch(reqs=list(reqs), phase=phase)
-        batch.host_inputs = (input_ids, positions, out_loc)
+        batch.host_inputs = (None if pending else input_ids, positions, out_loc)
+        # one host-to-device copy (from pinned memory on CUDA) for positions, out_loc and the slots
         device = self.engine.device
-        batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
-        batch.positions = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
-        batch.out_loc = torch.tensor(out_loc, dtype=torch.int64).to(device, non_blocking=True)
+        n = len(positions)
+        packed = torch.tensor(
+            positions + out_loc + [req.table_idx for req in reqs],
+            dtype=torch.int64,
+            pin_memory=device.type == "cuda",
+        ).to(device, non_blocking=True)
+        batch.positions, batch.out_loc, batch.table_idx = packed[:n], packed[n : 2 * n], packed[2 * n :]
+        if pending:  # the tokens the previous forward sampled, still on the device
+            batch.input_ids = self.engine.last_tokens[batch.table_idx]
+        else:
+            batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
         return batch
 
     def sampling_args(self, batch: Batch) -> BatchSamplingArgs:

@@ -40,6 +40,7 @@ class EngineConfig:
 
     ``dtype`` None picks float32 on CPU and bfloat16 on CUDA. ``device`` 'auto' picks CUDA when present.
     ``cpu_kv_budget_gib`` bounds the KV pool on CPU (None: 10% of available RAM).
+    ``overlap_scheduling`` is read by the scheduler over this engine (see minisgl.scheduler).
     """
 
     model_path: str
@@ -59,6 +60,7 @@ class EngineConfig:
     distributed_timeout: float = 300.0
     device: str = "auto"
     cpu_kv_budget_gib: float | None = None
+    overlap_scheduling: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

@@ -111,6 +111,8 @@ class Engine:
         )
         dummy_loc = self.kv_cache.dummy_page * page_size
         self.page_table[config.max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
+        # the token each request slot sampled last: a pending decode batch reads its input_ids here
+        self.last_tokens = torch.zeros(config.max_running_req + 1, dtype=torch.int32, device=self.device)
 
         # 5. attention and MoE backends (attention sees this rank's heads)
         attn_config = dataclasses.replace(
@@ -120,7 +122,9 @@ class Engine:
             config.attention_backend, self.kv_cache, self.page_table, self.device, attn_config
         )
         self.moe_backend = (
-            create_moe_backend(config.moe_backend, self.device) if model_config.num_experts else None
+            create_moe_backend(config.moe_backend, self.device, self.dtype)
+            if model_config.num_experts
+            else None
         )
         self.ctx = Context(
             page_size=page_size,
@@ -130,8 +134,9 @@ class Engine:
             moe_backend=self.moe_backend,
         )
 
-        # 6. sampler
+        # 6. sampler (compiled on CUDA, before the first request needs it)
         self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.sampler.warm_up()
 
         # 7. CUDA graphs
         self.graph_runner = GraphRunner(
@@ -201,8 +206,13 @@ class Engine:
 
     @torch.inference_mode()
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
-        """Runs the model on a prepared batch and samples one token per request."""
+        """Runs the model on a prepared batch and samples one token per request (also kept in
+        `last_tokens`, by request slot, for a pending decode batch to read)."""
         next_tokens = self.sampler.sample(self._forward(batch), args)
+        table_idx = batch.table_idx
+        if table_idx is None:
+            table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
+        self.last_tokens[table_idx] = next_tokens
         if self.device.type != "cuda":
             return ForwardOutput(next_tokens, next_tokens, _CompletedEvent())
         next_tokens_cpu = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
@@ -269,7 +279,7 @@ class Engine:
         if self._owns_process_group:
             destroy_process_group()
         set_tp_info(DistributedInfo())
-        self.model = self.kv_cache = self.page_table = None  # type: ignore[assignment]
+        self.model = self.kv_cache = self.page_table = self.last_tokens = None  # type: ignore[assignment]
         self.ctx.kv_cache = self.ctx.page_table = None  # type: ignore[assignment]
         self.attn_backend = self.ctx.attn_backend = None  # type: ignore[assignment]
         self.moe_backend = self.ctx.moe_backend = None

@@ -19,6 +19,8 @@ from minisgl.core import Batch, Context, Req
 
 logger = logging.getLogger(__name__)
 
+RECOMPILE_LIMIT = 64
+
 
 def default_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, then every 8 up to max_bs."""
@@ -76,6 +78,11 @@ class GraphRunner:
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)
         backend.init_graph_wrappers(sizes, -(-max_seq_len // page_size))
+        # One engine compiles the forward twice (a batch of 1 is specialized, every other size shares one
+        # dynamic graph); each further model instance or shape in the same process adds its own entries
+        # to the same code object, so a process holding several engines (tests do) would reach dynamo's
+        # default limit of 8 and fail under fullgraph. The limit is raised knowingly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
         self._capture(sizes)
         self.batch_sizes = sizes

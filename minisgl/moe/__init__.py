@@ -1,4 +1,11 @@
-"""Mixture-of-experts backends. `torch` runs everywhere and is the reference; `fused` will need CUDA."""
+"""Mixture-of-experts backends.
+
+`torch` runs everywhere and is the reference: it loops over the experts that received tokens (reading
+their list on the host), so it is not captured in CUDA graphs. `fused` sorts the tokens by expert and
+runs two grouped GEMMs (`torch._grouped_mm`) with no host sync, so it is captured in CUDA graphs; on
+CUDA it needs bfloat16 and an sm90/sm100 GPU, on CPU it also runs (float32 too). `auto` picks `fused`
+where its fast kernel is (CUDA sm90/sm100, bfloat16 or unknown dtype) and `torch` elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +14,44 @@ import logging
 import torch
 
 from minisgl.moe.base import BaseMoeBackend
+from minisgl.moe.fused_backend import FusedMoeBackend, fused_moe, fused_unsupported_reason
 from minisgl.moe.op import moe
 from minisgl.moe.torch_backend import TorchMoeBackend, select_experts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BaseMoeBackend", "TorchMoeBackend", "create_moe_backend", "moe", "select_experts"]
+__all__ = [
+    "BaseMoeBackend",
+    "FusedMoeBackend",
+    "TorchMoeBackend",
+    "create_moe_backend",
+    "fused_moe",
+    "moe",
+    "select_experts",
+]
 
 
-def create_moe_backend(name: str, device: torch.device) -> BaseMoeBackend:
-    """'auto' picks the best backend built for `device` (for now always 'torch'); 'fused' is not built yet."""
+def create_moe_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None
+) -> BaseMoeBackend:
+    """'torch', 'fused', or 'auto': 'fused' on CUDA (sm90/sm100, and bfloat16 when `dtype` is given),
+    'torch' on CPU and elsewhere. 'fused' where it cannot run captured is a ValueError saying why."""
+    device = torch.device(device)
     if name == "auto":
-        logger.info("MoE backend 'auto' -> torch (device %s; the fused backend is not built yet)", device)
-        name = "torch"
+        reason = fused_unsupported_reason(device) if device.type == "cuda" else "the reference on CPU"
+        if reason is None and dtype is not None and dtype != torch.bfloat16:
+            reason = f"dtype {dtype}; it runs bfloat16 on CUDA"
+        name = "fused" if reason is None else "torch"
+        logger.info(
+            "MoE backend 'auto' -> %s (device %s%s)", name, device, "" if reason is None else f"; {reason}"
+        )
     if name == "torch":
         return TorchMoeBackend()
     if name == "fused":
-        if torch.device(device).type != "cuda":
-            raise ValueError("moe_backend='fused' needs a CUDA GPU; on CPU use 'torch' (or 'auto')")
-        raise ValueError("moe_backend='fused' is not built in this version yet; use 'torch' (or 'auto')")
+        reason = fused_unsupported_reason(device)
+        if reason is None and device.type == "cuda" and dtype is not None and dtype != torch.bfloat16:
+            reason = f"it runs bfloat16 on CUDA, got dtype={dtype}"
+        if reason is not None:
+            raise ValueError(f"moe_backend='fused' cannot run here ({reason}); use 'torch' (or 'auto')")
+        return FusedMoeBackend()
     raise ValueError(f"moe_backend={name!r} is not valid: use one of auto, torch, fused")

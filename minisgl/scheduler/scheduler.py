@@ -12,6 +12,15 @@ Each `step()` runs one forward:
   `max_prefill_tokens` tokens in all; a prompt longer than what is left is cut and continues next time.
 - A decode step runs every request whose prefill is complete, one token each.
 - Finished requests (EOS, a stop token, a stop string, max_tokens) leave at once and free their pages.
+
+Overlap scheduling (the engine's `overlap_scheduling`, on by default; MINISGL_OVERLAP_SCHEDULING=0 or
+`Scheduler(overlap=False)` turns it off for ablation; always off under tensor parallelism): a step
+launches forward N+1 before it reads the tokens of forward N, so the host's work (scheduling, batch
+tensors, attention planning, then N's tokens: stop checks, detokenizing, metrics) runs while the GPU
+computes. Decode batches
+then take their input tokens from the device (`BatchPreparer.decode(pending=True)`). A request that
+stops at EOS or a stop string in step N has already been put in step N+1: that one token is computed
+and dropped (the request's reserved pages cover it); max_tokens is known ahead and wastes nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch
 
 from minisgl import metrics
 from minisgl.core import Req, SamplingParams
-from minisgl.engine import BatchPreparer, Engine
+from minisgl.engine import BatchPreparer, Engine, ForwardOutput
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 
 FinishReason = Literal["stop", "length"]
@@ -59,6 +68,26 @@ class Request:
     def prefilled(self) -> bool:
         return self.req is not None and self.req.cached_len >= len(self.prompt_ids)
 
+    @property
+    def num_launched(self) -> int:
+        """Output tokens sampled or being sampled by a launched forward (0 before prefill completes)."""
+        if not self.prefilled:
+            return 0
+        return self.req.cached_len - len(self.prompt_ids) + 1
+
+
+@dataclass
+class _Launched:
+    """A forward that was launched and whose tokens have not been processed yet."""
+
+    chosen: list[Request]
+    produces: list[bool]  # False for a prefill chunk that leaves prompt tokens for later
+    output: ForwardOutput
+    phase: str
+    mode: str
+    num_tokens: int
+    started: float
+
 
 @dataclass
 class Update:
@@ -79,6 +108,7 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         tokenizer: Any = None,
         model_name: str = "",
+        overlap: bool | None = None,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
@@ -88,12 +118,20 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.model_name = model_name
+        if overlap is None:  # the engine's setting; under tensor parallelism the other ranks replay
+            # batches from host tokens, so there is no overlap
+            config = engine.config
+            overlap = config.overlap_scheduling and config.tp_info.size == 1
+        self.overlap = overlap
+        self._launched: _Launched | None = None  # overlap: the forward whose tokens come next
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved_pages = 0
         self._last_phase = ""
         self._uids = 0
         self._labels = {"model_name": model_name}
+        self._ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**self._labels)
+        self._itl = metrics.INTER_TOKEN_LATENCY.labels(**self._labels)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -113,8 +151,13 @@ class Scheduler:
         metrics.REQUESTS_WAITING.labels(**self._labels).set(len(self.waiting))
         return request
 
+    @property
+    def last_phase(self) -> str:
+        """'prefill' or 'decode': the kind of the forward launched last ('' before the first)."""
+        return self._last_phase
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._launched)
 
     def _admit(self) -> None:
         while self.waiting and self.prep.slots.num_free > 0:
@@ -129,36 +172,59 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[Update]:
-        """Admits what fits, runs one forward (prefill chunk or decode), and returns the updates."""
+        """Admits what fits, launches one forward (prefill chunk or decode) and returns the updates of
+        the forward it reads: this one, or with overlap the one launched by the previous step."""
         self._admit()
+        launched = self._launch()
+        if self.overlap:
+            launched, self._launched = self._launched, launched
+        return [] if launched is None else self._collect(launched)
+
+    def _launch(self) -> _Launched | None:
         chosen, chunks = self._schedule()
         if not chosen:
-            return []
+            return None
         started = time.perf_counter()
         reqs = [request.req for request in chosen]
         assert all(req is not None for req in reqs)
         phase = "decode" if chunks is None else "prefill"
-        batch = self.prep.decode(reqs) if chunks is None else self.prep.prefill(reqs, chunks)
+        if chunks is None:
+            batch = self.prep.decode(reqs, pending=self.overlap)
+        else:
+            batch = self.prep.prefill(reqs, chunks)
+        produces = [not req.is_partial for req in reqs]
         args = self.prep.sampling_args(batch)
         args.suppress = self._suppressed(chosen)
         mode = "cuda_graph" if self.engine.graph_runner.can_use_cuda_graph(batch) else "eager"
         num_tokens = batch.num_tokens
         output = self.engine.forward_batch(batch, args)
-        output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
-        now = time.perf_counter()
         self._last_phase = phase
+        return _Launched(chosen, produces, output, phase, mode, num_tokens, started)
+
+    def _collect(self, launched: _Launched) -> list[Update]:
+        launched.output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
+        now = time.perf_counter()
+        tokens = launched.output.next_tokens_cpu.tolist()
         updates = [
             self._process(request, token, now)
-            for request, token in zip(chosen, output.next_tokens_cpu.tolist())
-            if request.req.cached_len == len(request.req.input_ids)  # not an unfinished prefill chunk
+            for request, token, produces in zip(launched.chosen, tokens, launched.produces)
+            if produces and not request.finished  # finished: stopped one step earlier (overlap)
         ]
-        self._record_step(phase, mode, len(chosen), num_tokens, len(updates), now - started)
+        self._record_step(
+            launched.phase,
+            launched.mode,
+            len(launched.chosen),
+            launched.num_tokens,
+            len(updates),
+            now - launched.started,
+        )
         return updates
 
     def _schedule(self) -> tuple[list[Request], list[int] | None]:
         """(requests, prefill chunk sizes) for a prefill step or (requests, None) for a decode step."""
         prefilling = [r for r in self.running if not r.prefilled]
-        decoding = [r for r in self.running if r.prefilled]
+        # with overlap a request's last token may already be in flight: it needs no more steps
+        decoding = [r for r in self.running if r.prefilled and r.num_launched < r.params.max_tokens]
         if prefilling and (not decoding or self._last_phase != "prefill"):
             budget, chosen, chunks = self.max_prefill_tokens, [], []
             for request in prefilling:
@@ -176,7 +242,8 @@ class Scheduler:
         rows = []
         for request in chosen:
             params, banned = request.params, []
-            if len(request.output_ids) < params.min_tokens:
+            # index among the outputs of the token this forward samples (the forward set device_len)
+            if request.req.device_len - len(request.prompt_ids) < params.min_tokens:
                 banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
             rows.append(banned)
         width = max(map(len, rows))
@@ -192,9 +259,9 @@ class Scheduler:
         request.output_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = now
-            metrics.TIME_TO_FIRST_TOKEN.labels(**self._labels).observe(now - request.arrival_time)
+            self._ttft.observe(now - request.arrival_time)
         else:
-            metrics.INTER_TOKEN_LATENCY.labels(**self._labels).observe(now - request.last_token_time)
+            self._itl.observe(now - request.last_token_time)
         request.last_token_time = now
 
         num_out, reason, text_done = len(request.output_ids), None, False

@@ -1,0 +1,146 @@
+"""The fused MoE backend: two grouped GEMMs (`torch._grouped_mm`) over the tokens sorted by expert.
+
+    1. route: `select_experts` (the reference's softmax, top-k, renormalisation);
+    2. sort: the T * top_k (token, slot) pairs, stably by expert id; counts per expert by a fixed-size
+       (E) scatter_add, `offs` (the end row of each expert's group) as their int32 cumsum;
+    3. gate/up: one grouped GEMM of the gathered token rows with `w13`, SiLU(gate) * up;
+    4. down: one grouped GEMM with `w2`, scaled by the routing weights;
+    5. combine: back to (T, top_k, H) order and summed over the top_k slots (no atomics: deterministic).
+
+Every shape depends only on T, E, top_k, H and I, never on the routing: nothing reads device values on
+the host (no `.item()`, `.tolist()`, `bincount` without a fixed length, boolean masks or `nonzero`), so
+the backend is captured in CUDA graphs and traces under torch.compile(fullgraph=True).
+
+On CUDA, `torch._grouped_mm` runs a CUTLASS kernel on sm90/sm100 for bfloat16 only, without a
+device-to-host sync; any other dtype (or arch) takes its per-group fallback, which copies `offs` to the
+host and cannot be captured, so this backend refuses non-bfloat16 inputs on CUDA. On CPU it runs the
+fallback (a loop of `mm` per expert) in float32, bfloat16 or float16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.moe.base import BaseMoeBackend
+from minisgl.moe.torch_backend import select_experts
+
+
+def fused_unsupported_reason(device: torch.device | str) -> str | None:
+    """Why the fused backend cannot run (capturable) on `device`, or None when it can: on CUDA,
+    torch._grouped_mm has its sync-free kernel on sm90 and sm100 only (H100/H200, B200/B300)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"device {device} is neither CPU nor CUDA"
+    if torch.version.hip:
+        return "on ROCm torch._grouped_mm runs its per-group fallback, which syncs with the host"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return (
+            f"the GPU is sm_{major}{minor}: torch._grouped_mm's kernel is built for sm90/sm100 only, "
+            "elsewhere it runs a per-group fallback that syncs with the host"
+        )
+    return None
+
+
+def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """Raises ValueError, naming the value, for inputs the grouped GEMMs cannot take.
+
+    `torch._grouped_mm` needs every operand's leading stride (H for the token rows and w13, I for the
+    activations and w2) to be a multiple of 16 bytes, int32 offsets, and one dtype throughout."""
+    if x.dim() != 2:
+        raise ValueError(f"fused MoE: x must be 2D (tokens, hidden), got x.shape={tuple(x.shape)}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"fused MoE: w13 and w2 must be 3D, got w13.shape={tuple(w13.shape)}, w2.shape={tuple(w2.shape)}"
+        )
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if two_inter % 2 or x.shape[1] != hidden or tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            "fused MoE: expected x (T, H), w13 (E, 2I, H), w2 (E, H, I); got "
+            f"x.shape={tuple(x.shape)}, w13.shape={tuple(w13.shape)}, w2.shape={tuple(w2.shape)}"
+        )
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"fused MoE: top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if not x.dtype == w13.dtype == w2.dtype:
+        raise ValueError(
+            f"fused MoE: x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}"
+        )
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        raise ValueError(
+            f"moe_backend='fused' on CUDA needs bfloat16 (torch._grouped_mm's kernel), got dtype={x.dtype}: "
+            "run in bfloat16 or use moe_backend='torch'"
+        )
+    size = x.element_size()
+    for name, value in (("hidden_size", hidden), ("moe_intermediate_size (per rank)", inter)):
+        if value * size % 16:
+            raise ValueError(
+                f"fused MoE: {name}={value} is not a multiple of {16 // size} ({x.dtype}): "
+                "torch._grouped_mm needs rows of a multiple of 16 bytes; use moe_backend='torch'"
+            )
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
+            raise ValueError(
+                f"fused MoE: {name} must be contiguous in its last two dims, got {name}.stride()={w.stride()}"
+            )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`."""
+    check_fused_moe_shapes(x, w13, w2, top_k)
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
+
+    # sort the (token, slot) pairs by expert; pair p = t * top_k + j is token t's slot j
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+    rows = x.index_select(0, order // top_k)  # (T * top_k, H), contiguous, grouped by expert
+
+    # The weights go in as transposed views: w13 (E, 2I, H) -> (E, H, 2I) and w2 (E, H, I) -> (E, I, H)
+    # have stride 1 along their second-to-last dim, i.e. column-major last two dims, the layout that
+    # CUTLASS's sm90 grouped GEMM reads natively for mat_b (`out = x @ W.T`, as F.linear); no copy.
+    # torch._grouped_mm also accepts row-major mat_b; on CPU both run as per-expert `mm`.
+    h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # (T * top_k, 2I)
+    act = F.silu(h[:, :inter]) * h[:, inter:]  # (T * top_k, I), contiguous
+    y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # (T * top_k, H)
+
+    # bf16 * bf16 is computed in float32 and rounded once, the same as weighting in float32 then casting
+    y = y * weights.flatten().index_select(0, order)[:, None]
+    # back to pair order: order is a permutation, so the copy has no colliding writes
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    # the sum over the top_k slots accumulates in float32 (for bf16 too) and rounds once
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+class FusedMoeBackend(BaseMoeBackend):
+    """Grouped GEMMs over the tokens sorted by expert (see `minisgl.moe.fused_backend`): no host sync,
+    so it runs inside captured CUDA graphs; bfloat16 on CUDA (sm90+), any float dtype on CPU."""
+
+    graph_capturable = True
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        top_k: int,
+        renormalize: bool,
+    ) -> torch.Tensor:
+        return fused_moe(x, router_logits, w13, w2, top_k, renormalize)

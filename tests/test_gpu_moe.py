@@ -1,0 +1,247 @@
+"""The fused MoE backend on the GPU: against the torch backend at Qwen3-30B-A3B's shapes, no host sync,
+CUDA graph replay bit-identical to eager, and engines on Qwen3-MoE models capturing CUDA graphs with it.
+Skips without CUDA (and the engine tests without flashinfer, whose attention backend the graphs need).
+
+Run: `python -m pytest tests/test_gpu_moe.py`.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import rel_err, teacher_forced_logits
+
+from minisgl.core import SamplingParams
+from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+needs_flashinfer = pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer (CUDA graphs need its attention)"
+)
+needs_grouped_mm_kernel = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
+    reason="needs an sm90/sm100 GPU (where torch._grouped_mm has its sync-free kernel)",
+)
+BF16_TOL = 2e-2
+QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b"
+# Qwen3-30B-A3B's MoE layer: 128 experts, 8 per token, hidden 2048, expert intermediate 768
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+
+
+@pytest.fixture(scope="module")
+def moe_weights():
+    """One layer's expert weights, bf16 on the GPU, scaled like a trained layer's activations."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=g) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=g) / INTER**0.5
+    return w13.bfloat16(), w2.bfloat16()
+
+
+def _inputs(tokens: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).bfloat16()
+    router_logits = (torch.randn(tokens, EXPERTS, device="cuda", generator=g) * 2).bfloat16()
+    return x, router_logits
+
+
+def test_auto_picks_fused_on_this_gpu():
+    device = torch.device("cuda")
+    major = torch.cuda.get_device_capability()[0]
+    backend = create_moe_backend("auto", device, torch.bfloat16)
+    assert isinstance(backend, FusedMoeBackend if major in (9, 10) else TorchMoeBackend)
+    assert isinstance(create_moe_backend("auto", device, torch.float16), TorchMoeBackend)
+
+
+@needs_grouped_mm_kernel
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 8, 256, 2048])
+def test_fused_matches_torch_backend_at_30b_shapes(moe_weights, tokens, renormalize):
+    w13, w2 = moe_weights
+    x, router_logits = _inputs(tokens)
+    got = FusedMoeBackend().forward(x, router_logits, w13, w2, TOP_K, renormalize)
+    want = TorchMoeBackend().forward(x, router_logits, w13, w2, TOP_K, renormalize)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert rel_err(got, want) < BF16_TOL
+    # and against the reference in float32
+    want32 = TorchMoeBackend().forward(
+        x.float(), router_logits.float(), w13.float(), w2.float(), TOP_K, renormalize
+    )
+    assert rel_err(got, want32) < BF16_TOL
+
+
+@needs_grouped_mm_kernel
+def test_fused_empty_batch_and_empty_experts(moe_weights):
+    w13, w2 = moe_weights
+    x, router_logits = _inputs(0)
+    assert FusedMoeBackend().forward(x, router_logits, w13, w2, TOP_K, True).shape == (0, HIDDEN)
+    x, router_logits = _inputs(64, seed=2)
+    router_logits[:, 16:] = -30.0  # 112 of the 128 experts get no token
+    got = FusedMoeBackend().forward(x, router_logits, w13, w2, TOP_K, True)
+    assert rel_err(got, TorchMoeBackend().forward(x, router_logits, w13, w2, TOP_K, True)) < BF16_TOL
+
+
+@needs_grouped_mm_kernel
+def test_fused_does_not_sync(moe_weights):
+    """CUDA's sync debug mode raises on any device-to-host synchronization (the torch backend has one)."""
+    w13, w2 = moe_weights
+    x, router_logits = _inputs(256)
+    fused_moe(x, router_logits, w13, w2, TOP_K, True)  # warm-up (lazy initialisations may sync once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, router_logits, w13, w2, TOP_K, True)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            TorchMoeBackend().forward(x, router_logits, w13, w2, TOP_K, True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_grouped_mm_kernel
+@pytest.mark.parametrize("tokens", [1, 8, 256])
+def test_fused_graph_replay_bit_identical_to_eager(moe_weights, tokens):
+    """Captured once, replayed on new inputs (new routing) in the same static buffers: each replay equals
+    eager on the same inputs bit for bit, so nothing of the routing is baked into the graph."""
+    w13, w2 = moe_weights
+    x, router_logits = _inputs(tokens, seed=3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fused_moe(x, router_logits, w13, w2, TOP_K, True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, router_logits, w13, w2, TOP_K, True)
+    for seed in (3, 4, 5):
+        new_x, new_logits = _inputs(tokens, seed=seed)
+        x.copy_(new_x)
+        router_logits.copy_(new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused_moe(new_x, new_logits, w13, w2, TOP_K, True)), f"seed {seed}"
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory):
+    """2 sparse layers and a dense one; the attention shape of tests/test_gpu.py (head_dim 128, 16/8
+    heads). Top-2 routing: the torch backend's bf16 index_add of two terms rounds like the fused sum."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_experts=16,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # a random router (it starts at zeros) and a decisive LM head
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif name == "lm_head.weight":
+                param.normal_(0.0, 1.0)
+    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"
+    model.save_pretrained(folder)
+    return folder
+
+
+def _engine(folder, **kw) -> Engine:
+    kw.setdefault("dtype", torch.bfloat16)
+    kw.setdefault("device", "cuda")
+    kw.setdefault("attention_backend", "fi")
+    kw.setdefault("page_size", 16)
+    kw.setdefault("max_running_req", 64)
+    kw.setdefault("num_page_override", 1024)
+    return Engine(EngineConfig(model_path=str(folder), **kw))
+
+
+def _prompts(n: int, vocab: int, seed: int = 2) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, vocab, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+@needs_flashinfer
+@needs_grouped_mm_kernel
+def test_engine_fused_captures_graphs_and_matches_torch(tiny_qwen3_moe):
+    fused = _engine(tiny_qwen3_moe, moe_backend="fused", cuda_graph_bs=(1, 2, 4, 8), cuda_graph_max_bs=8)
+    assert isinstance(fused.moe_backend, FusedMoeBackend)
+    assert fused.graph_runner.enabled and fused.graph_runner.batch_sizes == [1, 2, 4, 8]
+    ref = _engine(tiny_qwen3_moe, moe_backend="torch", cuda_graph_bs=(1, 2, 4, 8), cuda_graph_max_bs=8)
+    assert isinstance(ref.moe_backend, TorchMoeBackend) and not ref.graph_runner.enabled
+    plain = _engine(tiny_qwen3_moe, moe_backend="fused", cuda_graph_max_bs=0)
+    # the same compiled forward everywhere (the weights are equal): only the MoE backend and graphs differ
+    ref.model.forward = plain.model.forward = fused.graph_runner.forward
+
+    for bs in (1, 3, 8):  # captured, padded to 4, captured
+        prompts = _prompts(bs, 512, seed=bs)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        want = generate(ref, prompts, params)
+        assert generate(fused, prompts, params) == want, f"bs={bs}"
+        assert generate(plain, prompts, params) == want, f"bs={bs}"
+
+    # one decode step's logits: graph replay vs the same code without a graph, and vs the torch backend
+    prompts = _prompts(5, 512, seed=7)
+    logits = []
+    for e in (fused, plain, ref):
+        prep = BatchPreparer(e)
+        reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
+        e.forward_logits(prep.prefill(reqs))
+        for r in reqs:
+            r.input_ids.append(5)
+        batch = prep.decode(reqs)
+        assert e.graph_runner.can_use_cuda_graph(batch) == (e is fused)
+        logits.append(e.forward_logits(batch).float())
+        prep.release(reqs)
+    assert torch.equal(logits[0], logits[1])
+    assert rel_err(logits[0], logits[2]) < BF16_TOL
+    for e in (fused, ref, plain):
+        e.shutdown()
+
+
+@needs_flashinfer
+@needs_grouped_mm_kernel
+def test_engine_qwen3_30b_a3b_shapes_dummy_weights(tmp_path):
+    """Qwen3-30B-A3B's config cut to 2 layers, dummy weights: the fused backend with CUDA graphs against
+    the torch backend (same compiled forward), teacher-forced over prefill and decode steps."""
+    raw = json.loads((QWEN3_30B_A3B / "config.json").read_text())
+    folder = tmp_path / "qwen3-30b-a3b-2-layers"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 2}))
+    common = dict(use_dummy_weight=True, num_page_override=256, max_running_req=16)
+    fused = _engine(folder, moe_backend="auto", cuda_graph_bs=(1, 4, 8), cuda_graph_max_bs=8, **common)
+    assert isinstance(fused.moe_backend, FusedMoeBackend) and fused.graph_runner.enabled
+    ref = _engine(folder, moe_backend="torch", cuda_graph_max_bs=0, **common)
+    ref.model.forward = fused.graph_runner.forward
+    g = torch.Generator().manual_seed(3)
+    lens, steps = [7, 1, 40, 19], 4
+    seqs = [torch.randint(3, raw["vocab_size"], (n + steps,), generator=g).tolist() for n in lens]
+    got = teacher_forced_logits(fused, seqs, lens, steps)
+    want = teacher_forced_logits(ref, seqs, lens, steps)
+    assert rel_err(got, want) < BF16_TOL
+    fused.shutdown()
+    ref.shutdown()
