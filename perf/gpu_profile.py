@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/h200-qwen3-0.6b.yaml")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-workload", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     started = time.perf_counter()
@@ -124,7 +125,7 @@ def main() -> None:
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
     rows = []
     shapes = ((1, 128), (64, 512), (256, 512)) if torch.cuda.is_available() else ((1, 16), (4, 16))
-    for bs, prompt_len in shapes:
+    for bs, prompt_len in () if opts.skip_decode else shapes:
         try:
             rows.append(decode_steps(llm, bs, prompt_len, opts.out, f"bs{bs}"))
             print(rows[-1], flush=True)

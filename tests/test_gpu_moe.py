@@ -197,12 +197,13 @@ def test_engine_fused_captures_graphs_and_matches_torch(tiny_qwen3_moe):
     # the same compiled forward everywhere (the weights are equal): only the MoE backend and graphs differ
     ref.model.forward = plain.model.forward = fused.graph_runner.forward
 
+    # graph replay against the same fused code without a graph: the same tokens. (Against the torch
+    # backend tokens may part at a near-tie of this random model, bf16 sums in another order: seen at
+    # bs=8 on the H200; that comparison is by logits below.)
     for bs in (1, 3, 8):  # captured, padded to 4, captured
         prompts = _prompts(bs, 512, seed=bs)
         params = SamplingParams(max_tokens=8, ignore_eos=True)
-        want = generate(ref, prompts, params)
-        assert generate(fused, prompts, params) == want, f"bs={bs}"
-        assert generate(plain, prompts, params) == want, f"bs={bs}"
+        assert generate(fused, prompts, params) == generate(plain, prompts, params), f"bs={bs}"
 
     # one decode step's logits: graph replay vs the same code without a graph, and vs the torch backend
     prompts = _prompts(5, 512, seed=7)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -283,23 +282,3 @@ def test_padded_vocab_columns_are_ignored() -> None:
     assert bool((out < 32).all())
     with pytest.raises(ValueError, match="vocab_size=64"):
         Sampler(CPU, 64).sample(logits, args)
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
-def test_compiled_sampler_equals_eager():
-    """The compiled sampling math (what CUDA runs) draws the same tokens as the eager one, also for one
-    row (padded to two inside) and with filters."""
-    torch.manual_seed(0)
-    vocab = 3000
-    eager, compiled = Sampler(CPU, vocab, compiled=False), Sampler(CPU, vocab, compiled=True)
-    for bs in (1, 2, 5):
-        for params in (
-            SamplingParams(temperature=0.8, seed=3),
-            SamplingParams(temperature=1.2, top_k=50, top_p=0.9, min_p=0.01, seed=4),
-        ):
-            logits = torch.randn(bs, vocab) * 3
-            reqs = [
-                Req([1] * (i + 1), i, 0, 4, i, params if i % 2 == 0 else SamplingParams()) for i in range(bs)
-            ]
-            args = BatchSamplingArgs.from_reqs(reqs, CPU)
-            assert torch.equal(compiled.sample(logits, args), eager.sample(logits, args))

@@ -3,7 +3,10 @@ FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only; decode ru
 one query token per request).
 
 `fi` decode uses FlashInfer's tensor-core kernel when each KV head serves at least
-`TENSOR_CORE_MIN_GROUP` query heads and its CUDA-core kernel below that, as FlashInfer recommends.
+`TENSOR_CORE_MIN_GROUP` query heads (1: always) and its CUDA-core kernel below that. On the H200 with
+Qwen3-0.6B's 2 query heads per KV head both kernels take the same device time at batch 256
+(perf/gpu_attention.py), and the CUDA-core one plans 3x faster on the host; the tensor-core kernel is the
+one measured end to end (the benchmark in README), so it is the default.
 
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
@@ -23,7 +26,7 @@ from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
-TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which `fi` decode uses tensor cores
+TENSOR_CORE_MIN_GROUP = 1  # query heads per KV head from which `fi` decode uses tensor cores
 
 
 @dataclass

@@ -134,9 +134,8 @@ class Engine:
             moe_backend=self.moe_backend,
         )
 
-        # 6. sampler (compiled on CUDA, before the first request needs it)
+        # 6. sampler
         self.sampler = Sampler(self.device, model_config.vocab_size)
-        self.sampler.warm_up()
 
         # 7. CUDA graphs
         self.graph_runner = GraphRunner(

@@ -136,19 +136,12 @@ class BatchSamplingArgs:
 
 
 class Sampler:
-    """Turns the last-position logits of a batch into next tokens (see the module docstring).
+    """Turns the last-position logits of a batch into next tokens (see the module docstring)."""
 
-    On CUDA the sampling math runs compiled (torch.compile, dynamic batch size; one graph with and one
-    without the top-k / top-p / min-p filters): a handful of fused kernels instead of some thirty eager
-    launches per step. `warm_up` compiles both before the first request needs them.
-    """
-
-    def __init__(self, device: torch.device, vocab_size: int, compiled: bool | None = None) -> None:
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self._rng = random.Random()
-        self.compiled = device.type == "cuda" if compiled is None else compiled
-        self._draw = torch.compile(_draw, dynamic=True, fullgraph=True) if self.compiled else _draw
 
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """The sampling arguments of ``batch``; call it before the forward so the copy overlaps."""
@@ -173,61 +166,32 @@ class Sampler:
         if args.suppress is not None:  # an extra column takes the padding entries
             logits = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
             logits = logits.scatter_(1, args.suppress, float("-inf"))[:, : self.vocab_size]
+        greedy_tokens = logits.argmax(dim=-1)
         if args.all_greedy:
-            return logits.argmax(dim=-1).to(torch.int32)
+            return greedy_tokens.to(torch.int32)
         assert args.temperatures is not None and args.seeds is not None and args.offsets is not None
-        rows = (logits, args.temperatures, args.top_k, args.top_p, args.min_p, args.seeds, args.offsets)
-        if self.compiled and logits.shape[0] == 1:
-            # torch.compile specializes a dimension of size 1: two copies of the row keep one graph for all
-            rows = tuple(t if t is None else t.expand(2, *t.shape[1:]).contiguous() for t in rows)
-            return self._draw(*rows, need_filter=args.need_filter)[:1]
-        return self._draw(*rows, need_filter=args.need_filter)
+        is_greedy = args.temperatures == 0
+        temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
+        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+        if args.need_filter:
+            probs = probs * self._keep_mask(probs, args)
+        # inverse transform: the first token whose cumulative probability exceeds u * total
+        cdf = probs.double().cumsum(dim=-1)
+        target = uniform_from_hash(args.seeds, args.offsets) * cdf[:, -1]
+        sampled = (
+            torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
+        )
+        return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
 
-    def warm_up(self) -> None:
-        """Compiles the sampling graphs now (with and without filters) rather than at a first request."""
-        if not self.compiled:
-            return
-        logits = torch.zeros(2, self.vocab_size, device=self.device)
-        ones = torch.ones(2, device=self.device)
-        ints = torch.ones(2, dtype=torch.int64, device=self.device)
-        for need_filter in (False, True):
-            self._draw(logits, ones, ints, ones, ones * 0, ints, ints, need_filter=need_filter)
-
-
-def _draw(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-    need_filter: bool,
-) -> torch.Tensor:
-    """The sampling math of `Sampler.sample` for a batch with at least one sampled row."""
-    greedy_tokens = logits.argmax(dim=-1)
-    is_greedy = temperatures == 0
-    temps = torch.where(is_greedy, torch.ones_like(temperatures), temperatures)
-    probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-    if need_filter:
-        assert top_k is not None and top_p is not None and min_p is not None
-        probs = probs * _keep_mask(probs, top_k, top_p, min_p)
-    # inverse transform: the first token whose cumulative probability exceeds u * total
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniform_from_hash(seeds, offsets) * cdf[:, -1]
-    sampled = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
-    return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
-
-
-def _keep_mask(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """Boolean (B, V): the tokens that top-k, top-p and min-p all keep."""
-    probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-    keep = rank < top_k[:, None]
-    # probability mass strictly before each token; float64 so long tails add up accurately
-    mass_before = probs.double().cumsum(dim=-1) - probs.double()
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    return torch.zeros_like(keep).scatter_(1, order, keep)
+    @staticmethod
+    def _keep_mask(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        """Boolean (B, V): the tokens that top-k, top-p and min-p all keep."""
+        assert args.top_k is not None and args.top_p is not None and args.min_p is not None
+        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+        keep = rank < args.top_k[:, None]
+        # probability mass strictly before each token; float64 so long tails add up accurately
+        mass_before = probs.double().cumsum(dim=-1) - probs.double()
+        keep &= (mass_before < args.top_p[:, None]) | (args.top_p[:, None] >= 1.0)
+        keep &= probs >= args.min_p[:, None] * probs[:, :1]
+        return torch.zeros_like(keep).scatter_(1, order, keep)
