@@ -26,6 +26,7 @@ from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo, HeadShard, set_tp_info, shard_heads
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
 from minisgl.models import ModelConfig, build_model
+from minisgl.models.weights import Shard
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [7], list(range(20, 61)), [300, 12, 250, 8]]
 MAX_TOKENS = 8
@@ -193,6 +194,24 @@ def test_tp3_smollm2(smollm2_path):
     """The real SmolLM2-135M-Instruct: 9 heads, 3 KV heads, intermediate 1536, vocab 49152 over 3 ranks."""
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 30], [504, 3458, 282, 4649, 314], [42] * 3]
     assert_tp_matches_single(smollm2_path, 3, prompts, max_tokens=16, logits_tol=1e-4)  # 30 layers: ~3e-6
+
+
+@pytest.mark.parametrize(("arch", "size", "tied"), [("qwen3", 2, False), ("llama", 4, True)])
+def test_vocab_the_ranks_do_not_divide(tmp_path, arch, size, tied):
+    """A vocabulary of 317 (prime): each rank holds ceil(317 / size) rows, the last ones zero padding, and
+    the gathered logits are cut back to 317 columns (tied: the LM head reuses the padded embedding)."""
+    folder = make_tiny_model(tmp_path, arch, vocab_size=317, tie_word_embeddings=tied)
+    assert_tp_matches_single(folder, size)
+
+
+def test_padded_shard_loads_its_part():
+    full = torch.arange(10.0).view(5, 2)  # 5 rows over 3 parts of 2 rows: [0, 2), [2, 4), [4, 5) + padding
+    parts = [torch.full((2, 2), -1.0) for _ in range(3)]
+    for i, dest in enumerate(parts):
+        shard = Shard(dest, 0, i, 3, total=5)
+        assert shard.full_shape == (5, 2)
+        shard.load(full)
+    assert torch.equal(torch.cat(parts)[:5], full) and torch.equal(parts[2][1], torch.zeros(2))
 
 
 def test_sizes_that_do_not_divide(tmp_path):

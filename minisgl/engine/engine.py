@@ -66,7 +66,6 @@ class Engine:
         # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
         self.local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
         divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
-        divide(model_config.vocab_size, tp_info.size, "vocab_size")
         if model_config.num_experts:
             divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
 

@@ -1,7 +1,8 @@
 """Norms, projections, the gated MLP and the embedding, as plain functions.
 
 Under tensor parallelism `embed` and `lm_head` are vocab-parallel: each rank holds a contiguous slice of
-the vocabulary (rank r: rows [r * V / tp, (r + 1) * V / tp)) and they communicate themselves. Column- and
+P = ceil(V / tp) rows of the vocabulary (rank r: rows [r * P, (r + 1) * P), zero-padded past V) and they
+communicate themselves. Column- and
 row-parallel projections need no special function: the caller all-reduces a row-parallel output.
 """
 
@@ -50,7 +51,9 @@ def embed(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits in float32 (sampling and comparisons want full precision). Vocab-parallel: each rank's
-    logits over its slice, gathered so that every rank holds (and samples from) the full vocabulary."""
-    return all_gather(F.linear(hidden, weight).float(), dim=-1)
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits (.., vocab_size) in float32 (sampling and comparisons want full precision). Vocab-parallel:
+    each rank's logits over its slice, gathered so that every rank holds (and samples from) the full
+    vocabulary; the padding rows of a vocabulary the ranks do not divide are cut off."""
+    logits = all_gather(F.linear(hidden, weight).float(), dim=-1)
+    return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]

@@ -93,7 +93,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp: DistributedInfo = get_tp_info()
-        vocab = divide(cfg.vocab_size, self.tp.size, "vocab_size")  # this rank's slice
+        # this rank's slice of the vocabulary, padded when the ranks do not divide it (the last rows of the
+        # last ranks are zeros, never looked up, and their logits are cut off after the gather)
+        vocab = -(-cfg.vocab_size // self.tp.size)
         self.embed_tokens = _param(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
@@ -107,11 +109,11 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_map(self) -> dict[str, torch.Tensor | Shard]:
         rank, size = self.tp.rank, self.tp.size
         out: dict[str, torch.Tensor | Shard] = {
-            "model.embed_tokens.weight": Shard(self.embed_tokens, 0, rank, size),
+            "model.embed_tokens.weight": Shard(self.embed_tokens, 0, rank, size, self.cfg.vocab_size),
             "model.norm.weight": self.norm,
         }
         if self.lm_head is not None:
-            out["lm_head.weight"] = Shard(self.lm_head, 0, rank, size)
+            out["lm_head.weight"] = Shard(self.lm_head, 0, rank, size, self.cfg.vocab_size)
         for i, layer in enumerate(self.layers):
             out.update(layer.checkpoint_map(f"model.layers.{i}", self.cfg))
         return out
@@ -141,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         if last_indices is not None:
             hidden = hidden[last_indices]
         hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
-        return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
+        return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head, cfg.vocab_size)
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(mlp(x, layer.gate_up_proj, layer.down_proj))  # row-parallel down

@@ -46,22 +46,32 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class Shard:
-    """`dest` receives part `part` of the checkpoint tensor cut into `parts` equal parts along `dim`."""
+    """`dest` receives part `part` of the checkpoint tensor cut into `parts` parts of `dest`'s size along
+    `dim`. With `total` (the checkpoint's size along `dim`, when `parts` does not divide it) the parts are
+    padded: the last ones hold fewer rows (or none) and the rest of `dest` is zeroed."""
 
     dest: torch.Tensor
     dim: int
     part: int
     parts: int
+    total: int | None = None
 
     @property
     def full_shape(self) -> tuple[int, ...]:
         shape = list(self.dest.shape)
-        shape[self.dim] *= self.parts
+        shape[self.dim] = shape[self.dim] * self.parts if self.total is None else self.total
         return tuple(shape)
 
-    def index(self) -> tuple[slice, ...]:
+    def load(self, source) -> None:
+        """Copies this part of `source` (a tensor, or a lazy safetensors slice: only the part is read)."""
         size = self.dest.shape[self.dim]
-        return (slice(None),) * self.dim + (slice(self.part * size, (self.part + 1) * size),)
+        total = self.full_shape[self.dim]
+        start = min(self.part * size, total)
+        stop = min(start + size, total)
+        self.dest.narrow(self.dim, 0, stop - start).copy_(
+            source[(slice(None),) * self.dim + (slice(start, stop),)]
+        )
+        self.dest.narrow(self.dim, stop - start, size - (stop - start)).zero_()
 
 
 @torch.no_grad()
@@ -92,7 +102,7 @@ def load_checkpoint(
                             f"{expected} from config.json; the weights do not match the config"
                         )
                     if isinstance(dest, Shard):
-                        dest.dest.copy_(source[dest.index()])  # reads only this rank's part
+                        dest.load(source)  # reads only this rank's part
                     else:
                         dest.copy_(f.get_tensor(name))
                     seen.add(name)
