@@ -4,7 +4,9 @@ A sampled token is drawn by inverse transform: with ``u`` uniform in (0, 1), the
 (in vocabulary order) at which the cumulative sum of the filtered probabilities exceeds ``u`` times their
 total: an exact draw from the filtered, renormalised softmax. ``u`` does not come from torch's global RNG:
 it is a hash of ``(seed, offset)``, so a row's draw depends only on its own logits, parameters, seed and
-offset, never on the other rows of the batch. One hash per row keeps sampling cheap on large vocabularies.
+offset, never on the other rows of the batch. One hash per row keeps sampling cheap on large vocabularies;
+the hash needs only host values, so it runs on the host while the arguments are prepared (some fifty tiny
+integer ops that would otherwise each be a kernel launch per step) and ``u`` travels with them.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ class BatchSamplingArgs:
     """Per-request sampling parameters of one batch, as tensors on the device.
 
     The tensors are (B,): ``temperatures`` float32 (0 = greedy), ``top_k`` int64 (``TOP_K_ALL`` when
-    unlimited), ``top_p`` float32, ``min_p`` float32, ``seeds`` int64 (a fresh random seed for requests
-    without one) and ``offsets`` int64 (the position of the token being sampled, ``req.device_len``).
-    They are None when every request is greedy. ``all_greedy`` and ``need_filter`` (some sampled request
+    unlimited), ``top_p`` float32, ``min_p`` float32 and ``uniforms`` float64, the row's ``u`` (on the
+    device); ``seeds`` int64 (a fresh random seed for requests without one) and ``offsets`` int64 (the
+    position of the token being sampled, ``req.device_len``) stay on the host: ``u`` is
+    ``uniform_from_hash(seeds, offsets)``. They are None when every request is greedy. ``all_greedy`` and ``need_filter`` (some sampled request
     uses top-k, top-p or min-p) are host booleans, so ``Sampler.sample`` can pick its path without a
     device sync.
     """
@@ -85,6 +88,7 @@ class BatchSamplingArgs:
     min_p: torch.Tensor | None = None
     seeds: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    uniforms: torch.Tensor | None = None
     # (B, K) int64 token ids that must not be drawn (e.g. EOS before min_tokens), padded with vocab_size
     suppress: torch.Tensor | None = None
 
@@ -112,26 +116,25 @@ class BatchSamplingArgs:
             dtype=torch.float32,
             pin_memory=pin,
         )
-        ints = torch.tensor(
-            [
-                [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params],
-                [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
-                [req.device_len for req in reqs],
-            ],
-            dtype=torch.int64,
-            pin_memory=pin,
+        top_k = torch.tensor(
+            [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params], dtype=torch.int64, pin_memory=pin
         )
+        seeds = torch.tensor([p.seed if p.seed is not None else rng.getrandbits(63) for p in params])
+        offsets = torch.tensor([req.device_len for req in reqs], dtype=torch.int64)
+        uniforms = uniform_from_hash(seeds, offsets)  # on the host: integer math, exact anywhere
+        if pin:
+            uniforms = uniforms.pin_memory()
         floats = floats.to(device, non_blocking=True)
-        ints = ints.to(device, non_blocking=True)
         return cls(
             all_greedy=False,
             need_filter=need_filter,
             temperatures=floats[0],
             top_p=floats[1],
             min_p=floats[2],
-            top_k=ints[0],
-            seeds=ints[1],
-            offsets=ints[2],
+            top_k=top_k.to(device, non_blocking=True),
+            seeds=seeds,
+            offsets=offsets,
+            uniforms=uniforms.to(device, non_blocking=True),
         )
 
 
@@ -169,7 +172,7 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if args.all_greedy:
             return greedy_tokens.to(torch.int32)
-        assert args.temperatures is not None and args.seeds is not None and args.offsets is not None
+        assert args.temperatures is not None and args.uniforms is not None
         is_greedy = args.temperatures == 0
         temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
         probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
@@ -177,7 +180,7 @@ class Sampler:
             probs = probs * self._keep_mask(probs, args)
         # inverse transform: the first token whose cumulative probability exceeds u * total
         cdf = probs.double().cumsum(dim=-1)
-        target = uniform_from_hash(args.seeds, args.offsets) * cdf[:, -1]
+        target = args.uniforms * cdf[:, -1]
         sampled = (
             torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
         )
