@@ -38,9 +38,7 @@ def create_moe_backend(
     'torch' on CPU and elsewhere. 'fused' where it cannot run captured is a ValueError saying why."""
     device = torch.device(device)
     if name == "auto":
-        reason = fused_unsupported_reason(device) if device.type == "cuda" else "the reference on CPU"
-        if reason is None and dtype is not None and dtype != torch.bfloat16:
-            reason = f"dtype {dtype}; it runs bfloat16 on CUDA"
+        reason = _why_not_fused(device, dtype) if device.type == "cuda" else "the reference on CPU"
         name = "fused" if reason is None else "torch"
         logger.info(
             "MoE backend 'auto' -> %s (device %s%s)", name, device, "" if reason is None else f"; {reason}"
@@ -48,10 +46,16 @@ def create_moe_backend(
     if name == "torch":
         return TorchMoeBackend()
     if name == "fused":
-        reason = fused_unsupported_reason(device)
-        if reason is None and device.type == "cuda" and dtype is not None and dtype != torch.bfloat16:
-            reason = f"it runs bfloat16 on CUDA, got dtype={dtype}"
+        reason = _why_not_fused(device, dtype)
         if reason is not None:
             raise ValueError(f"moe_backend='fused' cannot run here ({reason}); use 'torch' (or 'auto')")
         return FusedMoeBackend()
     raise ValueError(f"moe_backend={name!r} is not valid: use one of auto, torch, fused")
+
+
+def _why_not_fused(device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why the fused backend cannot run captured on `device` in `dtype` (None: it can)."""
+    reason = fused_unsupported_reason(device)
+    if reason is None and device.type == "cuda" and dtype is not None and dtype != torch.bfloat16:
+        reason = f"it runs bfloat16 on CUDA, got dtype={dtype}"
+    return reason

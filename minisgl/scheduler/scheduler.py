@@ -17,10 +17,10 @@ Overlap scheduling (the engine's `overlap_scheduling`, on by default; MINISGL_OV
 `Scheduler(overlap=False)` turns it off for ablation; always off under tensor parallelism): a step
 launches forward N+1 before it reads the tokens of forward N, so the host's work (scheduling, batch
 tensors, attention planning, then N's tokens: stop checks, detokenizing, metrics) runs while the GPU
-computes. Decode batches
-then take their input tokens from the device (`BatchPreparer.decode(pending=True)`). A request that
-stops at EOS or a stop string in step N has already been put in step N+1: that one token is computed
-and dropped (the request's reserved pages cover it); max_tokens is known ahead and wastes nothing.
+computes. Decode batches then take their input tokens from the device
+(`BatchPreparer.decode(pending=True)`). A request that stops at EOS or a stop string in step N has
+already been put in step N+1: that one token is computed and dropped (the request's reserved pages
+cover it); max_tokens is known ahead and wastes nothing.
 """
 
 from __future__ import annotations
