@@ -102,6 +102,39 @@ def decode_steps(llm: LLM, bs: int, prompt_len: int, out_dir: str, tag: str) -> 
     return row
 
 
+def timed_pass(llm: LLM, prompts, max_tokens, temperature: float):
+    """One workload pass with each scheduler step timed: returns the pass and a table of where its wall
+    time went (prefill steps; decode steps by batch size)."""
+    sched, steps = llm.scheduler, []
+    step = sched.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = step()
+        launched = sched._launched
+        size = len(launched.chosen) if launched is not None else 0
+        steps.append((sched.last_phase, size, time.perf_counter() - t))
+        return out
+
+    sched.step = timed_step
+    try:
+        p = run_pass(llm, prompts, max_tokens, temperature)
+    finally:
+        del sched.step
+    buckets: dict[str, list[float]] = {}
+    for phase, size, seconds in steps:
+        if phase == "prefill":
+            key = "prefill"
+        else:
+            low = next(b for b in (256, 192, 128, 64, 32, 16, 8, 4, 2, 1, 0) if size >= b)
+            key = f"decode bs>={low}"
+        buckets.setdefault(key, []).append(seconds)
+    lines = [f"{'steps':>16} {'count':>6} {'total s':>8} {'mean ms':>8}"]
+    for key, times in sorted(buckets.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{key:>16} {len(times):>6} {sum(times):>8.3f} {sum(times) / len(times) * 1e3:>8.3f}")
+    return p, "\n".join(lines)
+
+
 class _FakeBatch:
     def __init__(self, bs: int, greedy: bool) -> None:
         from minisgl.core import Req
@@ -116,6 +149,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--skip-workload", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="also: step timeline, T=0 and T=0.6")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     started = time.perf_counter()
@@ -147,6 +181,11 @@ def main() -> None:
             except Exception:
                 traceback.print_exc()
         llm.scheduler.overlap = True
+        if opts.timeline:
+            for temperature in (shape.temperature, 0.0):
+                p, table = timed_pass(llm, prompts, max_tokens, temperature)
+                results[f"workload_T={temperature}"] = p.tokens_per_s
+                print(f"T={temperature}: {p.tokens_per_s:.0f} tok/s ({p.seconds:.2f} s)\n{table}", flush=True)
     with open(os.path.join(opts.out, "profile.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))

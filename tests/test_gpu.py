@@ -84,6 +84,22 @@ def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size, monkey
     assert rel_err(got, ref) < BF16_TOL
 
 
+@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
+    """With graphs on, prefill runs the compiled forward (several requests, and one, whose last index
+    is padded to two) and decode replays graphs: against the eager torch backend."""
+    seqs = _seqs(512)
+    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
+    engine = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=8)
+    assert engine.graph_runner.enabled
+    calls = []
+    run = engine.graph_runner.run_compiled
+    engine.graph_runner.run_compiled = lambda batch: calls.append(len(batch.reqs)) or run(batch)
+    assert rel_err(_tf(engine, seqs, PROMPT_LENS), ref) < BF16_TOL
+    assert rel_err(_tf(engine, seqs[3:4], PROMPT_LENS[3:4]), ref[3:4]) < BF16_TOL
+    assert calls == [len(PROMPT_LENS), 1]  # the two prefills; every decode step replayed a graph
+
+
 def test_transformers_logits_within_bf16(tiny_qwen3):
     seqs = _seqs(512, [40, 12])
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
@@ -116,6 +132,7 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
     plain = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=0)
     # both run the same compiled function outside graphs (prefill, uncaptured sizes): only the graph differs
     plain.model.forward = graphs.model.forward = graphs.graph_runner.forward
+    graphs.graph_runner.can_run_compiled = lambda batch: False  # no padded prefill: plain has none
     assert graphs.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
     g = torch.Generator().manual_seed(2)
     for bs in (1, 3, 4, 7, 16, 17, 30):

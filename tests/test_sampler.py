@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import TOP_K_ALL, BatchSamplingArgs, Sampler
+from minisgl.engine.sample import SAMPLE_BLOCK, TOP_K_ALL, BatchSamplingArgs, Sampler, inverse_transform
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
@@ -282,3 +282,32 @@ def test_padded_vocab_columns_are_ignored() -> None:
     assert bool((out < 32).all())
     with pytest.raises(ValueError, match="vocab_size=64"):
         Sampler(CPU, 64).sample(logits, args)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 1023, 1024, 1025, 3000, 151_936])
+def test_two_level_search_equals_full_cumsum(vocab: int) -> None:
+    """The block-then-token search picks the token a single float64 cumsum over the vocabulary picks,
+    including rows where most tokens (whole blocks among them) have probability zero."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 64
+    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 3, dim=-1)
+    keep = torch.rand(rows, vocab, generator=gen) < torch.linspace(0.001, 1.0, rows)[:, None]
+    keep[:, 0] |= ~keep.any(dim=1)
+    probs = probs * keep
+    u = torch.rand(rows, generator=gen, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)
+    u[:4] = torch.tensor([2**-33, 1 - 2**-33, 0.5, 1e-6], dtype=torch.float64)
+    got = inverse_transform(probs, u)
+    cdf = probs.double().cumsum(dim=-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=vocab - 1)
+    assert torch.equal(got, want)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())  # never a token of probability zero
+
+
+def test_two_level_search_at_a_block_edge() -> None:
+    """All the mass on the last token of one block and the first of the next: u on either side of one
+    half lands on each."""
+    probs = torch.zeros(2, 4096)
+    probs[:, SAMPLE_BLOCK - 1] = 0.5
+    probs[:, SAMPLE_BLOCK] = 0.5
+    got = inverse_transform(probs, torch.tensor([0.4999, 0.5001], dtype=torch.float64))
+    assert got.tolist() == [SAMPLE_BLOCK - 1, SAMPLE_BLOCK]

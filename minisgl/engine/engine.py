@@ -237,7 +237,10 @@ class Engine:
             else:
                 if batch.attn_metadata is None:
                     self.attn_backend.prepare_metadata(batch)
-                logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+                if self.graph_runner.can_run_compiled(batch):
+                    logits = self.graph_runner.run_compiled(batch)
+                else:
+                    logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
         for req in batch.reqs:
             req.complete_one()
         return logits

@@ -23,6 +23,9 @@ TOP_K_ALL = 2**62
 
 _MASK32 = 0xFFFFFFFF
 
+# tokens per block of the two-level inverse-transform search (see inverse_transform)
+SAMPLE_BLOCK = 1024
+
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
 
@@ -65,6 +68,36 @@ def uniform_from_hash(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     h = torch.full_like(seeds, 0x9E3779B9)
     h = _mix32(_absorb(_absorb(h, seeds), offsets))
     return h.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
+
+
+def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``u * total``: int64 (B,).
+
+    ``probs`` is (B, V), non-negative with a positive total per row; ``uniforms`` is float64 (B,) in
+    (0, 1). The search runs in two levels so that no scan covers the whole vocabulary (a float64 cumsum
+    over Qwen3's 151,936 tokens took about a millisecond per step at batch 256 on the H200): the
+    float64 sums of blocks of ``SAMPLE_BLOCK`` tokens locate the block, one cumulative sum inside that
+    block locates the token. Every partial sum is accumulated in float64.
+    """
+    batch, vocab = probs.shape
+    full = vocab // SAMPLE_BLOCK
+    sums = probs[:, : full * SAMPLE_BLOCK].view(batch, full, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
+    if full * SAMPLE_BLOCK < vocab:  # the last, partial block
+        tail = probs[:, full * SAMPLE_BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)
+        sums = torch.cat([sums, tail], dim=1)
+    cdf = sums.cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=probs.device)
+    inside = cols < vocab
+    local = probs.gather(1, cols.clamp(max=vocab - 1)).double() * inside
+    local_cdf = before + local.cumsum(dim=-1)
+    # the block sum and the in-block cumsum may round apart: keep the target below the block's last
+    # cumulative value, so the search lands on a token of the block (one of non-zero probability)
+    target = torch.minimum(target, torch.nextafter(local_cdf[:, -1:], torch.zeros_like(target)))
+    token = block * SAMPLE_BLOCK + torch.searchsorted(local_cdf, target, right=True)
+    return token.squeeze(1).clamp_(max=vocab - 1)
 
 
 @dataclass
@@ -178,12 +211,7 @@ class Sampler:
         probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
         if args.need_filter:
             probs = probs * self._keep_mask(probs, args)
-        # inverse transform: the first token whose cumulative probability exceeds u * total
-        cdf = probs.double().cumsum(dim=-1)
-        target = args.uniforms * cdf[:, -1]
-        sampled = (
-            torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
-        )
+        sampled = inverse_transform(probs, args.uniforms)
         return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
 
     @staticmethod

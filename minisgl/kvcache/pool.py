@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from minisgl.kernels.kv_store import kv_store_applies, store_kv
+
 
 def bytes_per_page(
     num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -75,5 +77,9 @@ class MHAKVCachePool(BaseKVCachePool):
         return self._v_flat[layer_id]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        self._k_flat[layer_id].index_copy_(0, out_loc, k)
-        self._v_flat[layer_id].index_copy_(0, out_loc, v)
+        k_flat, v_flat = self._k_flat[layer_id], self._v_flat[layer_id]
+        if kv_store_applies(k, v, k_flat):  # one Triton kernel for both
+            store_kv(k, v, out_loc, k_flat, v_flat)
+        else:
+            k_flat.index_copy_(0, out_loc, k)
+            v_flat.index_copy_(0, out_loc, v)

@@ -15,12 +15,12 @@ from minisgl.core import get_global_ctx
 @torch.library.custom_op("minisgl::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
     ctx = get_global_ctx()
-    return ctx.attn_backend.forward(q, k, v, layer_id, ctx.batch)
+    return ctx.attn_backend.forward(q, k, v, layer_id, ctx.batch).contiguous()
 
 
 @_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, whatever the layout the compiler gave q
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
+from minisgl.kernels.gemv import gemv, gemv_applies
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,13 +31,16 @@ def add_rms_norm(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias); a single half-precision row on CUDA runs on the Triton GEMV kernel."""
+    if gemv_applies(x, weight):
+        return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """SwiGLU MLP with the gate and up projections merged into one weight of 2 * intermediate rows."""
-    gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w_down)
+    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, w_down)
 
 
 def embed(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,5 +59,5 @@ def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torc
     """Logits (.., vocab_size) in float32 (sampling and comparisons want full precision). Vocab-parallel:
     each rank's logits over its slice, gathered so that every rank holds (and samples from) the full
     vocabulary; the padding rows of a vocabulary the ranks do not divide are cut off."""
-    logits = all_gather(F.linear(hidden, weight).float(), dim=-1)
+    logits = all_gather(linear(hidden, weight).float(), dim=-1)
     return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]

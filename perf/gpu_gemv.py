@@ -1,0 +1,126 @@
+"""One-row linear layers on the GPU: cuBLAS (F.linear) against the Triton GEMV kernel of
+`minisgl.kernels.gemv`, at Qwen3-0.6B's shapes.
+
+    python perf/gpu_gemv.py [--sweep]
+
+Each figure is device time per call, measured inside a CUDA graph of 28 calls on 28 distinct weight
+copies (as in a decode step: the weights come from HBM, not from L2). `--sweep` also times every kernel
+configuration (rows per program, K block, warps) per shape. The last table: the 112 layer GEMMs and
+the LM head of one decode step, chained as in the model. A plain script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.kernels import gemv as G
+
+LAYERS = 28
+# (name, N, K): Qwen3-0.6B's projections (QKV, O, gate/up, down) and the tied LM head
+SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
+LM_HEAD = ("lm_head", 151936, 1024)
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per replay of a CUDA graph of `fn`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    x_by_k = {k: torch.randn(1, k, dtype=dt, device=dev) for k in (1024, 2048, 3072)}
+    weights = {
+        name: [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(LAYERS)] for name, n, k in SHAPES
+    }
+    weights["lm_head"] = [torch.randn(LM_HEAD[1], LM_HEAD[2], dtype=dt, device=dev) * 0.02]
+    print(
+        f"{'shape':>8} {'N':>7} {'K':>5} {'MB':>6} {'cuBLAS us':>10} {'GB/s':>6} {'gemv us':>8} {'GB/s':>6} "
+        f"{'max rel err':>11}"
+    )
+    for name, n, k in [*SHAPES, LM_HEAD]:
+        ws, x = weights[name], x_by_k[k]
+        mb = n * k * 2 / 1e6
+        t_ref = graph_us(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]) / len(ws)
+        t_gemv = graph_us(lambda x=x, ws=ws: [G.gemv(x, w) for w in ws]) / len(ws)
+        ref = F.linear(x.float(), ws[0].float())
+        err = ((G.gemv(x, ws[0]).float() - ref).norm() / ref.norm()).item()
+        print(
+            f"{name:>8} {n:>7} {k:>5} {mb:>6.1f} {t_ref:>10.2f} {mb * 1e3 / t_ref:>6.0f} {t_gemv:>8.2f} "
+            f"{mb * 1e3 / t_gemv:>6.0f} {err:>11.2e}",
+            flush=True,
+        )
+    if args.sweep:
+        print("\nsweep: us per call (block_n, block_k, warps)")
+        for name, n, k in [*SHAPES, LM_HEAD]:
+            ws, x = weights[name], x_by_k[k]
+            out = torch.empty(1, n, dtype=dt, device=dev)
+            results = []
+            for bn, bk, nw in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8)):
+                if bk > triton_next_pow2(k):
+                    continue
+                try:
+                    t = graph_us(
+                        lambda x=x, ws=ws, out=out, cfg=(bn, bk, nw): [
+                            G.gemv_launch(x, w, None, out, *cfg) for w in ws
+                        ],
+                        reps=10,
+                    )
+                except Exception as e:  # a configuration Triton rejects
+                    print(f"  {name} {bn},{bk},{nw}: {type(e).__name__}")
+                    continue
+                results.append((t / len(ws), bn, bk, nw))
+            results.sort()
+            best = ", ".join(f"{t:.2f} ({bn},{bk},{nw})" for t, bn, bk, nw in results[:6])
+            print(f"{name:>8}: {best}", flush=True)
+    # a decode step's GEMMs in model order
+    x1 = x_by_k[1024]
+
+    def chain(fn):
+        def run():
+            h = x1
+            for i in range(LAYERS):
+                fn(h, weights["qkv"][i])
+                a = fn(x_by_k[2048], weights["o"][i])
+                g = fn(a, weights["gate_up"][i])
+                fn(x_by_k[3072], weights["down"][i])
+                h = g[:, :1024].contiguous()
+            return fn(h, weights["lm_head"][0])
+
+        return run
+
+    t_ref = graph_us(chain(F.linear))
+    t_gemv = graph_us(chain(G.gemv))
+    print(f"\nstep GEMMs (112 + LM head): cuBLAS {t_ref:.1f} us, gemv {t_gemv:.1f} us")
+
+
+def triton_next_pow2(k: int) -> int:
+    return 1 << (k - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
