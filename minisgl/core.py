@@ -183,6 +183,8 @@ class Context:
     page_table: torch.Tensor
     attn_backend: BaseAttnBackend
     moe_backend: Any = None
+    # kernel choices may not depend on the batch's shape (see EngineConfig.batch_invariant)
+    batch_invariant: bool = False
     _batch: Batch | None = field(default=None, init=False)
 
     @property
@@ -205,6 +207,11 @@ class Context:
 
 
 _current_ctx: Context | None = None
+
+
+def batch_invariant_mode() -> bool:
+    """True while the forward of an engine with ``batch_invariant`` runs (read by `linear`)."""
+    return _current_ctx is not None and _current_ctx.batch_invariant
 
 
 def get_global_ctx() -> Context:

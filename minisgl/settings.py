@@ -128,6 +128,10 @@ class EngineSettings(BaseSettings):
         default=True,
         description="Prepare step N+1 on the host while the device runs step N; false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
     )
+    batch_invariant: bool = Field(
+        default=False,
+        description="Give a request the same logits alone or in any batch (GPU: no one-row GEMV kernel, eager prefill); slower.",
+    )
     cpu_kv_budget_gib: float | None = Field(
         default=None, gt=0.0, description="KV-cache budget in GiB on CPU; unset = 10% of available RAM."
     )
@@ -282,6 +286,7 @@ class EngineSettings(BaseSettings):
                 device=self.device,
                 cpu_kv_budget_gib=self.cpu_kv_budget_gib,
                 overlap_scheduling=self.overlap_scheduling,
+                batch_invariant=self.batch_invariant,
             )
         except (ValueError, TypeError, FileNotFoundError) as e:
             # EngineConfig's messages read "key=value ..."; add where the named keys came from

@@ -211,3 +211,23 @@ def test_compiled_forward_matches_eager(tiny_llama):
             logits.append(engine.forward_logits(prep.decode(reqs)))
         results.append(torch.cat(logits))
     assert rel_err(results[1], results[0]) < 1e-5
+
+
+def test_batch_invariant_flag_reaches_the_forward(tiny_llama, monkeypatch):
+    """`batch_invariant` (setting MINISGL_BATCH_INVARIANT) is the context's flag, which `linear` reads
+    while that engine's forward runs (and only then) to keep the one-row GEMV kernel out."""
+    import minisgl.models.llama as llama
+    from minisgl.core import batch_invariant_mode
+    from minisgl.settings import EngineSettings
+
+    monkeypatch.setenv("MINISGL_BATCH_INVARIANT", "1")
+    assert EngineSettings.load(model_path=str(tiny_llama)).to_engine_config().batch_invariant
+    seen, real = [], llama.linear
+    monkeypatch.setattr(llama, "linear", lambda *a: seen.append(batch_invariant_mode()) or real(*a))
+    for flag in (True, False):
+        engine = _engine(tiny_llama, batch_invariant=flag)
+        assert engine.ctx.batch_invariant is flag
+        generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=2))
+        assert seen and set(seen) == {flag}
+        seen.clear()
+    assert not batch_invariant_mode()  # outside a forward

@@ -41,6 +41,8 @@ class EngineConfig:
     ``dtype`` None picks float32 on CPU and bfloat16 on CUDA. ``device`` 'auto' picks CUDA when present.
     ``cpu_kv_budget_gib`` bounds the KV pool on CPU (None: 10% of available RAM).
     ``overlap_scheduling`` is read by the scheduler over this engine (see minisgl.scheduler).
+    ``batch_invariant`` keeps every kernel choice independent of the batch (on CUDA: no one-row GEMV
+    kernel, prefill eager), so a request's logits, and its seeded tokens, do not depend on its batch.
     """
 
     model_path: str
@@ -61,6 +63,7 @@ class EngineConfig:
     device: str = "auto"
     cpu_kv_budget_gib: float | None = None
     overlap_scheduling: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

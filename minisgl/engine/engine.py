@@ -126,6 +126,7 @@ class Engine:
             else None
         )
         self.ctx = Context(
+            batch_invariant=config.batch_invariant,
             page_size=page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,

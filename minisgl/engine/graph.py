@@ -87,7 +87,8 @@ class GraphRunner:
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
         self._capture(sizes)
         self.batch_sizes = sizes
-        self._warm_up_compiled()
+        if not ctx.batch_invariant:
+            self._warm_up_compiled()
 
     def _dummy_batch(self, bs: int) -> Batch:
         reqs = [
@@ -145,8 +146,10 @@ class GraphRunner:
 
     def can_run_compiled(self, batch: Batch) -> bool:
         """Prefill and decode batches above the largest graph of two or more tokens (a single token
-        would make dynamo specialize a graph on size 1) run the compiled forward."""
-        return bool(self.batch_sizes) and batch.input_ids.shape[0] >= 2
+        would make dynamo specialize a graph on size 1) run the compiled forward, unless the engine is
+        batch-invariant (the compiled graph's kernels depend on the token count: measured on the H200,
+        `perf/gpu_ablation.py`)."""
+        return bool(self.batch_sizes) and batch.input_ids.shape[0] >= 2 and not self.ctx.batch_invariant
 
     def run_compiled(self, batch: Batch) -> torch.Tensor:
         """The compiled forward without a graph (attention planned). A prefill's `last_indices` gets

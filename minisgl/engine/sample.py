@@ -25,6 +25,8 @@ _MASK32 = 0xFFFFFFFF
 
 # tokens per block of the two-level inverse-transform search (see inverse_transform)
 SAMPLE_BLOCK = 1024
+# False: one float64 cumsum over the whole vocabulary instead (ablation)
+TWO_LEVEL = True
 
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
@@ -211,7 +213,12 @@ class Sampler:
         probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
         if args.need_filter:
             probs = probs * self._keep_mask(probs, args)
-        sampled = inverse_transform(probs, args.uniforms)
+        if TWO_LEVEL:
+            sampled = inverse_transform(probs, args.uniforms)
+        else:
+            cdf = probs.double().cumsum(dim=-1)
+            target = (args.uniforms * cdf[:, -1])[:, None]
+            sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
         return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
 
     @staticmethod
