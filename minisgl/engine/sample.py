@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from minisgl.core import Batch, Req
 
@@ -79,27 +80,27 @@ def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     (0, 1). The search runs in two levels so that no scan covers the whole vocabulary (a float64 cumsum
     over Qwen3's 151,936 tokens took about a millisecond per step at batch 256 on the H200): the
     float64 sums of blocks of ``SAMPLE_BLOCK`` tokens locate the block, one cumulative sum inside that
-    block locates the token. Every partial sum is accumulated in float64.
+    block locates the token. Every partial sum is accumulated in float64. A width that is not a
+    multiple of ``SAMPLE_BLOCK`` is padded with zeros (a copy: `Sampler` builds its probabilities
+    padded already).
     """
-    batch, vocab = probs.shape
-    full = vocab // SAMPLE_BLOCK
-    sums = probs[:, : full * SAMPLE_BLOCK].view(batch, full, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
-    if full * SAMPLE_BLOCK < vocab:  # the last, partial block
-        tail = probs[:, full * SAMPLE_BLOCK :].sum(-1, keepdim=True, dtype=torch.float64)
-        sums = torch.cat([sums, tail], dim=1)
-    cdf = sums.cumsum(dim=-1)
+    batch, width = probs.shape
+    if width % SAMPLE_BLOCK:
+        probs = F.pad(probs, (0, SAMPLE_BLOCK - width % SAMPLE_BLOCK))
+    sums = probs.view(batch, -1, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
+    # cdf[:, j]: the mass of the blocks before block j (cdf[:, 0] = 0, cdf[:, -1] = the total)
+    cdf = F.pad(sums, (1, 0)).cumsum_(dim=-1)
     target = (uniforms * cdf[:, -1])[:, None]
-    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)  # (B, 1)
-    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    block = torch.searchsorted(cdf, target, right=True).sub_(
+        1
+    )  # (B, 1): cdf[block] <= target < cdf[block + 1]
+    target = target - cdf.gather(1, block)
     cols = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=probs.device)
-    inside = cols < vocab
-    local = probs.gather(1, cols.clamp(max=vocab - 1)).double() * inside
-    local_cdf = before + local.cumsum(dim=-1)
+    local_cdf = probs.gather(1, cols).double().cumsum_(dim=-1)
     # the block sum and the in-block cumsum may round apart: keep the target below the block's last
     # cumulative value, so the search lands on a token of the block (one of non-zero probability)
     target = torch.minimum(target, torch.nextafter(local_cdf[:, -1:], torch.zeros_like(target)))
-    token = block * SAMPLE_BLOCK + torch.searchsorted(local_cdf, target, right=True)
-    return token.squeeze(1).clamp_(max=vocab - 1)
+    return cols.gather(1, torch.searchsorted(local_cdf, target, right=True)).squeeze(1)
 
 
 @dataclass
@@ -210,12 +211,19 @@ class Sampler:
         assert args.temperatures is not None and args.uniforms is not None
         is_greedy = args.temperatures == 0
         temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
-        probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-        if args.need_filter:
-            probs = probs * self._keep_mask(probs, args)
-        if TWO_LEVEL:
+        if TWO_LEVEL:  # softmax into a buffer padded to whole blocks: -inf logits, zero probabilities
+            vocab, width = self.vocab_size, -(-self.vocab_size // SAMPLE_BLOCK) * SAMPLE_BLOCK
+            scaled = logits.new_empty((logits.shape[0], width), dtype=torch.float32)
+            scaled[:, vocab:].fill_(float("-inf"))
+            torch.div(logits, temps[:, None], out=scaled[:, :vocab])
+            probs = torch.softmax(scaled, dim=-1)
+            if args.need_filter:
+                probs[:, :vocab] *= self._keep_mask(probs[:, :vocab], args)
             sampled = inverse_transform(probs, args.uniforms)
         else:
+            probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
+            if args.need_filter:
+                probs = probs * self._keep_mask(probs, args)
             cdf = probs.double().cumsum(dim=-1)
             target = (args.uniforms * cdf[:, -1])[:, None]
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
