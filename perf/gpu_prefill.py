@@ -10,28 +10,19 @@ and the relative difference of the logits. A plain script, not a test.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
-from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine
-from minisgl.settings import EngineSettings
+sys.path.insert(0, "perf")
+from gpu_profile import _gpu_ms  # noqa: E402
+
+from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.engine import BatchPreparer, Engine  # noqa: E402
+from minisgl.settings import EngineSettings  # noqa: E402
 
 # (requests, prompt tokens each): the scheduler's 8,192-token chunks and smaller prefills
 SHAPES = [(1, 8192), (16, 512), (8, 1024), (4, 256), (1, 128)]
-
-
-def timed_ms(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 @torch.inference_mode()
@@ -58,8 +49,8 @@ def main() -> None:
         with engine.ctx.forward_batch(batch):
             eager = engine.model(*inputs)
             comp = compiled(*inputs)
-            t_eager = timed_ms(lambda inputs=inputs: engine.model(*inputs))
-            t_comp = timed_ms(lambda inputs=inputs: compiled(*inputs))
+            t_eager = _gpu_ms(lambda inputs=inputs: engine.model(*inputs), iters=10)
+            t_comp = _gpu_ms(lambda inputs=inputs: compiled(*inputs), iters=10)
         diff = ((comp.float() - eager.float()).norm() / eager.float().norm()).item()
         print(
             f"{n:>8} {n * length:>7} {t_eager:>9.2f} {t_comp:>12.2f} {t_eager / t_comp:>8.2f} {diff:>9.1e}",

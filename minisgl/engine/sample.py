@@ -91,9 +91,8 @@ def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # cdf[:, j]: the mass of the blocks before block j (cdf[:, 0] = 0, cdf[:, -1] = the total)
     cdf = F.pad(sums, (1, 0)).cumsum_(dim=-1)
     target = (uniforms * cdf[:, -1])[:, None]
-    block = torch.searchsorted(cdf, target, right=True).sub_(
-        1
-    )  # (B, 1): cdf[block] <= target < cdf[block + 1]
+    # block (B, 1): cdf[block] <= target < cdf[block + 1]
+    block = torch.searchsorted(cdf, target, right=True).sub_(1)
     target = target - cdf.gather(1, block)
     cols = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=probs.device)
     local_cdf = probs.gather(1, cols).double().cumsum_(dim=-1)

@@ -20,7 +20,7 @@ try:
 except ImportError:  # CPU-only installs: F.linear serves every shape
     triton = None
 
-# set to False to send every shape to F.linear (ablation: perf/gpu_gemv.py)
+# set to False to send every shape to F.linear (ablation: perf/gpu_ablation.py)
 ENABLED = True
 # the widest row (K) the kernel takes; its sweep is unrolled, so this bounds the code size
 MAX_K = 16384
