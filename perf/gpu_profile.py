@@ -12,8 +12,10 @@ A plain script, not a test: numbers vary between machines.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -102,36 +104,68 @@ def decode_steps(llm: LLM, bs: int, prompt_len: int, out_dir: str, tag: str) -> 
     return row
 
 
-def timed_pass(llm: LLM, prompts, max_tokens, temperature: float):
+def timed_pass(llm: LLM, prompts, max_tokens, temperature: float, host_profile: str | None = None):
     """One workload pass with each scheduler step timed: returns the pass and a table of where its wall
-    time went (prefill steps; decode steps by batch size)."""
+    time went (prefill steps; decode steps by batch size), each step split into the host's launch (schedule,
+    batch tensors, planning, enqueueing the forward), the wait for the previous forward's tokens (the GPU
+    being the bottleneck) and their processing. With `host_profile` (a file name), the pass also runs
+    under cProfile and the 30 functions of most own host time are written there."""
     sched, steps = llm.scheduler, []
-    step = sched.step
+    step, launch, collect = sched.step, sched._launch, sched._collect
+    parts = {"launch": 0.0, "wait": 0.0}
+
+    def timed_launch():
+        t = time.perf_counter()
+        out = launch()
+        parts["launch"] = time.perf_counter() - t
+        return out
+
+    def timed_collect(launched):
+        t = time.perf_counter()
+        launched.output.copy_done_event.synchronize()
+        parts["wait"] = time.perf_counter() - t
+        return collect(launched)
 
     def timed_step():
+        parts["launch"] = parts["wait"] = 0.0
         t = time.perf_counter()
         out = step()
         launched = sched._launched
         size = len(launched.chosen) if launched is not None else 0
-        steps.append((sched.last_phase, size, time.perf_counter() - t))
+        steps.append((sched.last_phase, size, time.perf_counter() - t, parts["launch"], parts["wait"]))
         return out
 
-    sched.step = timed_step
+    sched.step, sched._launch, sched._collect = timed_step, timed_launch, timed_collect
+    profiler = cProfile.Profile() if host_profile else None
     try:
+        if profiler is not None:
+            profiler.enable()
         p = run_pass(llm, prompts, max_tokens, temperature)
     finally:
-        del sched.step
-    buckets: dict[str, list[float]] = {}
-    for phase, size, seconds in steps:
+        if profiler is not None:
+            profiler.disable()
+        del sched.step, sched._launch, sched._collect
+    if profiler is not None:
+        with open(host_profile, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
+    buckets: dict[str, list[tuple[float, float, float]]] = {}
+    for phase, size, seconds, launched_s, wait_s in steps:
         if phase == "prefill":
             key = "prefill"
         else:
             low = next(b for b in (256, 192, 128, 64, 32, 16, 8, 4, 2, 1, 0) if size >= b)
             key = f"decode bs>={low}"
-        buckets.setdefault(key, []).append(seconds)
-    lines = [f"{'steps':>16} {'count':>6} {'total s':>8} {'mean ms':>8}"]
-    for key, times in sorted(buckets.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"{key:>16} {len(times):>6} {sum(times):>8.3f} {sum(times) / len(times) * 1e3:>8.3f}")
+        buckets.setdefault(key, []).append((seconds, launched_s, wait_s))
+    lines = [
+        f"{'steps':>16} {'count':>6} {'total s':>8} {'mean ms':>8} {'launch ms':>9} {'wait ms':>8} {'rest ms':>8}"
+    ]
+    for key, rows in sorted(buckets.items(), key=lambda kv: -sum(r[0] for r in kv[1])):
+        n = len(rows)
+        total, launch_s, wait_s = (sum(r[i] for r in rows) for i in range(3))
+        lines.append(
+            f"{key:>16} {n:>6} {total:>8.3f} {total / n * 1e3:>8.3f} {launch_s / n * 1e3:>9.3f} "
+            f"{wait_s / n * 1e3:>8.3f} {(total - launch_s - wait_s) / n * 1e3:>8.3f}"
+        )
     return p, "\n".join(lines)
 
 
@@ -150,6 +184,7 @@ def main() -> None:
     parser.add_argument("--skip-workload", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="also: step timeline, T=0 and T=0.6")
+    parser.add_argument("--host-profile", action="store_true", help="also: a cProfile of one timed pass")
     opts = parser.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     started = time.perf_counter()
@@ -186,6 +221,10 @@ def main() -> None:
                 p, table = timed_pass(llm, prompts, max_tokens, temperature)
                 results[f"workload_T={temperature}"] = p.tokens_per_s
                 print(f"T={temperature}: {p.tokens_per_s:.0f} tok/s ({p.seconds:.2f} s)\n{table}", flush=True)
+        if opts.host_profile:
+            path = os.path.join(opts.out, "host_profile.txt")
+            p, table = timed_pass(llm, prompts, max_tokens, shape.temperature, host_profile=path)
+            print(f"under cProfile: {p.tokens_per_s:.0f} tok/s ({p.seconds:.2f} s)\n{table}", flush=True)
     with open(os.path.join(opts.out, "profile.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))

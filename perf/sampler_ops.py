@@ -1,4 +1,5 @@
-"""How much host work one sampled step costs: top-level aten ops (each a kernel launch on a GPU) and host
+"""How much host work one sampled step costs: top-level aten ops of the eager sampler (each a kernel launch
+when run eagerly; on CUDA the sampler is compiled into a few fused kernels) and host
 time of `BatchSamplingArgs.from_reqs` (prepare) and `Sampler.sample`, on CPU with a tiny vocabulary so
 that the ops' own compute does not count.
 

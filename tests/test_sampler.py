@@ -12,7 +12,17 @@ import torch
 from scipy.stats import chisquare
 
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import SAMPLE_BLOCK, TOP_K_ALL, BatchSamplingArgs, Sampler, inverse_transform
+from minisgl.engine.sample import (
+    SAMPLE_BLOCK,
+    TOP_K_ALL,
+    WEIGHT_BITS,
+    BatchSamplingArgs,
+    Sampler,
+    blocked_cumsum,
+    draw,
+    sample_rows,
+    token_weights,
+)
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
@@ -285,29 +295,63 @@ def test_padded_vocab_columns_are_ignored() -> None:
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 1023, 1024, 1025, 3000, 151_936])
-def test_two_level_search_equals_full_cumsum(vocab: int) -> None:
-    """The block-then-token search picks the token a single float64 cumsum over the vocabulary picks,
-    including rows where most tokens (whole blocks among them) have probability zero."""
+def test_two_level_search_equals_one_long_search(vocab: int) -> None:
+    """The block-then-token search picks the token a search over one cumulative sum of the whole
+    vocabulary picks, including rows where most tokens (whole blocks among them) weigh zero, and targets
+    at the edges (0 and total - 1)."""
     gen = torch.Generator().manual_seed(vocab)
     rows = 64
-    probs = torch.softmax(torch.randn(rows, vocab, generator=gen) * 3, dim=-1)
+    weights = torch.randint(0, 2**WEIGHT_BITS + 1, (rows, vocab), generator=gen)
     keep = torch.rand(rows, vocab, generator=gen) < torch.linspace(0.001, 1.0, rows)[:, None]
     keep[:, 0] |= ~keep.any(dim=1)
-    probs = probs * keep
-    u = torch.rand(rows, generator=gen, dtype=torch.float64).clamp(1e-9, 1 - 1e-9)
-    u[:4] = torch.tensor([2**-33, 1 - 2**-33, 0.5, 1e-6], dtype=torch.float64)
-    got = inverse_transform(probs, u)
-    cdf = probs.double().cumsum(dim=-1)
-    want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=vocab - 1)
-    assert torch.equal(got, want)
-    assert bool((probs.gather(1, got[:, None]) > 0).all())  # never a token of probability zero
+    weights = weights * keep
+    weights[:, 0] += 1  # every row has weight
+    cdf = weights.cumsum(dim=-1)
+    targets = (torch.rand(rows, generator=gen, dtype=torch.float64) * cdf[:, -1]).floor().long()
+    targets[0], targets[1] = 0, cdf[1, -1] - 1
+    got = draw(weights, targets)
+    assert torch.equal(got, torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1))
+    assert bool((weights.gather(1, got[:, None]) > 0).all())  # never a token of weight zero
+    assert torch.equal(blocked_cumsum(weights), cdf)
 
 
 def test_two_level_search_at_a_block_edge() -> None:
-    """All the mass on the last token of one block and the first of the next: u on either side of one
-    half lands on each."""
-    probs = torch.zeros(2, 4096)
-    probs[:, SAMPLE_BLOCK - 1] = 0.5
-    probs[:, SAMPLE_BLOCK] = 0.5
-    got = inverse_transform(probs, torch.tensor([0.4999, 0.5001], dtype=torch.float64))
-    assert got.tolist() == [SAMPLE_BLOCK - 1, SAMPLE_BLOCK]
+    """All the weight on the last token of one block and the first of the next: a target on either side
+    of the boundary lands on each."""
+    weights = torch.zeros(2, 4096, dtype=torch.int64)
+    weights[:, SAMPLE_BLOCK - 1] = 10
+    weights[:, SAMPLE_BLOCK] = 10
+    assert draw(weights, torch.tensor([9, 10])).tolist() == [SAMPLE_BLOCK - 1, SAMPLE_BLOCK]
+
+
+def test_token_weights_fixed_point() -> None:
+    """The top token weighs exactly 2**WEIGHT_BITS, the others exp(-gap / T) of that (rounded), -inf 0."""
+    logits = torch.tensor([[0.0, 2.0, float("-inf"), 1.0, -60.0]])
+    weights = token_weights(logits, torch.tensor([0.5]))
+    assert weights.dtype == torch.int64
+    assert weights[0, 1] == 2**WEIGHT_BITS and weights[0, 2] == 0 and weights[0, 4] == 0
+    assert abs(weights[0, 3].item() / 2**WEIGHT_BITS - math.exp(-2.0)) < 1e-6
+    assert abs(weights[0, 0].item() / 2**WEIGHT_BITS - math.exp(-4.0)) < 1e-6
+
+
+def test_compiled_sampler_equals_eager() -> None:
+    """`torch.compile` of the sampling function (what runs on CUDA, dynamic batch dimension) gives the
+    tokens the eager function gives, on batches of 1 and several, with and without filters, on the CPU
+    backend of inductor (integer weights: no rounding depends on how the compiler orders the sums)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    for batch_size, need_filter in [(1, False), (2, False), (7, False), (1, True), (3, True), (9, True)]:
+        reqs = [make_req(i, random_params(rng), offset=rng.randrange(10_000)) for i in range(batch_size)]
+        reqs[0] = make_req(0, SamplingParams(temperature=0.8, top_p=0.9 if need_filter else 1.0, seed=1))
+        args = BatchSamplingArgs.from_reqs(reqs, CPU)
+        logits = torch.randn(batch_size, vocab, generator=gen) * 4
+        for tensor, dim in ((logits, 0), (args.floats, 1), (args.ints, 1)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        want = sample_rows(logits, args.floats, args.ints, need_filter)
+        assert torch.equal(compiled(logits, args.floats, args.ints, need_filter), want), (
+            batch_size,
+            need_filter,
+        )

@@ -147,6 +147,7 @@ class Engine:
             config.cuda_graph_bs,
             config.cuda_graph_max_bs,
         )
+        self.sampler.warm_up()  # compiles the sampler on CUDA
 
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "

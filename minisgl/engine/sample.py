@@ -1,12 +1,19 @@
 """Token sampling: greedy, temperature, top-k / top-p / min-p, with counter-based (seedable) randomness.
 
-A sampled token is drawn by inverse transform: with ``u`` uniform in (0, 1), the token is the first one
-(in vocabulary order) at which the cumulative sum of the filtered probabilities exceeds ``u`` times their
-total: an exact draw from the filtered, renormalised softmax. ``u`` does not come from torch's global RNG:
-it is a hash of ``(seed, offset)``, so a row's draw depends only on its own logits, parameters, seed and
-offset, never on the other rows of the batch. One hash per row keeps sampling cheap on large vocabularies;
-the hash needs only host values, so it runs on the host while the arguments are prepared (some fifty tiny
-integer ops that would otherwise each be a kernel launch per step) and ``u`` travels with them.
+A sampled token is drawn by inverse transform over integer weights. A token's weight is its softmax
+numerator ``exp((logit - max logit) / T)`` in fixed point, rounded to a multiple of ``2**-WEIGHT_BITS``
+(the most likely token weighs exactly ``2**WEIGHT_BITS``); with ``u`` uniform in (0, 1) and ``total`` the
+sum of the weights the filters keep, the token is the first one (in vocabulary order) whose cumulative
+weight exceeds ``floor(u * total)``: a draw from the filtered, renormalised softmax, exact up to that
+rounding (a token less likely than the top one by a factor of 2**41 gets weight 0). Integer sums do not
+depend on the order of the additions, so no reduction strategy, batch size, kernel choice or compiler can
+change a row's token: a request's draw depends only on its own logits, parameters, seed and position.
+``u`` does not come from torch's global RNG: it is a hash of ``(seed, offset)``, integer arithmetic that
+gives the same value on any device.
+
+On CUDA the whole step after the logits (argmax, weights, filters, hash, search) runs as one
+``torch.compile``d function with a dynamic batch dimension, a handful of fused kernels instead of some
+forty launches; on CPU the same function runs eagerly.
 """
 
 from __future__ import annotations
@@ -17,17 +24,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, Req, SamplingParams
 
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)
 TOP_K_ALL = 2**62
 
 _MASK32 = 0xFFFFFFFF
 
-# tokens per block of the two-level inverse-transform search (see inverse_transform)
+# fixed point of the token weights: the most likely token weighs 2**WEIGHT_BITS; a vocabulary of up to
+# 2**21 tokens sums to less than 2**62
+WEIGHT_BITS = 40
+# tokens per block of the two-level search and cumulative sums (no scan is longer than this)
 SAMPLE_BLOCK = 1024
-# False: one float64 cumsum over the whole vocabulary instead (ablation)
-TWO_LEVEL = True
+# False: the sampler runs eagerly on CUDA too (ablation)
+COMPILE = True
+# dynamo's recompile limit, raised knowingly (see Sampler)
+RECOMPILE_LIMIT = 64
 
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
@@ -73,60 +85,132 @@ def uniform_from_hash(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
     return h.to(torch.float64).add_(0.5).mul_(1.0 / 2**32)
 
 
-def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability exceeds ``u * total``: int64 (B,).
+def token_weights(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """int64 (B, V): ``round(exp((logit - max) / T) * 2**WEIGHT_BITS)`` per row; ``T`` > 0 (B,) float32.
 
-    ``probs`` is (B, V), non-negative with a positive total per row; ``uniforms`` is float64 (B,) in
-    (0, 1). The search runs in two levels so that no scan covers the whole vocabulary (with one float64
-    cumsum over Qwen3's 151,936 tokens, sampling added about 1.5 ms to a decode step at batch 256 on the
-    H200, and torch.compile could not take that scan): the
-    float64 sums of blocks of ``SAMPLE_BLOCK`` tokens locate the block, one cumulative sum inside that
-    block locates the token. Every partial sum is accumulated in float64. A width that is not a
-    multiple of ``SAMPLE_BLOCK`` is padded with zeros (a copy: `Sampler` builds its probabilities
-    padded already).
+    The top token weighs ``2**WEIGHT_BITS``; -inf logits (suppressed tokens) weigh 0.
     """
-    batch, width = probs.shape
+    logits = logits.float()
+    top = logits.amax(dim=-1, keepdim=True)
+    weights = torch.exp((logits - top) / temperatures[:, None]) * float(2**WEIGHT_BITS)
+    return torch.round(weights).to(torch.int64)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B, ceil(V / SAMPLE_BLOCK), SAMPLE_BLOCK), padded with zeros."""
+    batch, width = x.shape
     if width % SAMPLE_BLOCK:
-        probs = F.pad(probs, (0, SAMPLE_BLOCK - width % SAMPLE_BLOCK))
-    sums = probs.view(batch, -1, SAMPLE_BLOCK).sum(-1, dtype=torch.float64)
-    # cdf[:, j]: the mass of the blocks before block j (cdf[:, 0] = 0, cdf[:, -1] = the total)
-    cdf = F.pad(sums, (1, 0)).cumsum_(dim=-1)
-    target = (uniforms * cdf[:, -1])[:, None]
-    # block (B, 1): cdf[block] <= target < cdf[block + 1]
-    block = torch.searchsorted(cdf, target, right=True).sub_(1)
-    target = target - cdf.gather(1, block)
-    cols = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=probs.device)
-    local_cdf = probs.gather(1, cols).double().cumsum_(dim=-1)
-    # the block sum and the in-block cumsum may round apart: keep the target below the block's last
-    # cumulative value, so the search lands on a token of the block (one of non-zero probability)
-    target = torch.minimum(target, torch.nextafter(local_cdf[:, -1:], torch.zeros_like(target)))
-    return cols.gather(1, torch.searchsorted(local_cdf, target, right=True)).squeeze(1)
+        x = F.pad(x, (0, SAMPLE_BLOCK - width % SAMPLE_BLOCK))
+    return x.view(batch, -1, SAMPLE_BLOCK)
+
+
+def blocked_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """The inclusive cumulative sum of int64 (B, V) along V, as cumulative sums inside blocks of
+    ``SAMPLE_BLOCK`` plus the sums of the blocks before: integers, so equal to one long scan (which
+    inductor cannot split on a 151,936-wide row)."""
+    blocks = _blocks(x)
+    inner = blocks.cumsum(dim=-1)
+    before = inner[:, :, -1].cumsum(dim=-1) - inner[:, :, -1]
+    return (inner + before[:, :, None]).flatten(1)[:, : x.shape[1]]
+
+
+def draw(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose inclusive cumulative weight exceeds the target: int64 (B,).
+
+    ``weights`` is int64 (B, V), non-negative; ``targets`` int64 (B,) in [0, row total). Two levels, so no
+    scan covers the whole vocabulary: the cumulative sums of the block totals locate the block (the
+    number of blocks whose cumulative total is <= target), one cumulative sum inside that block locates
+    the token. Tokens of weight 0 are never drawn.
+    """
+    blocks = _blocks(weights)
+    cdf = blocks.sum(dim=-1).cumsum(dim=-1)
+    block = (cdf <= targets[:, None]).sum(dim=-1, keepdim=True)
+    local = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLE_BLOCK)).squeeze(1)
+    local_target = targets[:, None] - (cdf.gather(1, block) - local.sum(dim=-1, keepdim=True))
+    token = (local.cumsum(dim=-1) <= local_target).sum(dim=-1, keepdim=True)
+    return (block * SAMPLE_BLOCK + token).squeeze(1)
+
+
+def keep_mask(
+    weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Boolean (B, V): the tokens that top-k, top-p and min-p all keep, judged on the unfiltered weights.
+
+    Top-k keeps the k heaviest tokens; top-p keeps a token if the weight of the tokens sorted before it
+    (descending, stable sort, so ties go to the lower token id) is below ``top_p`` times the total (so
+    the heaviest token is always kept); min-p keeps tokens of weight >= ``min_p`` times the heaviest.
+    """
+    ordered, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+    rank = torch.arange(weights.shape[1], device=weights.device)[None, :]
+    keep = rank < top_k[:, None]
+    before = (blocked_cumsum(ordered) - ordered).double()
+    total = ordered.sum(dim=-1, keepdim=True).double()
+    keep &= (before < top_p.double()[:, None] * total) | (top_p[:, None] >= 1.0)
+    keep &= ordered.double() >= min_p.double()[:, None] * ordered[:, :1].double()
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def sample_rows(
+    logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, need_filter: bool
+) -> torch.Tensor:
+    """Next tokens, int32 (B,), of logits (B, V) for the arguments of `BatchSamplingArgs`: ``floats``
+    (3, B) float32 = temperature, top_p, min_p; ``ints`` (3, B) int64 = top_k, seed, offset. Rows with
+    temperature 0 take the argmax. The function `Sampler` compiles on CUDA."""
+    temperatures, top_p, min_p = floats.unbind(0)
+    top_k, seeds, offsets = ints.unbind(0)
+    greedy = logits.argmax(dim=-1)
+    is_greedy = temperatures == 0
+    weights = token_weights(logits, torch.where(is_greedy, torch.ones_like(temperatures), temperatures))
+    if need_filter:
+        weights = weights * keep_mask(weights, top_k, top_p, min_p)
+    total = weights.sum(dim=-1)
+    # u <= 1 - 2**-33 and total >= 1, so the target stays below the total
+    targets = (uniform_from_hash(seeds, offsets) * total.double()).floor().to(torch.int64)
+    return torch.where(is_greedy, greedy, draw(weights, targets)).to(torch.int32)
 
 
 @dataclass
 class BatchSamplingArgs:
     """Per-request sampling parameters of one batch, as tensors on the device.
 
-    The tensors are (B,): ``temperatures`` float32 (0 = greedy), ``top_k`` int64 (``TOP_K_ALL`` when
-    unlimited), ``top_p`` float32, ``min_p`` float32 and ``uniforms`` float64, the row's ``u`` (on the
-    device); ``seeds`` int64 (a fresh random seed for requests without one) and ``offsets`` int64 (the
-    position of the token being sampled, ``req.device_len``) stay on the host: ``u`` is
-    ``uniform_from_hash(seeds, offsets)``. They are None when every request is greedy. ``all_greedy`` and ``need_filter`` (some sampled request
-    uses top-k, top-p or min-p) are host booleans, so ``Sampler.sample`` can pick its path without a
-    device sync.
+    ``floats`` is (3, B) float32: temperature (0 = greedy), top_p, min_p; ``ints`` is (3, B) int64: top_k
+    (``TOP_K_ALL`` when unlimited), seed (a fresh random seed for requests without one) and offset (the
+    position of the token being sampled, ``req.device_len``). Two copies to the device per step; the
+    named fields are views of them. All are None when every request is greedy. ``all_greedy`` and
+    ``need_filter`` (some sampled request uses top-k, top-p or min-p) are host booleans, so
+    ``Sampler.sample`` can pick its path without a device sync.
     """
 
     all_greedy: bool
     need_filter: bool
-    temperatures: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None
-    seeds: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-    uniforms: torch.Tensor | None = None
+    floats: torch.Tensor | None = None
+    ints: torch.Tensor | None = None
     # (B, K) int64 token ids that must not be drawn (e.g. EOS before min_tokens), padded with vocab_size
     suppress: torch.Tensor | None = None
+
+    @property
+    def temperatures(self) -> torch.Tensor | None:
+        return None if self.floats is None else self.floats[0]
+
+    @property
+    def top_p(self) -> torch.Tensor | None:
+        return None if self.floats is None else self.floats[1]
+
+    @property
+    def min_p(self) -> torch.Tensor | None:
+        return None if self.floats is None else self.floats[2]
+
+    @property
+    def top_k(self) -> torch.Tensor | None:
+        return None if self.ints is None else self.ints[0]
+
+    @property
+    def seeds(self) -> torch.Tensor | None:
+        return None if self.ints is None else self.ints[1]
+
+    @property
+    def offsets(self) -> torch.Tensor | None:
+        return None if self.ints is None else self.ints[2]
 
     @classmethod
     def from_reqs(
@@ -144,33 +228,24 @@ class BatchSamplingArgs:
         need_filter = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         pin = device.type == "cuda"
         floats = torch.tensor(
-            [
-                [p.temperature for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ],
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
             dtype=torch.float32,
             pin_memory=pin,
         )
-        top_k = torch.tensor(
-            [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params], dtype=torch.int64, pin_memory=pin
+        ints = torch.tensor(
+            [
+                [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params],
+                [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
+                [req.device_len for req in reqs],
+            ],
+            dtype=torch.int64,
+            pin_memory=pin,
         )
-        seeds = torch.tensor([p.seed if p.seed is not None else rng.getrandbits(63) for p in params])
-        offsets = torch.tensor([req.device_len for req in reqs], dtype=torch.int64)
-        uniforms = uniform_from_hash(seeds, offsets)  # on the host: integer math, exact anywhere
-        if pin:
-            uniforms = uniforms.pin_memory()
-        floats = floats.to(device, non_blocking=True)
         return cls(
             all_greedy=False,
             need_filter=need_filter,
-            temperatures=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            top_k=top_k.to(device, non_blocking=True),
-            seeds=seeds,
-            offsets=offsets,
-            uniforms=uniforms.to(device, non_blocking=True),
+            floats=floats.to(device, non_blocking=True),
+            ints=ints.to(device, non_blocking=True),
         )
 
 
@@ -181,6 +256,12 @@ class Sampler:
         self.device = device
         self.vocab_size = vocab_size
         self._rng = random.Random()
+        self._compiled = None
+        if device.type == "cuda":
+            # one graph per need_filter value and batch kind (1, or dynamic); several engines in one
+            # process (tests) add entries for their vocabularies: stay under dynamo's recompile limit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self._compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
 
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """The sampling arguments of ``batch``; call it before the forward so the copy overlaps."""
@@ -192,10 +273,7 @@ class Sampler:
         ``logits`` is (B, V) with V >= ``vocab_size``; columns past ``vocab_size`` (padding) are
         ignored. Rows with temperature 0 take the argmax of the logits. The other rows draw from
         ``softmax(logits / T)`` restricted to the tokens that every active filter keeps, each filter
-        judged on that unfiltered softmax: top-k keeps the k most likely tokens; top-p keeps a token
-        if the probability of the tokens sorted before it (descending, stable sort, so ties go to
-        the lower token id) sums to less than ``top_p`` (so the most likely token is always kept);
-        min-p keeps tokens with ``p >= min_p * max(p)``. Nothing here syncs with the host.
+        judged on the unfiltered weights (`keep_mask`). Nothing here syncs with the host.
         """
         if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(
@@ -205,39 +283,35 @@ class Sampler:
         if args.suppress is not None:  # an extra column takes the padding entries
             logits = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
             logits = logits.scatter_(1, args.suppress, float("-inf"))[:, : self.vocab_size]
-        greedy_tokens = logits.argmax(dim=-1)
         if args.all_greedy:
-            return greedy_tokens.to(torch.int32)
-        assert args.temperatures is not None and args.uniforms is not None
-        is_greedy = args.temperatures == 0
-        temps = torch.where(is_greedy, torch.ones_like(args.temperatures), args.temperatures)
-        if TWO_LEVEL:  # softmax into a buffer padded to whole blocks: -inf logits, zero probabilities
-            vocab, width = self.vocab_size, -(-self.vocab_size // SAMPLE_BLOCK) * SAMPLE_BLOCK
-            scaled = logits.new_empty((logits.shape[0], width), dtype=torch.float32)
-            scaled[:, vocab:].fill_(float("-inf"))
-            torch.div(logits, temps[:, None], out=scaled[:, :vocab])
-            probs = torch.softmax(scaled, dim=-1)
-            if args.need_filter:
-                probs[:, :vocab] *= self._keep_mask(probs[:, :vocab], args)
-            sampled = inverse_transform(probs, args.uniforms)
-        else:
-            probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
-            if args.need_filter:
-                probs = probs * self._keep_mask(probs, args)
-            cdf = probs.double().cumsum(dim=-1)
-            target = (args.uniforms * cdf[:, -1])[:, None]
-            sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
-        return torch.where(is_greedy, greedy_tokens, sampled).to(torch.int32)
+            return logits.argmax(dim=-1).to(torch.int32)
+        assert args.floats is not None and args.ints is not None
+        if self._compiled is None or not COMPILE:
+            return sample_rows(logits, args.floats, args.ints, args.need_filter)
+        # one graph for every batch size above 1 (a batch of 1 gets its own)
+        for tensor, dim in ((logits, 0), (args.floats, 1), (args.ints, 1)):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return self._compiled(logits, args.floats, args.ints, args.need_filter)
 
-    @staticmethod
-    def _keep_mask(probs: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
-        """Boolean (B, V): the tokens that top-k, top-p and min-p all keep."""
-        assert args.top_k is not None and args.top_p is not None and args.min_p is not None
-        probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-        keep = rank < args.top_k[:, None]
-        # probability mass strictly before each token; float64 so long tails add up accurately
-        mass_before = probs.double().cumsum(dim=-1) - probs.double()
-        keep &= (mass_before < args.top_p[:, None]) | (args.top_p[:, None] >= 1.0)
-        keep &= probs >= args.min_p[:, None] * probs[:, :1]
-        return torch.zeros_like(keep).scatter_(1, order, keep)
+    def warm_up(self) -> None:
+        """Compiles the sampled paths (with and without filters, one row and several) at start, so the
+        first requests do not pay for it. Nothing to do on CPU."""
+        if self._compiled is None:
+            return
+        for batch_size in (1, 2):
+            logits = torch.zeros(batch_size, self.vocab_size, device=self.device)
+            reqs = [
+                Req(
+                    input_ids=[0],
+                    table_idx=0,
+                    cached_len=0,
+                    output_len=1,
+                    uid=-1,
+                    sampling_params=SamplingParams(temperature=1.0, top_k=top_k, seed=0),
+                )
+                for top_k in (-1, 5)[:batch_size]
+            ]
+            for need_filter in (False, True):
+                args = BatchSamplingArgs.from_reqs(reqs[:batch_size], self.device)
+                args.need_filter = need_filter
+                self.sample(logits, args)

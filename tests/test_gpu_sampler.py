@@ -1,0 +1,96 @@
+"""The compiled sampler on CUDA: batch invariance of seeded draws at Qwen3's vocabulary, greedy rows,
+and exact distributions (chi-square), as tests/test_sampler.py checks the eager sampler on CPU.
+Skips without CUDA."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from test_sampler import (
+    NUM_DRAWS,
+    check_distribution,
+    expected_distribution,
+    make_req,
+    random_params,
+    spread_logits,
+)
+
+from minisgl.core import SamplingParams
+from minisgl.engine.sample import BatchSamplingArgs, Sampler, token_weights
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA = torch.device("cuda")
+VOCAB = 151_936  # Qwen3's
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, reqs) -> torch.Tensor:
+    return sampler.sample(logits, BatchSamplingArgs.from_reqs(reqs, CUDA)).cpu()
+
+
+def test_seeded_draw_alone_equals_inside_any_batch() -> None:
+    """Each seeded request (random temperature and filters) draws the same token alone (its own
+    compiled graph for one row) and at any position of batches of 2 to 256 rows of other requests."""
+    sampler = Sampler(CUDA, VOCAB)
+    assert sampler._compiled is not None
+    rng = random.Random(0)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    checked = 0
+    for trial in range(12):
+        params = random_params(rng)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=rng.randrange(2**63))
+        offset = rng.randrange(1, 100_000)
+        row = torch.randn(VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 4.0])
+        alone = _sample(sampler, row[None, :], [make_req(0, params, offset)])
+        for batch_size in (2, 5, 64, 256):
+            position = rng.randrange(batch_size)
+            logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * 3
+            logits[position] = row
+            reqs = [
+                make_req(i, random_params(rng), offset=rng.randrange(1, 100_000)) for i in range(batch_size)
+            ]
+            reqs[position] = make_req(position, params, offset)
+            out = _sample(sampler, logits, reqs)
+            assert out[position] == alone[0], f"trial {trial}: {params}, batch {batch_size} at {position}"
+            checked += 1
+    assert checked == 48
+
+
+def test_greedy_rows_and_tokens_of_weight() -> None:
+    """In a mixed batch at Qwen3's vocabulary, greedy rows are the argmax and sampled rows draw tokens
+    of non-zero weight that are not all the argmax."""
+    sampler = Sampler(CUDA, VOCAB)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    logits = torch.randn(256, VOCAB, generator=gen, device=CUDA)
+    params = [
+        SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i)
+        for i in range(256)
+    ]
+    out = _sample(sampler, logits, [make_req(i, p) for i, p in enumerate(params)])
+    argmax = logits.argmax(dim=-1).cpu().to(torch.int32)
+    assert torch.equal(out[0::2], argmax[0::2])
+    assert not torch.equal(out[1::2], argmax[1::2])
+    weights = token_weights(logits, torch.ones(256, device=CUDA)).cpu()
+    assert bool((weights.gather(1, out[:, None].long()) > 0).all())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.7},
+        {"temperature": 1.0, "top_k": 7},
+        {"temperature": 0.8, "top_p": 0.6},
+        {"temperature": 1.0, "min_p": 0.25},
+        {"temperature": 0.9, "top_k": 15, "top_p": 0.8, "min_p": 0.1},
+    ],
+)
+def test_distribution_on_gpu(kwargs) -> None:
+    """NUM_DRAWS seeded draws from one row (one offset each) follow the filtered softmax."""
+    vocab = 40
+    logits = spread_logits(vocab, seed=20)
+    reqs = [make_req(i, SamplingParams(seed=77, **kwargs), offset=i) for i in range(NUM_DRAWS)]
+    tokens = _sample(Sampler(CUDA, vocab), logits.to(CUDA)[None, :].expand(NUM_DRAWS, -1), reqs)
+    counts = torch.bincount(tokens.long(), minlength=vocab).numpy()
+    filters = {k: v for k, v in kwargs.items() if k != "temperature"}
+    check_distribution(counts, expected_distribution(logits.tolist(), kwargs["temperature"], **filters))
