@@ -12,8 +12,8 @@ change a row's token: a request's draw depends only on its own logits, parameter
 gives the same value on any device.
 
 On CUDA the whole step after the logits (argmax, weights, filters, hash, search) runs as one
-``torch.compile``d function with a dynamic batch dimension, a handful of fused kernels instead of some
-forty launches; on CPU the same function runs eagerly.
+``torch.compile``d function with a dynamic batch dimension: a few fused kernels instead of the hundred
+or so ops it launches eagerly (``perf/sampler_ops.py``); on CPU the same function runs eagerly.
 """
 
 from __future__ import annotations
