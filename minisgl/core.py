@@ -209,6 +209,17 @@ class Context:
 _current_ctx: Context | None = None
 
 
+# dynamo's recompile limit for the engine's compiled functions (see raise_recompile_limit)
+RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    """Raises dynamo's recompile limit (default 8) to `RECOMPILE_LIMIT`, knowingly: each engine in a
+    process (tests hold several) adds entries for its shapes to the same compiled code objects (the
+    model forward, the sampler), and under fullgraph reaching the limit is an error."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
 def batch_invariant_mode() -> bool:
     """True while the forward of an engine with ``batch_invariant`` runs (read by `linear`)."""
     return _current_ctx is not None and _current_ctx.batch_invariant

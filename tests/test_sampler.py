@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams, raise_recompile_limit
 from minisgl.engine.sample import (
     SAMPLE_BLOCK,
     TOP_K_ALL,
@@ -338,7 +338,7 @@ def test_compiled_sampler_equals_eager() -> None:
     """`torch.compile` of the sampling function (what runs on CUDA, dynamic batch dimension) gives the
     tokens the eager function gives, on batches of 1 and several, with and without filters, on the CPU
     backend of inductor (integer weights: no rounding depends on how the compiler orders the sums)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    raise_recompile_limit()
     compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)

@@ -16,11 +16,9 @@ import logging
 import torch
 from tqdm import tqdm
 
-from minisgl.core import Batch, Context, Req
+from minisgl.core import Batch, Context, Req, raise_recompile_limit
 
 logger = logging.getLogger(__name__)
-
-RECOMPILE_LIMIT = 64
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -79,11 +77,9 @@ class GraphRunner:
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)
         backend.init_graph_wrappers(sizes, -(-max_seq_len // page_size))
-        # One engine compiles the forward twice (a batch of 1 is specialized, every other size shares one
-        # dynamic graph); each further model instance or shape in the same process adds its own entries
-        # to the same code object, so a process holding several engines (tests do) would reach dynamo's
-        # default limit of 8 and fail under fullgraph. The limit is raised knowingly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # one engine compiles the forward twice (a batch of 1 is specialized, every other size shares one
+        # dynamic graph); further engines in the process add their own entries
+        raise_recompile_limit()
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
         self._capture(sizes)
         self.batch_sizes = sizes

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import Batch, Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams, raise_recompile_limit
 
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)
 TOP_K_ALL = 2**62
@@ -38,8 +38,6 @@ WEIGHT_BITS = 40
 SAMPLE_BLOCK = 1024
 # False: the sampler runs eagerly on CUDA too (ablation)
 COMPILE = True
-# dynamo's recompile limit, raised knowingly (see Sampler)
-RECOMPILE_LIMIT = 64
 
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
@@ -258,9 +256,8 @@ class Sampler:
         self._rng = random.Random()
         self._compiled = None
         if device.type == "cuda":
-            # one graph per need_filter value and batch kind (1, or dynamic); several engines in one
-            # process (tests) add entries for their vocabularies: stay under dynamo's recompile limit
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # one graph per need_filter value and batch kind (1, or dynamic), per vocabulary
+            raise_recompile_limit()
             self._compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
 
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
@@ -312,6 +309,6 @@ class Sampler:
                 for top_k in (-1, 5)[:batch_size]
             ]
             for need_filter in (False, True):
-                args = BatchSamplingArgs.from_reqs(reqs[:batch_size], self.device)
+                args = BatchSamplingArgs.from_reqs(reqs, self.device)
                 args.need_filter = need_filter
                 self.sample(logits, args)
