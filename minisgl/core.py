@@ -1,4 +1,9 @@
-"""The objects that travel between the scheduler side and the engine: requests, batches, context."""
+"""The objects that travel between the scheduler side and the engine: requests, batches, context.
+
+Data only, at the bottom of the import layers (see tests/test_layers.py): this module imports nothing
+from minisgl. What it needs of the attention backend and the KV pool above it is declared here as small
+protocols, which `minisgl.attention.BaseAttnBackend` and `minisgl.kvcache.BaseKVCachePool` meet.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,40 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-    from minisgl.kvcache import BaseKVCachePool
-
 Phase = Literal["prefill", "decode"]
+
+
+@runtime_checkable
+class AttnMetadata(Protocol):
+    """A batch's attention plan as the engine reads it (`minisgl.attention.BaseAttnMetadata`)."""
+
+    last_indices: torch.Tensor | None
+
+
+@runtime_checkable
+class AttnBackend(Protocol):
+    """The attention backend as the context holds it (`minisgl.attention.BaseAttnBackend`)."""
+
+    def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class KVCachePool(Protocol):
+    """The paged KV pool as the context holds it (`minisgl.kvcache.BaseKVCachePool`)."""
+
+    num_pages: int
+    page_size: int
+
+    @property
+    def dummy_page(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -145,7 +175,7 @@ class Batch:
     input_ids: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     out_loc: torch.Tensor = field(init=False)
-    attn_metadata: BaseAttnMetadata | None = field(default=None, init=False)
+    attn_metadata: AttnMetadata | None = field(default=None, init=False)
     # (B,) int64 page-table rows of the requests on the device (the engine builds it when unset)
     table_idx: torch.Tensor | None = field(default=None, init=False)
     # host lists the tensors above were made from, when the preparer kept them (tensor-parallel rank 0
@@ -179,9 +209,9 @@ class Context:
     """Shared state of one engine: the KV pool, the backends, and the batch being run."""
 
     page_size: int
-    kv_cache: BaseKVCachePool
+    kv_cache: KVCachePool
     page_table: torch.Tensor
-    attn_backend: BaseAttnBackend
+    attn_backend: AttnBackend
     moe_backend: Any = None
     # kernel choices may not depend on the batch's shape (see EngineConfig.batch_invariant)
     batch_invariant: bool = False
@@ -209,20 +239,9 @@ class Context:
 _current_ctx: Context | None = None
 
 
-# dynamo's recompile limit for the engine's compiled functions (see raise_recompile_limit)
-RECOMPILE_LIMIT = 64
-
-
-def raise_recompile_limit() -> None:
-    """Raises dynamo's recompile limit (default 8) to `RECOMPILE_LIMIT`, knowingly: each engine in a
-    process (tests hold several) adds entries for its shapes to the same compiled code objects (the
-    model forward, the sampler), and under fullgraph reaching the limit is an error."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-
-
-def batch_invariant_mode() -> bool:
-    """True while the forward of an engine with ``batch_invariant`` runs (read by `linear`)."""
-    return _current_ctx is not None and _current_ctx.batch_invariant
+def current_ctx() -> Context | None:
+    """The context of the engine whose forward is running, or None outside a forward."""
+    return _current_ctx
 
 
 def get_global_ctx() -> Context:

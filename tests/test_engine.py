@@ -217,7 +217,7 @@ def test_batch_invariant_flag_reaches_the_forward(tiny_llama, monkeypatch):
     """`batch_invariant` (setting MINISGL_BATCH_INVARIANT) is the context's flag, which `linear` reads
     while that engine's forward runs (and only then) to keep the one-row GEMV kernel out."""
     import minisgl.models.llama as llama
-    from minisgl.core import batch_invariant_mode
+    from minisgl.compile import batch_invariant_mode
     from minisgl.settings import EngineSettings
 
     monkeypatch.setenv("MINISGL_BATCH_INVARIANT", "1")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minisgl.core import Batch, Req, SamplingParams, raise_recompile_limit
+from minisgl.compile import raise_recompile_limit
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.sample import (
     SAMPLE_BLOCK,
     TOP_K_ALL,

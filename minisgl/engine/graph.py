@@ -16,7 +16,8 @@ import logging
 import torch
 from tqdm import tqdm
 
-from minisgl.core import Batch, Context, Req, raise_recompile_limit
+from minisgl.compile import raise_recompile_limit
+from minisgl.core import Batch, Context, Req
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import Batch, Req, SamplingParams, raise_recompile_limit
+from minisgl.compile import raise_recompile_limit
+from minisgl.core import Batch, Req, SamplingParams
 
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)
 TOP_K_ALL = 2**62

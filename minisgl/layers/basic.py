@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.core import batch_invariant_mode
+from minisgl.compile import batch_invariant_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
 from minisgl.kernels.gemv import gemv, gemv_applies
 
