@@ -10,7 +10,6 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, parse_attention_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.kvcache import MHAKVCachePool
-from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +53,12 @@ def create_attention_backend(
     kv_cache: MHAKVCachePool,
     page_table: torch.Tensor,
     device: torch.device,
-    model_config: ModelConfig,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
 ) -> BaseAttnBackend:
-    """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair)."""
+    """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
+    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`."""
     prefill, decode = resolve_attention_backend(name, device)
     if prefill == "torch":
         return TorchAttnBackend(kv_cache, page_table, device)
@@ -65,12 +67,5 @@ def create_attention_backend(
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
 
     return FlashInferAttnBackend(
-        kv_cache,
-        page_table,
-        device,
-        model_config.num_heads,
-        model_config.num_kv_heads,
-        model_config.head_dim,
-        prefill,
-        decode,
+        kv_cache, page_table, device, num_heads, num_kv_heads, head_dim, prefill, decode
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -114,11 +113,14 @@ class Engine:
         self.last_tokens = torch.zeros(config.max_running_req + 1, dtype=torch.int32, device=self.device)
 
         # 5. attention and MoE backends (attention sees this rank's heads)
-        attn_config = dataclasses.replace(
-            model_config, num_heads=self.local_heads.num_heads, num_kv_heads=self.local_heads.num_kv_heads
-        )
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_cache, self.page_table, self.device, attn_config
+            config.attention_backend,
+            self.kv_cache,
+            self.page_table,
+            self.device,
+            num_heads=self.local_heads.num_heads,
+            num_kv_heads=self.local_heads.num_kv_heads,
+            head_dim=model_config.head_dim,
         )
         self.moe_backend = (
             create_moe_backend(config.moe_backend, self.device, self.dtype)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from minisgl.models.config import RopeConfig
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """A model's rotary embedding: base `theta` and scaling (`rope_type` one of SUPPORTED_ROPE_TYPES)."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
