@@ -121,7 +121,7 @@ def _common(command: Callable) -> Callable:
 
 
 def _make_llm(kwargs: dict[str, Any]):
-    from minisgl.distributed.launch import launched_rank, worker_main
+    from minisgl.launch import launched_rank, worker_main
     from minisgl.llm import LLM, resolve_model
 
     logging.basicConfig(

@@ -23,8 +23,8 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
-from minisgl.distributed.launch import RankZeroEngine, launched_rank, start_workers
 from minisgl.engine import Engine
+from minisgl.launch import RankZeroEngine, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import Request, Scheduler
 from minisgl.settings import EngineSettings
@@ -107,7 +107,7 @@ class LLM:
         if launched is not None and launched[1] > 1:  # started by torchrun & co: the other ranks exist
             if launched[0] != 0:
                 raise RuntimeError(
-                    f"LLM runs on rank 0 only; rank {launched[0]} runs minisgl.distributed.launch.worker_main"
+                    f"LLM runs on rank 0 only; rank {launched[0]} runs minisgl.launch.worker_main"
                 )
             settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
