@@ -6,7 +6,8 @@ randint(min_output, max_output)`. Temperature 0.6, ignore_eos, so every request 
 Throughput = output tokens / wall time of the whole generate call, timed after a short warm-up; the
 workload runs twice in one process and both passes are reported.
 
-    python -m minisgl.bench --config configs/h200-qwen3-0.6b.yaml   (same options as `minisgl-run bench`)
+    python -m minisgl bench --config configs/h200-qwen3-0.6b.yaml   (the same as `minisgl-run bench`)
+    python -m minisgl.bench --config configs/h200-qwen3-0.6b.yaml   (the same, through bench/__main__.py)
 """
 
 from __future__ import annotations
@@ -160,9 +161,3 @@ def format_report(report: dict) -> str:
 
 def dumps(report: dict) -> str:
     return json.dumps(report, indent=2)
-
-
-if __name__ == "__main__":
-    from minisgl.cli import main
-
-    main(["bench", *__import__("sys").argv[1:]])
