@@ -1,5 +1,7 @@
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,27 +19,12 @@ def smollm2_path() -> Path:
     return default_model_path()
 
 
-def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> Path:
-    """Builds a tiny random model with transformers (the reference), saves it as safetensors."""
-    import transformers
-
-    common = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(
-            **common,
+# the transformers config class of each model family make_tiny_model builds, and the family's shape
+# beyond TINY_COMMON
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        dict(
             head_dim=16,
             rope_theta=500000.0,
             rope_scaling={
@@ -47,21 +34,84 @@ def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> Pa
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
-        )
-    elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**common, rope_theta=10000.0)
-    elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
-    else:
-        raise ValueError(arch)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(rope_theta=10000.0)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),
+    # 3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            rope_theta=1000000.0,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+}
+TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+    tie_word_embeddings=False,
+)
+# the GPU tests' shape, with Qwen3-0.6B's attention (head_dim 128, 16 query / 8 KV heads) so that the
+# FlashInfer kernels compile once
+QWEN3_0_6B_ATTENTION: dict[str, Any] = dict(num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+GPU_SHAPE: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    max_position_embeddings=1024,
+    pad_token_id=None,
+    **QWEN3_0_6B_ATTENTION,
+)
+# parameters make_tiny_model draws again after transformers' init: group -> (selects a name, mean, std).
+# Norm weights start at ones, biases and the MoE router at zeros: random ones show a weight skipped.
+RANDOMIZE: dict[str, tuple[Callable[[str], bool], float, float]] = {
+    "norm": (lambda name: "norm" in name, 1.0, 0.2),
+    "bias": (lambda name: name.endswith("bias"), 0.0, 0.2),
+    "router": (lambda name: name.endswith("mlp.gate.weight"), 0.0, 0.5),
+    "lm_head": (lambda name: name == "lm_head.weight", 0.0, 1.0),
+}
+
+
+def make_tiny_model(
+    tmp_path: Path,
+    arch: str,
+    seed: int = 0,
+    randomize: tuple[str, ...] = ("norm", "bias", "router"),
+    **overrides: Any,
+) -> Path:
+    """Builds a tiny random model of family `arch` (llama, qwen2, qwen3, qwen3_moe) with transformers
+    (the reference) and saves it as safetensors in `tmp_path / tiny-<arch>`. `overrides` are config keys
+    over the family's shape; `randomize` names the RANDOMIZE groups drawn again (in that order of
+    precedence) after transformers' init under `torch.manual_seed(seed)`."""
+    import transformers
+
+    if arch not in TINY_FAMILIES:
+        raise ValueError(f"arch={arch!r} is not a tiny-model family: use one of {', '.join(TINY_FAMILIES)}")
+    config_class, family = TINY_FAMILIES[arch]
+    cfg = getattr(transformers, config_class)(**{**TINY_COMMON, **family, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # random biases and norm weights, so that a skipped one shows
+    groups = [RANDOMIZE[group] for group in randomize]
+    with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+            drawn = next(((mean, std) for selects, mean, std in groups if selects(name)), None)
+            if drawn is not None:
+                param.normal_(*drawn)
     folder = tmp_path / f"tiny-{arch}"
     model.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from conftest import rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
 
 from minisgl.attention import flashinfer_backend
 from minisgl.core import SamplingParams
@@ -29,25 +29,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    cfg = transformers.Qwen3Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=1024,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3"
-    model.save_pretrained(folder)
-    return folder
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3", randomize=(), **GPU_SHAPE)
 
 
 def _engine(folder, **kw) -> Engine:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from conftest import rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
@@ -133,38 +132,16 @@ def test_fused_graph_replay_bit_identical_to_eager(moe_weights, tokens):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3_moe(tmp_path_factory):
-    """2 sparse layers and a dense one; the attention shape of tests/test_gpu.py (head_dim 128, 16/8
+    """2 sparse layers and a dense one; the GPU tests' attention shape (GPU_SHAPE: head_dim 128, 16/8
     heads). Top-2 routing: the torch backend's bf16 index_add of two terms rounds like the fused sum."""
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
+    return make_tiny_model(
+        tmp_path_factory.mktemp("models"),
+        "qwen3_moe",
+        randomize=("router", "lm_head"),  # a random router (it starts at zeros) and a decisive LM head
+        **GPU_SHAPE,
         moe_intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
         num_experts=16,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-        max_position_embeddings=1024,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # a random router (it starts at zeros) and a decisive LM head
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-            elif name == "lm_head.weight":
-                param.normal_(0.0, 1.0)
-    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"
-    model.save_pretrained(folder)
-    return folder
 
 
 def _engine(folder, **kw) -> Engine:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import reference_logits, rel_err, teacher_forced_logits
+from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_logits
 from safetensors import safe_open
 
 from minisgl.core import SamplingParams
@@ -18,44 +18,9 @@ from minisgl.settings import EngineSettings
 
 PROMPT_LENS = [5, 17, 1, 40]
 DECODE_STEPS = 8
-VOCAB = 320
+VOCAB = 320  # make_tiny_model's
 BACKENDS = {"torch": TorchMoeBackend, "fused": FusedMoeBackend}
 QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b"
-
-
-def make_tiny_moe(tmp_path, norm_topk_prob=True, seed=0):
-    """3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2; random router and norm weights."""
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=norm_topk_prob,
-        mlp_only_layers=[1],
-        max_position_embeddings=512,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # the router starts at zeros (uniform routing): make it, and the norms, random
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.5)
-    folder = tmp_path / f"tiny-qwen3-moe-{norm_topk_prob}"
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def _reference(folder):
@@ -65,7 +30,7 @@ def _reference(folder):
 def test_checkpoint_layout_and_config(tmp_path):
     """transformers 5 keeps experts fused in memory but saves them per expert; its config says
     `num_local_experts`. Both are what minisgl reads."""
-    folder = make_tiny_moe(tmp_path)
+    folder = make_tiny_model(tmp_path, "qwen3_moe")
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.gate.weight" in keys
@@ -107,7 +72,7 @@ def test_h200_qwen3_30b_a3b_preset():
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_logits_match_transformers(tmp_path, norm_topk_prob, backend):
     """Prefill, then teacher-forced decode steps, for prompts of different lengths."""
-    folder = make_tiny_moe(tmp_path, norm_topk_prob)
+    folder = make_tiny_model(tmp_path, "qwen3_moe", norm_topk_prob=norm_topk_prob)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, VOCAB, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
     want = reference_logits(folder, seqs, PROMPT_LENS, DECODE_STEPS)
@@ -125,7 +90,7 @@ def test_logits_match_transformers(tmp_path, norm_topk_prob, backend):
 
 def test_greedy_tokens_match_transformers(tmp_path):
     """transformers' greedy tokens, with either MoE backend."""
-    folder = make_tiny_moe(tmp_path)
+    folder = make_tiny_model(tmp_path, "qwen3_moe")
     prompts = [[5, 9, 77, 31, 200], [12], list(range(3, 30))]
     new = 10
     ref = _reference(folder)
@@ -276,7 +241,11 @@ def test_moe_backend_choice(monkeypatch):
 
 def test_forward_compiles_fullgraph(tmp_path):
     """The MoE goes through an opaque custom op under torch.compile, as attention does: one graph."""
-    engine = Engine(EngineConfig(model_path=str(make_tiny_moe(tmp_path)), dtype=torch.float32, device="cpu"))
+    engine = Engine(
+        EngineConfig(
+            model_path=str(make_tiny_model(tmp_path, "qwen3_moe")), dtype=torch.float32, device="cpu"
+        )
+    )
     prep = BatchPreparer(engine)
     batch = prep.prefill(
         [prep.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=1)) for n in (5, 9)]

@@ -20,7 +20,6 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 from conftest import make_tiny_model, rel_err
-from test_moe import make_tiny_moe
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo, HeadShard, set_tp_info, shard_heads
@@ -233,13 +232,13 @@ def test_sizes_that_do_not_divide(tmp_path):
 def test_tp2_qwen3_moe_matches_tp1(tmp_path):
     """Qwen3-MoE: 8 experts, top-2, moe_intermediate_size 32 split over 2 ranks (every rank holds every
     expert's half), replicated router, all-reduced MoE output; layer 1 is dense (mlp_only_layers)."""
-    assert_tp_matches_single(make_tiny_moe(tmp_path), 2)
+    assert_tp_matches_single(make_tiny_model(tmp_path, "qwen3_moe"), 2)
 
 
 def test_qwen3_moe_shards_experts(tmp_path):
     """Each rank's w13 rows are [gate part r | up part r] of each expert, its w2 columns part r of down;
     the router is replicated. A moe_intermediate_size the ranks cannot split fails clearly."""
-    folder = make_tiny_moe(tmp_path)  # moe_intermediate_size 32
+    folder = make_tiny_model(tmp_path, "qwen3_moe")  # moe_intermediate_size 32
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     experts = ref.model.layers[0].mlp.experts  # fused in memory: gate_up_proj (E, 2I, H), down_proj (E, H, I)
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
