@@ -14,11 +14,9 @@ from minisgl import metrics
 from minisgl.core import SamplingParams
 from minisgl.settings import EngineSettings, SettingsError
 
-_SETTINGS_KEY = "settings"
-
 
 def _settings_options(command: Callable) -> Callable:
-    """One option per engine setting (--page-size, --device, ...), help text from the settings layer."""
+    """One option per setting (--page-size, --max-prefill-tokens, ...), help text from its declaration."""
     for name, field in reversed(EngineSettings.model_fields.items()):
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} [env MINISGL_{name.upper()}]"
@@ -105,12 +103,6 @@ def _sampling_options(command: Callable) -> Callable:
 
 def _common(command: Callable) -> Callable:
     command = click.option(
-        "--max-prefill-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Prompt tokens per prefill step (chunked prefill budget); default 512 on CPU, 8192 on GPU.",
-    )(command)
-    command = click.option(
         "--metrics-port",
         type=click.IntRange(1, 65535),
         default=None,
@@ -143,11 +135,8 @@ def _make_llm(kwargs: dict[str, Any]):
             raise click.ClickException(
                 f"cannot serve metrics on 127.0.0.1:{kwargs['metrics_port']}: {e}"
             ) from e
-    extra = (
-        {} if kwargs["max_prefill_tokens"] is None else {"max_prefill_tokens": kwargs["max_prefill_tokens"]}
-    )
     try:
-        return LLM(model, config=kwargs["config"], **explicit, **extra)
+        return LLM(model, config=kwargs["config"], **explicit)
     except (SettingsError, FileNotFoundError, ValueError, MemoryError, ModuleNotFoundError) as e:
         raise click.ClickException(str(e)) from e
 
