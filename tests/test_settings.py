@@ -18,7 +18,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.settings import CONFIGS as CONFIG_CLASSES
-from minisgl.settings import EngineSettings, LaunchConfig, SettingsError
+from minisgl.settings import EngineSettings, LaunchConfig, SettingsError, settings_markdown
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 H200_PRESET = CONFIGS / "h200-qwen3-0.6b.yaml"
@@ -476,3 +476,17 @@ def test_llama_3_2_rope_scaling() -> None:
         4.0,
         8192,
     )
+
+
+# -- docs/settings.md ------------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+
+
+def test_docs_settings_table_is_generated_from_the_fields() -> None:
+    expected = settings_markdown()
+    assert DOCS.is_file() and DOCS.read_text() == expected, (
+        "docs/settings.md is out of date: run `python -m minisgl.settings --markdown > docs/settings.md`"
+    )
+    for name, field in EngineSettings.model_fields.items():
+        assert f"| `{name}` | `MINISGL_{name.upper()}` |" in expected and field.description in expected
