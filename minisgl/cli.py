@@ -14,11 +14,9 @@ from minisgl import metrics
 from minisgl.core import SamplingParams
 from minisgl.settings import EngineSettings, SettingsError
 
-_SETTINGS_KEY = "settings"
-
 
 def _settings_options(command: Callable) -> Callable:
-    """One option per engine setting (--page-size, --device, ...), help text from the settings layer."""
+    """One option per setting (--page-size, --max-prefill-tokens, ...), help text from its declaration."""
     for name, field in reversed(EngineSettings.model_fields.items()):
         flag = "--" + name.replace("_", "-")
         help_text = f"{field.description} [env MINISGL_{name.upper()}]"
@@ -60,33 +58,13 @@ def _explicit(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _sampling_options(command: Callable) -> Callable:
     options = [
-        click.option(
-            "--max-tokens",
-            type=click.IntRange(min=1),
-            default=256,
-            show_default=True,
-            help="Most tokens to generate per prompt.",
-        ),
-        click.option(
-            "--temperature",
-            type=float,
-            default=0.0,
-            show_default=True,
-            help="Sampling temperature; 0 is greedy.",
-        ),
-        click.option(
-            "--top-k", type=int, default=-1, show_default=True, help="Keep the k most likely tokens; -1: all."
-        ),
-        click.option(
-            "--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1]."
-        ),
-        click.option(
-            "--min-p",
-            type=float,
-            default=0.0,
-            show_default=True,
-            help="Drop tokens below this share of the top probability.",
-        ),
+        ("--max-tokens", click.IntRange(min=1), 256, "Most tokens to generate per prompt."),
+        ("--temperature", float, 0.0, "Sampling temperature; 0 is greedy."),
+        ("--top-k", int, -1, "Keep the k most likely tokens; -1: all."),
+        ("--top-p", float, 1.0, "Nucleus sampling mass, in (0, 1]."),
+        ("--min-p", float, 0.0, "Drop tokens below this share of the top probability."),
+    ]
+    flags = [
         click.option("--seed", type=int, default=None, help="Seed: the same seed gives the same tokens."),
         click.option("--stop", multiple=True, help="Stop when the text contains this string (repeatable)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
@@ -98,18 +76,14 @@ def _sampling_options(command: Callable) -> Callable:
             help="Generate at least this many tokens before any stop condition.",
         ),
     ]
-    for option in reversed(options):
+    for option in reversed(flags):
         command = option(command)
+    for flag, kind, default, help_text in reversed(options):
+        command = click.option(flag, type=kind, default=default, show_default=True, help=help_text)(command)
     return command
 
 
 def _common(command: Callable) -> Callable:
-    command = click.option(
-        "--max-prefill-tokens",
-        type=click.IntRange(min=1),
-        default=None,
-        help="Prompt tokens per prefill step (chunked prefill budget); default 512 on CPU, 8192 on GPU.",
-    )(command)
     command = click.option(
         "--metrics-port",
         type=click.IntRange(1, 65535),
@@ -143,11 +117,8 @@ def _make_llm(kwargs: dict[str, Any]):
             raise click.ClickException(
                 f"cannot serve metrics on 127.0.0.1:{kwargs['metrics_port']}: {e}"
             ) from e
-    extra = (
-        {} if kwargs["max_prefill_tokens"] is None else {"max_prefill_tokens": kwargs["max_prefill_tokens"]}
-    )
     try:
-        return LLM(model, config=kwargs["config"], **explicit, **extra)
+        return LLM(model, config=kwargs["config"], **explicit)
     except (SettingsError, FileNotFoundError, ValueError, MemoryError, ModuleNotFoundError) as e:
         raise click.ClickException(str(e)) from e
 

@@ -93,12 +93,11 @@ class LLM:
         self, model: str | None = None, *, config: str | Path | None = None, **settings: Any
     ) -> None:
         """`model`: a local folder, 'smollm2-135m' (also what None means), or a hub id. `config`: a
-        YAML settings file; other keyword arguments are settings (see `minisgl.settings`), plus
-        `max_prefill_tokens` for the scheduler. `tp=N` (or `tp_size`) runs N tensor-parallel ranks: this
+        YAML settings file; other keyword arguments are settings of the engine and the scheduler (see
+        `minisgl.settings`, docs/settings.md). `tp=N` (or `tp_size`) runs N tensor-parallel ranks: this
         process is rank 0 and schedules, N-1 spawned processes follow."""
         import transformers
 
-        max_prefill_tokens = settings.pop("max_prefill_tokens", None)
         if "tp" in settings:
             settings["tp_size"] = settings.pop("tp")
         if model is not None:
@@ -111,6 +110,7 @@ class LLM:
                 )
             settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
+        scheduler_config = self.settings.to_scheduler_config()
         if launched is not None and launched[1] > 1:
             self.engine = RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
         elif self.settings.tp_size > 1:  # rank 0 here, ranks 1..N-1 in processes of their own
@@ -129,11 +129,10 @@ class LLM:
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
         # dummy-weight folders hold only config.json: token-id prompts still work, texts are empty
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
-        if max_prefill_tokens is None:
-            max_prefill_tokens = 8192 if self.engine.device.type == "cuda" else 512
         self.scheduler = Scheduler(
             self.engine,
-            max_prefill_tokens=max_prefill_tokens,
+            max_prefill_tokens=scheduler_config.prefill_tokens(self.engine.device.type),
+            overlap=scheduler_config.overlap_scheduling,
             eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
             tokenizer=self.tokenizer,
             model_name=self.model_name,

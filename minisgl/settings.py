@@ -1,11 +1,20 @@
-"""EngineSettings: the user-facing, layered settings that build the frozen :class:`EngineConfig`.
+"""EngineSettings: the user-facing, layered settings that build the frozen configs.
+
+The settings are the fields declared with ``setting(...)`` in :class:`EngineConfig`,
+:class:`~minisgl.scheduler.config.SchedulerConfig` and :class:`LaunchConfig` (below), one flat set of
+keys: ``key:`` in YAML, ``MINISGL_KEY``, ``minisgl-run --key``, ``LLM(key=...)``. Nothing here lists them
+again: the pydantic model is generated from those fields, parses what users give (env and CLI strings,
+YAML and Python values) into the fields' plain types and checks each value with the field's own
+declaration; :meth:`EngineSettings.build` makes each config from its own fields. To add a setting, add a
+field to the config that reads it (see minisgl.config_fields), then regenerate docs/settings.md with
+``python -m minisgl.settings --markdown > docs/settings.md``.
 
 Values come from four layers; the first layer that sets a key wins:
 
 1. explicit values: keyword arguments of ``EngineSettings(...)`` / ``EngineSettings.load(...)``
 2. ``MINISGL_*`` environment variables, e.g. ``MINISGL_PAGE_SIZE=32``
 3. a YAML file, given to ``load(config=...)`` or named by ``MINISGL_CONFIG``
-4. the defaults, which equal :class:`EngineConfig`'s defaults
+4. the defaults, the fields' defaults
 
 Every effective value remembers which layer it came from (:meth:`EngineSettings.sources`), and every
 error names the key, the bad value and, where known, the layer it came from.
@@ -13,16 +22,20 @@ error names the key, the bad value and, where known, the layer it came from.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Mapping
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
-import torch
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, ValidationError, create_model
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -31,14 +44,10 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from minisgl.config_fields import SettingField, check_fields, describe_type, is_instance, setting, settings_of
 from minisgl.distributed import DistributedInfo
-from minisgl.engine.config import (
-    MAX_PAGE_SIZE,
-    MOE_BACKENDS,
-    EngineConfig,
-    parse_attention_backend,
-    parse_dtype,
-)
+from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.config import SchedulerConfig
 
 ENV_PREFIX = "MINISGL_"
 CONFIG_ENV_VAR = "MINISGL_CONFIG"
@@ -46,10 +55,41 @@ CONFIG_ENV_VAR = "MINISGL_CONFIG"
 NON_SETTING_ENV_VARS = frozenset({CONFIG_ENV_VAR, "MINISGL_CACHE_DIR"})
 # an environment variable holding this string sets an optional setting to None
 ENV_NONE = "none"
-DEVICE_TYPES = ("cpu", "cuda")
 
 EXPLICIT = "explicit"
 DEFAULT = "default"
+
+C = TypeVar("C")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How many processes run the engine: the launcher's settings, not one engine's."""
+
+    tp_size: int = setting(
+        1, "Tensor-parallel size: number of ranks, one GPU each (each rank's EngineConfig.tp_info).", ge=1
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+# the configs whose setting fields make the settings, in the order the settings are listed
+CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig)
+
+
+def setting_fields() -> dict[str, SettingField]:
+    """Every setting of every config in :data:`CONFIGS`, by key; a key declared twice is an error."""
+    fields: dict[str, SettingField] = {}
+    for config_cls in CONFIGS:
+        for field in settings_of(config_cls):
+            if field.name in fields:
+                other = fields[field.name].owner.__name__
+                raise TypeError(
+                    f"setting {field.name!r} is declared in both {other} and {config_cls.__name__}"
+                )
+            fields[field.name] = field
+    return fields
 
 
 class _InlineListDumper(yaml.SafeDumper):
@@ -65,76 +105,10 @@ class SettingsError(ValueError):
     """Invalid settings; the message names each bad key, its value and where it came from."""
 
 
-class EngineSettings(BaseSettings):
-    """Engine settings in plain types, layered explicit > ``MINISGL_*`` env > YAML file > defaults.
-
-    Build with :meth:`load` (or the constructor, which takes the same explicit keyword arguments and
-    reads the YAML file named by ``MINISGL_CONFIG``), then call :meth:`to_engine_config`.
-    """
+class _Settings(BaseSettings):
+    """The methods of :class:`EngineSettings`; its fields are generated from the configs' fields."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
-
-    model_path: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Local model folder (config.json + *.safetensors); unset or 'smollm2-135m' = the embedded default model.",
-    )
-    dtype: str = Field(
-        default="auto", description="Weight and activation dtype: auto, float32, bfloat16 or float16."
-    )
-    device: str = Field(default="auto", description="Device: auto (CUDA when present), cpu, cuda or cuda:N.")
-    tp_size: int = Field(default=1, ge=1, description="Tensor-parallel size: number of ranks, one GPU each.")
-    page_size: int = Field(
-        default=16, ge=1, le=MAX_PAGE_SIZE, description=f"Tokens per KV-cache page (1 to {MAX_PAGE_SIZE})."
-    )
-    max_running_req: int = Field(
-        default=256, ge=1, description="Most requests decoded together in one batch."
-    )
-    attention_backend: str = Field(
-        default="auto",
-        description="Attention backend: auto, torch, fi, fa, trtllm, or a 'prefill,decode' pair.",
-    )
-    moe_backend: str = Field(default="auto", description="Mixture-of-experts backend: auto, torch or fused.")
-    cuda_graph_bs: Annotated[list[Annotated[int, Field(ge=1)]] | None, NoDecode] = Field(
-        default=None, description="Batch sizes to capture CUDA graphs for, e.g. [1, 2, 4]; unset = automatic."
-    )
-    cuda_graph_max_bs: int | None = Field(
-        default=None,
-        ge=0,
-        description="Largest batch size to capture a CUDA graph for; 0 disables CUDA graphs.",
-    )
-    memory_ratio: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use, in (0, 1]."
-    )
-    num_page_override: int | None = Field(
-        default=None, ge=1, description="Fixed number of KV-cache pages instead of sizing from free memory."
-    )
-    max_seq_len_override: int | None = Field(
-        default=None,
-        ge=1,
-        description="Longest sequence (prompt + output); unset = the model's max positions.",
-    )
-    use_dummy_weight: bool = Field(
-        default=False, description="Random weights instead of loading checkpoints (only config.json needed)."
-    )
-    distributed_addr: str = Field(
-        default="tcp://127.0.0.1:23333",
-        description="Rendezvous address of the tensor-parallel process group.",
-    )
-    distributed_timeout: float = Field(
-        default=300.0, gt=0.0, description="Timeout in seconds for tensor-parallel collectives."
-    )
-    overlap_scheduling: bool = Field(
-        default=True,
-        description="Prepare step N+1 on the host while the device runs step N; false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
-    )
-    batch_invariant: bool = Field(
-        default=False,
-        description="Give a request the same logits alone or in any batch (GPU: no one-row GEMV kernel, eager prefill); slower.",
-    )
-    cpu_kv_budget_gib: float | None = Field(
-        default=None, gt=0.0, description="KV-cache budget in GiB on CPU; unset = 10% of available RAM."
-    )
 
     # field name -> origin ("explicit", "env MINISGL_X", "yaml <path>", "default")
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -150,7 +124,7 @@ class EngineSettings(BaseSettings):
         try:
             super().__init__(**values)
         except ValidationError as e:
-            raise SettingsError(_describe_errors(e, values, origins)) from None
+            raise SettingsError(_describe_errors(e, values, origins, list(type(self).model_fields))) from None
         self._origins = {name: origins.get(name, DEFAULT) for name in type(self).model_fields}
 
     @classmethod
@@ -170,56 +144,6 @@ class EngineSettings(BaseSettings):
         # The layers are merged in __init__ (so each value's origin is known); pydantic-settings only
         # receives the merged values as init arguments.
         return (init_settings,)
-
-    # -- validation --------------------------------------------------------------------------------
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str) -> str:
-        parse_dtype(value)
-        return value
-
-    @field_validator("attention_backend")
-    @classmethod
-    def _check_attention_backend(cls, value: str) -> str:
-        parse_attention_backend(value)
-        return value
-
-    @field_validator("moe_backend")
-    @classmethod
-    def _check_moe_backend(cls, value: str) -> str:
-        if value not in MOE_BACKENDS:
-            raise ValueError(f"moe_backend={value!r} is not valid: use one of {', '.join(MOE_BACKENDS)}")
-        return value
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, value: str) -> str:
-        if value == "auto":
-            return value
-        try:
-            device_type = torch.device(value).type
-        except RuntimeError:
-            device_type = None
-        if device_type not in DEVICE_TYPES:
-            raise ValueError(f"device={value!r} is not valid: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        return value
-
-    @field_validator("cuda_graph_bs", mode="before")
-    @classmethod
-    def _parse_batch_sizes(cls, value: Any) -> Any:
-        """Accepts a list, a JSON list '[1,2,4]' or a comma-separated '1,2,4' (as env variables give)."""
-        if not isinstance(value, str):
-            return value
-        text = value.strip()
-        if text.lower() in ("", ENV_NONE, "null"):
-            return None
-        if text.startswith("["):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"cuda_graph_bs={value!r} is not a JSON list: {e}") from None
-        return [part.strip() for part in text.split(",")]
 
     # -- views -------------------------------------------------------------------------------------
 
@@ -254,7 +178,7 @@ class EngineSettings(BaseSettings):
         """The environment variable that sets setting ``name``, e.g. 'MINISGL_PAGE_SIZE'."""
         return ENV_PREFIX + name.upper()
 
-    # -- EngineConfig ------------------------------------------------------------------------------
+    # -- the configs -------------------------------------------------------------------------------
 
     def resolved_model_path(self) -> str:
         """``model_path``, with unset or the default-model alias replaced by the default model's folder."""
@@ -264,44 +188,109 @@ class EngineSettings(BaseSettings):
             return os.fspath(default_model_path())
         return self.model_path
 
-    def to_engine_config(self, rank: int = 0) -> EngineConfig:
-        """The frozen :class:`EngineConfig` of tensor-parallel rank ``rank``."""
+    def build(self, config_cls: type[C], **values: Any) -> C:
+        """The config ``config_cls`` from its own setting fields; ``values``: its other fields, and the
+        values the settings layer fills. Its errors also name where the named keys came from."""
+        kwargs = {field.name: getattr(self, field.name) for field in settings_of(config_cls)}
         try:
-            return EngineConfig(
-                model_path=self.resolved_model_path(),
-                dtype=parse_dtype(self.dtype),
-                tp_info=DistributedInfo(rank=rank, size=self.tp_size),
-                page_size=self.page_size,
-                max_running_req=self.max_running_req,
-                attention_backend=self.attention_backend,
-                moe_backend=self.moe_backend,
-                cuda_graph_bs=None if self.cuda_graph_bs is None else tuple(self.cuda_graph_bs),
-                cuda_graph_max_bs=self.cuda_graph_max_bs,
-                memory_ratio=self.memory_ratio,
-                num_page_override=self.num_page_override,
-                max_seq_len_override=self.max_seq_len_override,
-                use_dummy_weight=self.use_dummy_weight,
-                distributed_addr=self.distributed_addr,
-                distributed_timeout=self.distributed_timeout,
-                device=self.device,
-                cpu_kv_budget_gib=self.cpu_kv_budget_gib,
-                overlap_scheduling=self.overlap_scheduling,
-                batch_invariant=self.batch_invariant,
-            )
+            return config_cls(**{**kwargs, **values})
         except (ValueError, TypeError, FileNotFoundError) as e:
-            # EngineConfig's messages read "key=value ..."; add where the named keys came from
+            # the configs' messages read "key=value ..."; add where the named keys came from
             origins = self.sources()
             named = [f"{name} from {origins[name]}" for name in origins if f"{name}=" in str(e)]
             if not named:
                 raise
             raise type(e)(f"{e} ({'; '.join(named)})") from e
 
+    def to_engine_config(self, rank: int = 0) -> EngineConfig:
+        """The frozen :class:`EngineConfig` of tensor-parallel rank ``rank``."""
+        tp_info = DistributedInfo(rank=rank, size=self.tp_size)
+        return self.build(EngineConfig, model_path=self.resolved_model_path(), tp_info=tp_info)
+
+    def to_scheduler_config(self) -> SchedulerConfig:
+        """The frozen :class:`SchedulerConfig`."""
+        return self.build(SchedulerConfig)
+
+
+# -- the pydantic model, generated from the configs' fields -----------------------------------------
+
+
+def _parse_list(value: Any) -> Any:
+    """A list, a JSON list '[1,2,4]' or a comma-separated '1,2,4' (as env variables and options give)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.lower() in ("", ENV_NONE, "null"):
+        return None
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{value!r} is not a JSON list: {e}") from None
+    return [part.strip() for part in text.split(",")]
+
+
+def _checker(field: SettingField) -> Callable[[Any], Any]:
+    """Checks a parsed value with the field's own declaration; the settings keep the plain value."""
+
+    def check(value: Any) -> Any:
+        if value is None and field.required:  # unset: the settings layer fills it (model_path)
+            return value
+        try:
+            field.validate(value)
+        except TypeError as e:  # pydantic reports ValueErrors
+            raise ValueError(str(e)) from None
+        return value
+
+    return check
+
+
+def _holds_list(annotation: Any) -> bool:
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return any(typing.get_origin(arg) is list for arg in args)
+
+
+def _reader(field: SettingField) -> Callable[[Any], Any]:
+    """A string (env variables, CLI options) is parsed into the setting's type; any other value (Python,
+    YAML) must have that type already: True is no 1, 1 is no True."""
+    holds_list = _holds_list(field.given_type)
+
+    def read(value: Any) -> Any:
+        if isinstance(value, str):
+            return _parse_list(value) if holds_list else value
+        if not is_instance(value, field.given_type):
+            raise ValueError(f"{field.name}={value!r} must be {describe_type(field.given_type)}")
+        return value
+
+    return read
+
+
+def _pydantic_field(field: SettingField) -> tuple[Any, Any]:
+    # the env source does not decode lists as JSON (NoDecode): _reader parses them
+    metadata = [NoDecode, BeforeValidator(_reader(field)), AfterValidator(_checker(field))]
+    default = None if field.required else field.default
+    return Annotated[(field.given_type, *metadata)], Field(default=default, description=field.description)
+
+
+EngineSettings = create_model(
+    "EngineSettings",
+    __base__=_Settings,
+    __module__=__name__,
+    __doc__="""Every setting in plain types, layered explicit > ``MINISGL_*`` env > YAML file > defaults.
+
+    Build with :meth:`load` (or the constructor, which takes the same explicit keyword arguments and
+    reads the YAML file named by ``MINISGL_CONFIG``), then call :meth:`to_engine_config` and
+    :meth:`to_scheduler_config`. The fields are those of the configs in :data:`CONFIGS`.
+    """,
+    **{name: _pydantic_field(field) for name, field in setting_fields().items()},
+)
+
 
 # -- layers ----------------------------------------------------------------------------------------
 
 
 def _collect_layers(
-    settings_cls: type[EngineSettings], config: str | os.PathLike[str] | None, explicit: Mapping[str, Any]
+    settings_cls: type[_Settings], config: str | os.PathLike[str] | None, explicit: Mapping[str, Any]
 ) -> list[tuple[str, dict[str, Any]]]:
     """The non-default layers, highest priority first, each as (origin, {key: value})."""
     layers: list[tuple[str, dict[str, Any]]] = [(EXPLICIT, dict(explicit))]
@@ -315,7 +304,7 @@ def _collect_layers(
     return layers
 
 
-def _read_env(settings_cls: type[EngineSettings]) -> dict[str, tuple[str, Any]]:
+def _read_env(settings_cls: type[_Settings]) -> dict[str, tuple[str, Any]]:
     """Setting name -> (environment variable, value) for every ``MINISGL_*`` variable that is set.
 
     An unknown ``MINISGL_*`` variable (a typo such as MINISGL_PAGESIZE) is an error.
@@ -386,9 +375,10 @@ def read_yaml(path: str | os.PathLike[str], named_by: str | None = None) -> dict
     return data
 
 
-def _describe_errors(error: ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]) -> str:
-    """One line per problem: key=value (from origin): what is wrong."""
-    valid = list(EngineSettings.model_fields)
+def _describe_errors(
+    error: ValidationError, values: Mapping[str, Any], origins: Mapping[str, str], valid: list[str]
+) -> str:
+    """One line per problem: key=value (from origin): what is wrong; ``valid``: the keys."""
     lines = []
     for item in error.errors():
         loc = item["loc"]
@@ -410,3 +400,73 @@ def _describe_errors(error: ValidationError, values: Mapping[str, Any], origins:
             lines.append(f"  {shown}{where}: {message}")
     count = len(lines)
     return f"{count} invalid minisgl setting{'s' if count > 1 else ''}:\n" + "\n".join(lines)
+
+
+# -- docs/settings.md ------------------------------------------------------------------------------
+
+_MARKDOWN_HEAD = """\
+<!-- Generated by `python -m minisgl.settings --markdown > docs/settings.md` from the fields of the
+configs: edit their declarations, not this file. tests/test_settings.py checks that it is current. -->
+
+# Settings
+
+Every setting is one field of the config that reads it: `EngineConfig` (one engine, one
+tensor-parallel rank), `SchedulerConfig` (the scheduler over it) or `LaunchConfig` (how many ranks run),
+declared once with its type, default, description and bounds (`minisgl/config_fields.py` describes the
+style). The keys form one flat set, and each is spelled four ways: `key: value` in a YAML file, the
+environment variable `MINISGL_KEY`, the option `--key` of `minisgl-run` (dashes for underscores; `--model`
+and `--tp` are short for `--model-path` and `--tp-size`), and the keyword `LLM(key=...)`.
+
+`minisgl.settings.EngineSettings` layers them: explicit values (`LLM` keywords, `minisgl-run` options,
+`EngineSettings.load(**values)`) > `MINISGL_*` environment variables > a YAML file (`--config`,
+`LLM(config=...)`, `EngineSettings.load(path)`, or named by `MINISGL_CONFIG`) > defaults. YAML is read
+with `yaml.safe_load`; a relative `model_path` in it is resolved against the file's folder. A variable
+set to `none` unsets an optional setting; a list is given as `[1, 2, 4]` or `1,2,4`.
+
+Unknown keys (also unknown `MINISGL_*` variables), wrong types and out-of-range values are errors that
+name the key, the value, where it came from and, for an unknown key, the nearest valid one.
+`minisgl-run config` prints the effective settings with their origins (`settings.to_yaml(with_sources=True)`,
+`settings.sources()`); `settings.to_engine_config(rank)` and `settings.to_scheduler_config()` build the
+configs. `EngineConfig(...)` built directly is checked by the same declarations.
+
+The presets in `configs/` are such YAML files. `MINISGL_CACHE_DIR` (the default model's cache) is a
+`MINISGL_*` variable but no setting.
+"""
+
+
+def _markdown_value(value: Any) -> str:
+    if value is None or value is dataclasses.MISSING:
+        return "unset"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: a table of the settings of each config, from the fields' declarations."""
+    lines = [_MARKDOWN_HEAD]
+    for config_cls in CONFIGS:
+        summary = (config_cls.__doc__ or "").strip().splitlines()[0]
+        lines += [f"## {config_cls.__name__}", "", f"`{config_cls.__module__}`: {summary}", ""]
+        lines += ["| key | environment | default | values | meaning |", "|---|---|---|---|---|"]
+        for field in settings_of(config_cls):
+            cells = [f"`{field.name}`", f"`{ENV_PREFIX}{field.name.upper()}`", _markdown_value(field.default)]
+            cells += [field.values_text(), field.description]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m minisgl.settings``: the effective settings as YAML, or ``--markdown``: docs/settings.md."""
+    parser = argparse.ArgumentParser(prog="python -m minisgl.settings", description=main.__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print docs/settings.md")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_markdown())
+    else:
+        sys.stdout.write(EngineSettings.load().to_yaml(with_sources=True))
+
+
+if __name__ == "__main__":
+    from minisgl.settings import main as _main  # the module itself, not this __main__ copy of it
+
+    _main()

@@ -366,6 +366,43 @@ def test_config_errors(runner, args: list[str], env: dict[str, str], named: list
     _no_traceback(result)
 
 
+@pytest.mark.usefixtures("clean_env")
+@pytest.mark.parametrize(("key", "value"), [("page_size", "32"), ("max_prefill_tokens", "24")])
+def test_one_key_through_options_env_and_yaml(
+    runner, monkeypatch, tmp_path: Path, key: str, value: str
+) -> None:
+    """An EngineConfig field and a SchedulerConfig field: --key, MINISGL_KEY, `key:` in YAML, and the
+    option reaches LLM(key=...)."""
+    flag = "--" + key.replace("_", "-")
+    assert _setting(runner.invoke(main, ["config", flag, value]).stdout, key) == (value, "explicit")
+    env = f"MINISGL_{key.upper()}"
+    assert _setting(runner.invoke(main, ["config"], env={env: value}).stdout, key) == (value, f"env {env}")
+    saved = tmp_path / "s.yaml"
+    saved.write_text(f"{key}: {value}\n")
+    from_yaml = runner.invoke(main, ["config", "--config", str(saved)])
+    assert _setting(from_yaml.stdout, key) == (value, f"yaml {saved}")
+
+    calls = []
+
+    def recorded_llm(model: str | None = None, **kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(minisgl.llm, "LLM", recorded_llm)
+    for command in (["generate", "hi"], ["bench"]):
+        result = runner.invoke(main, [*command, flag, value, "-q"])
+        assert result.exit_code == 1 and "recorded" in result.stderr, result.output
+    assert calls == [{"config": None, key: value}] * 2
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_bad_max_prefill_tokens_option(runner) -> None:
+    result = runner.invoke(main, ["config", "--max-prefill-tokens", "0"])
+    assert result.exit_code != 0 and result.stdout == ""
+    assert "max_prefill_tokens='0'" in result.stderr and "explicit" in result.stderr
+    _no_traceback(result)
+
+
 # -- bench ---------------------------------------------------------------------------------------
 
 BENCH_ARGS = ["--device", "cpu", "--num-seqs", "3", "--min-input", "8", "--max-input", "16"]

@@ -12,10 +12,13 @@ import pytest
 import torch
 import yaml
 
+from minisgl.config_fields import Setting, declaration
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.models.config import ModelConfig
-from minisgl.settings import EngineSettings, SettingsError
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.settings import CONFIGS as CONFIG_CLASSES
+from minisgl.settings import EngineSettings, LaunchConfig, SettingsError, settings_markdown
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 H200_PRESET = CONFIGS / "h200-qwen3-0.6b.yaml"
@@ -64,27 +67,47 @@ def fake_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # -- defaults --------------------------------------------------------------------------------------
 
 
-def test_fields_mirror_engine_config() -> None:
-    config_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(EngineSettings.model_fields) == config_fields - {"tp_info"} | {"tp_size"}
+def test_fields_mirror_the_configs() -> None:
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    scheduler = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | {"tp_size"}
+    assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size"]
 
 
-def test_defaults_equal_engine_config_defaults() -> None:
+@pytest.mark.parametrize("config_cls", CONFIG_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_config_field_is_a_setting_with_a_description(config_cls: type) -> None:
+    for field in dataclasses.fields(config_cls):
+        declared = declaration(field)
+        if field.name == "tp_info":  # the one field that is no setting says where it comes from
+            assert isinstance(declared, str) and "tp_size" in declared
+            continue
+        assert isinstance(declared, Setting), (
+            f"{config_cls.__name__}.{field.name} is not declared with setting()"
+        )
+        assert declared.description and "\n" not in declared.description, field.name
+        assert EngineSettings.model_fields[field.name].description == declared.description
+
+
+def test_defaults_equal_config_defaults() -> None:
     settings = EngineSettings.model_fields
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model_path":  # required in EngineConfig; None = the default model here
-            assert settings["model_path"].default is None
-        elif field.name == "tp_info":
-            assert DistributedInfo(0, settings["tp_size"].default) == field.default_factory()
-        elif field.name == "dtype":
-            assert settings["dtype"].default == "auto" and field.default is None
-        else:
-            assert settings[field.name].default == field.default, field.name
+    for config_cls in CONFIG_CLASSES:
+        for field in dataclasses.fields(config_cls):
+            if field.name == "model_path":  # required in EngineConfig; None = the default model here
+                assert settings["model_path"].default is None and field.default is dataclasses.MISSING
+            elif field.name == "tp_info":
+                assert DistributedInfo(0, settings["tp_size"].default) == field.default_factory()
+            else:
+                assert settings[field.name].default == field.default, field.name
 
 
-def test_default_settings_build_the_default_engine_config(tmp_path: Path) -> None:
+def test_default_settings_build_the_default_configs(tmp_path: Path) -> None:
     model = str(make_model_folder(tmp_path / "m"))
-    assert EngineSettings.load(model_path=model).to_engine_config() == EngineConfig(model_path=model)
+    settings = EngineSettings.load(model_path=model)
+    assert settings.to_engine_config() == EngineConfig(model_path=model)
+    assert EngineConfig(model_path=model).dtype is None  # 'auto'
+    assert settings.to_scheduler_config() == SchedulerConfig()
+    assert SchedulerConfig().prefill_tokens("cpu") == 512 and SchedulerConfig().prefill_tokens("cuda") == 8192
+    assert SchedulerConfig(max_prefill_tokens=24).prefill_tokens("cuda") == 24
 
 
 def test_every_field_has_a_one_line_description() -> None:
@@ -161,6 +184,56 @@ def test_settings_are_frozen() -> None:
         settings.page_size = 32  # type: ignore[misc]
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "read"),
+    [
+        ("page_size", 32, lambda llm: llm.engine.config.page_size),
+        ("max_prefill_tokens", 24, lambda llm: llm.scheduler.max_prefill_tokens),
+    ],
+    ids=["engine", "scheduler"],
+)
+def test_one_key_through_yaml_env_and_llm_keywords(
+    key: str, value: int, read: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EngineConfig field and a SchedulerConfig field, set the same way (the CLI: tests/test_cli.py)."""
+    from minisgl.llm import LLM
+
+    config = write_yaml(tmp_path / "s.yaml", {key: value})
+    settings = EngineSettings.load(config)
+    assert getattr(settings, key) == value and settings.sources()[key] == f"yaml {config}"
+    monkeypatch.setenv(f"MINISGL_{key.upper()}", str(value))
+    settings = EngineSettings.load()
+    assert getattr(settings, key) == value and settings.sources()[key] == f"env MINISGL_{key.upper()}"
+    monkeypatch.delenv(f"MINISGL_{key.upper()}")
+    assert getattr(EngineSettings.load(**{key: value}), key) == value
+
+    model = make_model_folder(tmp_path / "m")
+    tiny = {"device": "cpu", "use_dummy_weight": True, "cpu_kv_budget_gib": 0.01, "max_running_req": 4}
+    with LLM(str(model), **tiny, **{key: value}) as llm:
+        assert read(llm) == value and llm.settings.sources()[key] == "explicit"
+    with LLM(str(model), config=config, **tiny) as llm:
+        assert read(llm) == value
+
+
+def test_max_prefill_tokens_default_follows_the_device(tmp_path: Path) -> None:
+    from minisgl.llm import LLM
+
+    model = make_model_folder(tmp_path / "m")
+    with LLM(str(model), device="cpu", use_dummy_weight=True, cpu_kv_budget_gib=0.01) as llm:
+        assert llm.scheduler.max_prefill_tokens == 512 and llm.settings.max_prefill_tokens is None
+
+
+def test_strings_are_parsed_other_values_type_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Env variables and CLI options give strings, which are parsed; Python and YAML values are not
+    coerced: True is no 1 and 1 is no True."""
+    assert EngineSettings.load(page_size="32", overlap_scheduling="false").page_size == 32
+    assert EngineSettings.load(memory_ratio=1).memory_ratio == 1.0  # an integer is a number
+    for key, value in [("page_size", True), ("use_dummy_weight", 1), ("memory_ratio", False), ("dtype", 16)]:
+        with pytest.raises(SettingsError) as error:
+            EngineSettings.load(**{key: value})
+        assert_names(error, f"{key}={value!r} must be", "explicit")
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 
@@ -189,6 +262,8 @@ def assert_names(error: pytest.ExceptionInfo[BaseException], *parts: str) -> Non
         ("distributed_timeout", 0),
         ("cpu_kv_budget_gib", 0),
         ("use_dummy_weight", "maybe"),
+        ("max_prefill_tokens", 0),
+        ("overlap_scheduling", "maybe"),
     ],
 )
 def test_invalid_value_names_key_value_and_origin(
@@ -401,3 +476,17 @@ def test_llama_3_2_rope_scaling() -> None:
         4.0,
         8192,
     )
+
+
+# -- docs/settings.md ------------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+
+
+def test_docs_settings_table_is_generated_from_the_fields() -> None:
+    expected = settings_markdown()
+    assert DOCS.is_file() and DOCS.read_text() == expected, (
+        "docs/settings.md is out of date: run `python -m minisgl.settings --markdown > docs/settings.md`"
+    )
+    for name, field in EngineSettings.model_fields.items():
+        assert f"| `{name}` | `MINISGL_{name.upper()}` |" in expected and field.description in expected

@@ -1,20 +1,27 @@
-"""EngineConfig: everything one engine process needs to know, frozen."""
+"""EngineConfig: everything one engine process needs to know, frozen.
+
+Each field is a setting declared once, here (see minisgl.config_fields for the style): its type, default,
+description and bounds. minisgl.settings builds the YAML keys, MINISGL_* variables and CLI options from
+these fields; ``EngineConfig(...)`` called directly is checked by the same declarations.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from minisgl.attention.base import parse_attention_backend
+from minisgl.config_fields import as_tuple, check_fields, internal, setting
 from minisgl.distributed import DistributedInfo
 from minisgl.models.config import ModelConfig
 
 MAX_PAGE_SIZE = 256
 MOE_BACKENDS = ("auto", "torch", "fused")
+DEVICE_TYPES = ("cpu", "cuda")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -34,73 +41,115 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[value]
 
 
+def check_device(value: str) -> None:
+    """'auto', 'cpu', 'cuda' or 'cuda:N' (whether CUDA is there is checked when the config is built)."""
+    if value == "auto":
+        return
+    try:
+        device_type = torch.device(value).type
+    except RuntimeError:
+        device_type = None
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device={value!r} is not valid: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _model_folder(value: object) -> object:
+    """A path given as os.PathLike becomes a str; an empty path is refused."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if value == "":
+        raise ValueError("model_path='' is empty: give a local model folder (config.json + *.safetensors)")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Configuration of one engine (one tensor-parallel rank). Field names follow Mini-SGLang's Engine.
 
-    ``dtype`` None picks float32 on CPU and bfloat16 on CUDA. ``device`` 'auto' picks CUDA when present.
-    ``cpu_kv_budget_gib`` bounds the KV pool on CPU (None: 10% of available RAM).
-    ``overlap_scheduling`` is read by the scheduler over this engine (see minisgl.scheduler).
-    ``batch_invariant`` keeps every kernel choice independent of the batch (on CUDA: no one-row GEMV
-    kernel, prefill eager), so a request's logits, and its seeded tokens, do not depend on its batch.
+    Every field but ``tp_info`` is a setting (YAML key, MINISGL_* variable, minisgl-run option, LLM
+    keyword), declared with its description and bounds; ``__post_init__`` checks them all.
     """
 
-    model_path: str
-    dtype: torch.dtype | None = None
-    tp_info: DistributedInfo = field(default_factory=DistributedInfo)
-    page_size: int = 16
-    max_running_req: int = 256
-    attention_backend: str = "auto"
-    moe_backend: str = "auto"
-    cuda_graph_bs: tuple[int, ...] | None = None
-    cuda_graph_max_bs: int | None = None
-    memory_ratio: float = 0.9
-    num_page_override: int | None = None
-    max_seq_len_override: int | None = None
-    use_dummy_weight: bool = False
-    distributed_addr: str = "tcp://127.0.0.1:23333"
-    distributed_timeout: float = 300.0
-    device: str = "auto"
-    cpu_kv_budget_gib: float | None = None
-    overlap_scheduling: bool = True
-    batch_invariant: bool = False
+    model_path: str = setting(
+        description="Local model folder (config.json + *.safetensors); unset or 'smollm2-135m' = the "
+        "embedded default model.",
+        parse=_model_folder,
+    )
+    dtype: torch.dtype | None = setting(
+        "auto",
+        "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.",
+        given_as=str,
+        parse=parse_dtype,
+    )
+    tp_info: DistributedInfo = internal(
+        DistributedInfo, "this rank's place in the group: built from the tp_size setting and the rank"
+    )
+    page_size: int = setting(16, "Tokens per KV-cache page.", ge=1, le=MAX_PAGE_SIZE)
+    max_running_req: int = setting(
+        256, "Request slots: most requests running (decoded together) at once.", ge=1
+    )
+    attention_backend: str = setting(
+        "auto",
+        "Attention backend: auto, torch, fi, fa, trtllm, or a 'prefill,decode' pair such as 'fa,fi'.",
+        check=parse_attention_backend,
+    )
+    moe_backend: str = setting(
+        "auto",
+        "Mixture-of-experts backend: auto (fused on CUDA sm90/sm100, torch elsewhere), torch or fused; "
+        "only models with experts use it.",
+        choices=MOE_BACKENDS,
+    )
+    cuda_graph_bs: tuple[int, ...] | None = setting(
+        None,
+        "Batch sizes to capture CUDA graphs for, e.g. [1, 2, 4] (or '1,2,4'); unset = automatic.",
+        ge=1,
+        parse=as_tuple,
+        given_as=list[int] | None,
+    )
+    cuda_graph_max_bs: int | None = setting(
+        None,
+        "Largest batch size to capture a CUDA graph for; 0 disables CUDA graphs; unset = automatic.",
+        ge=0,
+    )
+    memory_ratio: float = setting(
+        0.9, "Share of free GPU memory (measured before loading) the engine may use.", gt=0.0, le=1.0
+    )
+    num_page_override: int | None = setting(
+        None, "Fixed number of KV-cache pages instead of sizing from free memory.", ge=1
+    )
+    max_seq_len_override: int | None = setting(
+        None, "Longest sequence (prompt + output); unset = the model's max positions.", ge=1
+    )
+    use_dummy_weight: bool = setting(
+        False, "Random weights made on the device instead of loading checkpoints (only config.json is read)."
+    )
+    distributed_addr: str = setting(
+        "tcp://127.0.0.1:23333", "Rendezvous address of the tensor-parallel process group."
+    )
+    distributed_timeout: float = setting(
+        300.0, "Seconds before a tensor-parallel collective gives up.", gt=0.0
+    )
+    device: str = setting(
+        "auto", "Device: auto (CUDA when present), cpu, cuda or cuda:N.", check=check_device
+    )
+    cpu_kv_budget_gib: float | None = setting(
+        None, "KV-cache budget on CPU in GiB; unset = 10% of available RAM.", gt=0.0
+    )
+    batch_invariant: bool = setting(
+        False,
+        "Give a request the same logits (and seeded tokens) alone or in any batch: on CUDA no one-row "
+        "GEMV kernel and eager prefill; slower.",
+    )
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen: normalise once, here
-        set_(self, "model_path", os.fspath(self.model_path))
-        set_(self, "dtype", parse_dtype(self.dtype))
-        if self.cuda_graph_bs is not None:
-            set_(self, "cuda_graph_bs", tuple(self.cuda_graph_bs))
-        _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
-        _check_int("max_running_req", self.max_running_req, 1)
-        if not (isinstance(self.memory_ratio, int | float) and 0.0 < self.memory_ratio <= 1.0):
-            raise ValueError(f"memory_ratio must be in (0, 1], got memory_ratio={self.memory_ratio!r}")
-        if self.num_page_override is not None:
-            _check_int("num_page_override", self.num_page_override, 1)
-        if self.max_seq_len_override is not None:
-            _check_int("max_seq_len_override", self.max_seq_len_override, 1)
-        if self.cuda_graph_max_bs is not None:
-            _check_int("cuda_graph_max_bs", self.cuda_graph_max_bs, 0)
-        for bs in self.cuda_graph_bs or ():
-            _check_int("cuda_graph_bs entry", bs, 1)
-        if self.cpu_kv_budget_gib is not None and not self.cpu_kv_budget_gib > 0:
-            raise ValueError(
-                f"cpu_kv_budget_gib must be > 0, got cpu_kv_budget_gib={self.cpu_kv_budget_gib!r}"
-            )
-        parse_attention_backend(self.attention_backend)
-        if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(
-                f"moe_backend={self.moe_backend!r} is not valid: use one of {', '.join(MOE_BACKENDS)}"
-            )
-        if not isinstance(self.tp_info, DistributedInfo):
-            raise TypeError(f"tp_info must be a DistributedInfo, got {type(self.tp_info).__name__}")
+        check_fields(self)  # each field against its declaration above; `dtype` 'auto' becomes None
         if not Path(self.model_path).is_dir():
             raise FileNotFoundError(
                 f"model_path={self.model_path!r} is not a folder. Pass a local model folder holding "
                 "config.json and *.safetensors (download hub models first, e.g. with `hf download`), "
                 "or use minisgl.models.default_model_path() for the embedded SmolLM2-135M-Instruct."
             )
-        _ = self.torch_device  # validates `device`
+        _ = self.torch_device  # CUDA asked for where there is none
 
     @cached_property
     def model_config(self) -> ModelConfig:
@@ -112,16 +161,7 @@ class EngineConfig:
             if torch.cuda.is_available():
                 return torch.device("cuda", self.tp_info.rank % torch.cuda.device_count())
             return torch.device("cpu")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(
-                f"device={self.device!r} is not valid: use 'auto', 'cpu', 'cuda' or 'cuda:N'"
-            ) from e
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"device={self.device!r} is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N'"
-            )
+        device = torch.device(self.device)  # its form was checked with the fields
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device={self.device!r} was asked for but CUDA is not available here; use 'cpu'"
@@ -143,11 +183,3 @@ class EngineConfig:
         if self.max_seq_len_override is not None:
             return self.max_seq_len_override
         return limit
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {name}={value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {name}={value!r}")

@@ -13,7 +13,7 @@ Each `step()` runs one forward:
 - A decode step runs every request whose prefill is complete, one token each.
 - Finished requests (EOS, a stop token, a stop string, max_tokens) leave at once and free their pages.
 
-Overlap scheduling (the engine's `overlap_scheduling`, on by default; MINISGL_OVERLAP_SCHEDULING=0 or
+Overlap scheduling (the `overlap_scheduling` setting, on by default; MINISGL_OVERLAP_SCHEDULING=0 or
 `Scheduler(overlap=False)` turns it off for ablation; always off under tensor parallelism): a step
 launches forward N+1 before it reads the tokens of forward N, so the host's work (scheduling, batch
 tensors, attention planning, then N's tokens: stop checks, detokenizing, metrics) runs while the GPU
@@ -118,11 +118,9 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.model_name = model_name
-        if overlap is None:  # the engine's setting; under tensor parallelism the other ranks replay
-            # batches from host tokens, so there is no overlap
-            config = engine.config
-            overlap = config.overlap_scheduling and config.tp_info.size == 1
-        self.overlap = overlap
+        # None: on (the overlap_scheduling setting). Under tensor parallelism the other ranks replay
+        # batches from host tokens, so there is no overlap
+        self.overlap = overlap is not False and engine.config.tp_info.size == 1
         self._launched: _Launched | None = None  # overlap: the forward whose tokens come next
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -1,0 +1,40 @@
+"""SchedulerConfig: the scheduler's settings, beside the engine's EngineConfig (as in Mini-SGLang).
+
+Each field is a setting declared once, here (see minisgl.config_fields for the style); minisgl.settings
+builds the YAML keys, MINISGL_* variables and CLI options from these fields, one flat set with the
+engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minisgl.config_fields import check_fields, setting
+
+# prompt tokens per prefill step when max_prefill_tokens is unset, by device type
+AUTO_MAX_PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler over one engine batches its requests."""
+
+    max_prefill_tokens: int | None = setting(
+        None,
+        "Prompt tokens per prefill step (the chunked-prefill budget); unset = 512 on CPU, 8192 on CUDA.",
+        ge=1,
+    )
+    overlap_scheduling: bool = setting(
+        True,
+        "Prepare step N+1 on the host while the device runs step N (off under tensor parallelism); "
+        "false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def prefill_tokens(self, device_type: str) -> int:
+        """``max_prefill_tokens``, or where unset, the default of ``device_type`` ('cpu' or 'cuda')."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return AUTO_MAX_PREFILL_TOKENS.get(device_type, AUTO_MAX_PREFILL_TOKENS["cpu"])
