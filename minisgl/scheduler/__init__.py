@@ -1,6 +1,8 @@
 """Offline continuous batching over one Engine."""
 
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
-from minisgl.scheduler.scheduler import Request, Scheduler, Update
+from minisgl.scheduler.request import FinishReason, RequestState, Update
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.stats import StepRecord
 
-__all__ = ["IncrementalDetokenizer", "Request", "Scheduler", "Update"]
+__all__ = ["FinishReason", "IncrementalDetokenizer", "RequestState", "Scheduler", "StepRecord", "Update"]
