@@ -152,10 +152,6 @@ class Req:
     def num_output_tokens(self) -> int:
         return len(self.input_ids) - self.num_prompt_tokens
 
-    @property
-    def max_device_len(self) -> int:
-        return self.num_prompt_tokens + self.output_len
-
     def complete_one(self) -> None:
         """Called by the engine after a forward: the computed tokens are now in the KV cache."""
         self.cached_len = self.device_len

@@ -26,7 +26,7 @@ from minisgl.core import SamplingParams
 from minisgl.engine import Engine
 from minisgl.launch import RankZeroEngine, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
-from minisgl.scheduler import Request, Scheduler
+from minisgl.scheduler import RequestState, Scheduler
 from minisgl.settings import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,17 @@ class RequestOutput:
     total_time: float
 
     @classmethod
-    def from_request(cls, index: int, prompt: str | None, request: Request) -> RequestOutput:
-        assert request.finish_reason is not None and request.first_token_time is not None
+    def from_state(cls, index: int, prompt: str | None, state: RequestState) -> RequestOutput:
+        assert state.finish_reason is not None and state.first_token_time is not None
         return cls(
             index=index,
             prompt=prompt,
-            prompt_token_ids=request.prompt_ids,
-            text=request.text,
-            token_ids=list(request.output_ids),
-            finish_reason=request.finish_reason,
-            time_to_first_token=request.first_token_time - request.arrival_time,
-            total_time=request.finish_time - request.arrival_time,
+            prompt_token_ids=state.prompt_ids,
+            text=state.text,
+            token_ids=list(state.output_ids),
+            finish_reason=state.finish_reason,
+            time_to_first_token=state.first_token_time - state.arrival_time,
+            total_time=state.finish_time - state.arrival_time,
         )
 
 
@@ -164,27 +164,28 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for (_, ids), params in zip(encoded, sampling_params):
             self.scheduler.prep.check_request(ids, params)
-        requests = [
+        states = [
             self.scheduler.add_request(ids, params) for (_, ids), params in zip(encoded, sampling_params)
         ]
-        with tqdm(total=len(requests), desc="generating", unit="req", disable=not progress) as bar:
+        with tqdm(total=len(states), desc="generating", unit="req", disable=not progress) as bar:
             while self.scheduler.has_work():
                 bar.update(sum(update.finished for update in self.scheduler.step()))
         return [
-            RequestOutput.from_request(i, text, r) for i, ((text, _), r) in enumerate(zip(encoded, requests))
+            RequestOutput.from_state(i, text, state)
+            for i, ((text, _), state) in enumerate(zip(encoded, states))
         ]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one request as its tokens are produced. The request is checked (and
         queued) at the call, so a bad one raises here, before any iteration."""
         _, ids = self._encode(prompt)
-        request = self.scheduler.add_request(ids, sampling_params or SamplingParams(), stream=True)
-        return self._deltas(request)
+        state = self.scheduler.add_request(ids, sampling_params or SamplingParams(), stream=True)
+        return self._deltas(state)
 
-    def _deltas(self, request: Request) -> Iterator[str]:
-        while not request.finished:
+    def _deltas(self, state: RequestState) -> Iterator[str]:
+        while not state.finished:
             for update in self.scheduler.step():
-                if update.request is request and update.text:
+                if update.state is state and update.text:
                     yield update.text
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:

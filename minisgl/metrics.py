@@ -28,7 +28,7 @@ REQUESTS_FINISHED = Counter(
 )
 REQUESTS_RUNNING = Gauge(
     "minisgl_requests_running",
-    "Requests admitted (holding a slot and KV pages).",
+    "Requests admitted (holding a table_idx and KV pages).",
     ["model_name"],
     registry=REGISTRY,
 )

@@ -45,14 +45,18 @@ def test_documented_construction_and_attributes(tiny_llama):
     assert engine.moe_backend is None
     assert engine.graph_runner is not None and not engine.graph_runner.enabled
     assert engine.ctx.attn_backend is engine.attn_backend and engine.ctx.page_size == 16
-    # page table: one row per request slot plus the dummy request's, width max_seq_len aligned to pages
+    # page table: one row per table_idx plus the dummy request's, width max_seq_len aligned to pages
     assert engine.page_table.dtype == torch.int32
     assert engine.page_table.shape == (9, 512)
     dummy_page = engine.kv_cache.num_pages
     assert engine.kv_cache.dummy_page == dummy_page
     assert torch.equal(engine.page_table[8, :16], dummy_page * 16 + torch.arange(16, dtype=torch.int32))
     assert engine.kv_cache.k_cache(0).shape == (engine.num_pages + 1, 16, 2, 16)
-    assert config.model_config.num_layers == 3 and config.max_seq_len == 512
+    assert (
+        config.model_config.num_layers == 3
+        and config.configured_max_seq_len == 512
+        and engine.max_seq_len == 512
+    )
     engine.shutdown()
 
 
@@ -101,7 +105,7 @@ def test_pages_are_freed_and_reused(tiny_llama):
     engine = _engine(tiny_llama, num_page_override=8, page_size=4)
     prep = BatchPreparer(engine)
     first = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=2), preparer=prep)
-    assert prep.pages.num_used == 0 and prep.slots.num_free == engine.config.max_running_req
+    assert prep.pages.num_used == 0 and prep.table_idxs.num_free == engine.config.max_running_req
     again = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=2), preparer=prep)
     assert first == again
 
@@ -192,7 +196,7 @@ def test_bad_requests_leave_engine_usable(tiny_llama):
     with pytest.raises(ValueError, match="batch.input_ids is not set"):
         engine.forward_batch(unprepared, BatchSamplingArgs.from_reqs(unprepared.reqs, engine.device))
 
-    assert prep.pages.num_used == 0 and prep.slots.num_free == 2
+    assert prep.pages.num_used == 0 and prep.table_idxs.num_free == 2
     assert generate(engine, PROMPTS[:2], SamplingParams(max_tokens=5), preparer=prep) == expected
 
 

@@ -155,7 +155,7 @@ def test_seeded_sampling_batch_invariant_on_gpu(tiny_qwen3):
 
 def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
     """Overlap scheduling (decode inputs read from the device, tokens read one step late) with CUDA graphs
-    and chunked prefill gives the tokens the plain loop gives, and frees every page and slot."""
+    and chunked prefill gives the tokens the plain loop gives, and frees every page and table_idx."""
     engine = _engine(tiny_qwen3, attention_backend="fa,fi", page_size=16)
     prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)] * 3
     params = [
@@ -166,7 +166,10 @@ def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
     for overlap in (False, True):
         sched = Scheduler(engine, max_prefill_tokens=64, eos_token_ids=[2], overlap=overlap)
         requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
-        sched.run_until_done()
-        assert sched.prep.pages.num_used == 0 and sched.prep.slots.num_free == engine.config.max_running_req
+        while sched.has_work():
+            sched.step()
+        assert (
+            sched.prep.pages.num_used == 0 and sched.prep.table_idxs.num_free == engine.config.max_running_req
+        )
         results.append([(r.output_ids, r.finish_reason) for r in requests])
     assert results[0] == results[1]

@@ -100,10 +100,10 @@ def test_kv_store_matches_index_copy(tokens):
     k = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=dev)
     v = qkv[:, (16 + heads) * dim :].view(tokens, heads, dim)  # a strided view, as in the model
     out_loc = torch.randperm(41 * page, device=dev)[:tokens]
-    assert S.kv_store_applies(k, v, pools[0].k_flat(1))
+    assert S.kv_store_applies(k, v, pools[0].k_cache(1).flatten(0, 1))
     pools[0].store_kv(k, v, out_loc, 1)
-    pools[1].k_flat(1).index_copy_(0, out_loc, k)
-    pools[1].v_flat(1).index_copy_(0, out_loc, v)
+    pools[1].k_cache(1).flatten(0, 1).index_copy_(0, out_loc, k)
+    pools[1].v_cache(1).flatten(0, 1).index_copy_(0, out_loc, v)
     assert torch.equal(pools[0].buffer, pools[1].buffer)
     if tokens:
-        assert torch.equal(pools[0].k_flat(1)[out_loc], k)
+        assert torch.equal(pools[0].k_cache(1).flatten(0, 1)[out_loc], k)

@@ -15,7 +15,7 @@ Bottom to top (a module may import from its own layer and the layers below it, n
     kvcache      kvcache
     kernels      kernels (Triton)
     distributed  distributed (rank info, process groups, collectives, head sharding)
-    base         minisgl, core (data), compile (compiler policy), metrics
+    base         minisgl, core (data), compile (compiler policy), config_fields (setting declarations), metrics
 
 Every import counts: at module level, under TYPE_CHECKING and inside functions. A new module must be
 given a layer in LAYERS below.
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # bottom to top: (layer, the modules and packages in it)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("minisgl", "minisgl.core", "minisgl.compile", "minisgl.metrics")),
+    ("base", ("minisgl", "minisgl.core", "minisgl.compile", "minisgl.config_fields", "minisgl.metrics")),
     ("distributed", ("minisgl.distributed",)),
     ("kernels", ("minisgl.kernels",)),
     ("kvcache", ("minisgl.kvcache",)),

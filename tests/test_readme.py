@@ -17,7 +17,7 @@ def test_readme_engine_example_runs(smollm2_path, capsys):
     outputs = eval(capsys.readouterr().out.strip().splitlines()[-1])
     assert [len(tokens) for tokens in outputs] == [16, 16]
     prep = namespace["prep"]
-    assert prep.pages.num_used == 0 and prep.slots.num_free == 128
+    assert prep.pages.num_used == 0 and prep.table_idxs.num_free == 128
     assert namespace["engine"]._closed
 
 

@@ -1,6 +1,8 @@
 """Scheduler invariants: random arrivals, tiny KV pools, chunked prefill, fairness, stop conditions."""
 
+import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from conftest import make_tiny_model
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.llm import LLM
-from minisgl.scheduler import IncrementalDetokenizer, Scheduler
+from minisgl.scheduler import IncrementalDetokenizer, Scheduler, StepRecord
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +29,14 @@ def _alone(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def _check_drained(sched: Scheduler) -> None:
-    assert not sched.running and not sched.waiting
+    assert not sched.running and not sched.waiting and not sched.has_work()
     assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
-    assert sched.prep.slots.num_free == sched.engine.config.max_running_req
+    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
+
+
+def _drain(sched: Scheduler) -> None:
+    while sched.has_work():
+        sched.step()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -41,20 +48,20 @@ def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed, 
     specs = [
         ([rng.randrange(3, 320) for _ in range(rng.randint(1, 60))], rng.randint(1, 20)) for _ in range(14)
     ]
-    requests, pending, steps = [], list(specs), 0
+    states, pending, steps = [], list(specs), 0
     while pending or sched.has_work():
         for _ in range(rng.choice([0, 0, 1, 2])):  # requests arrive between steps
             if pending:
                 prompt, n = pending.pop(0)
-                requests.append(sched.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+                states.append(sched.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
         sched.step()
         assert sched.prep.pages.num_used <= engine.num_pages and sched.reserved_pages <= engine.num_pages
         steps += 1
         assert steps < 2000
     _check_drained(sched)
-    for request, (prompt, n) in zip(requests, specs):
-        assert request.finish_reason == "length" and len(request.output_ids) == n
-        assert request.output_ids == _alone(engine, prompt, n)
+    for state, (prompt, n) in zip(states, specs):
+        assert state.finish_reason == "length" and len(state.output_ids) == n
+        assert state.output_ids == _alone(engine, prompt, n)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -63,15 +70,15 @@ def test_tiny_kv_pool_admission(tiny_llama, overlap):
     engine = _engine(tiny_llama, page_size=4, num_page_override=12, max_running_req=8)
     sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap)
     specs = [(list(range(3 + i, 30 + i)), 10 + i) for i in range(6)]  # 27 + 10..15 tokens: 10..11 pages
-    requests = [sched.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in specs]
+    states = [sched.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in specs]
     max_running, max_waiting = 0, 0
     while sched.has_work():
         sched.step()
         max_running, max_waiting = max(max_running, len(sched.running)), max(max_waiting, len(sched.waiting))
     assert max_running == 1 and max_waiting == 5
     _check_drained(sched)
-    for request, (prompt, n) in zip(requests, specs):
-        assert request.output_ids == _alone(engine, prompt, n)
+    for state, (prompt, n) in zip(states, specs):
+        assert state.output_ids == _alone(engine, prompt, n)
     with pytest.raises(ValueError, match="exceeds max_seq_len=48"):  # 12 pages x 4: more can never fit
         sched.add_request(list(range(3, 43)), SamplingParams(max_tokens=10))
     assert not sched.has_work()
@@ -80,20 +87,22 @@ def test_tiny_kv_pool_admission(tiny_llama, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama, overlap):
     engine = _engine(tiny_llama, page_size=8)
-    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap)
+    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap, record_steps=100)
     short = sched.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
     sched.step()  # prefill of the short request
     long_prompt = [random.Random(3).randrange(3, 320) for _ in range(100)]
     long = sched.add_request(long_prompt, SamplingParams(max_tokens=5, ignore_eos=True))
-    phases, launched_before = [], short.num_launched
+    launched_before = short.num_launched
     while not long.prefilled:
         sched.step()
-        phases.append(sched.last_phase)
-    # 100 prompt tokens in chunks of at most 16 (7 chunks), alternating with decode steps of the short one
-    assert phases.count("prefill") == 7
-    assert all(a != b for a, b in zip(phases, phases[1:])), phases
     assert short.num_launched - launched_before == 7  # D P D P ... P: one decode before each chunk
-    sched.run_until_done()
+    _drain(sched)
+    # 100 prompt tokens in chunks of at most 16 (7 chunks), alternating with decode steps of the short
+    # one, then decode steps only: the forwards in the order they ran
+    steps = [(r.phase, r.batch_size, r.num_tokens) for r in sched.step_records]
+    chunks = [("decode", 1, 1), ("prefill", 1, 16)] * 6 + [("decode", 1, 1), ("prefill", 1, 4)]
+    assert steps[:15] == [("prefill", 1, 3)] + chunks
+    assert steps[15:] == [("decode", 2, 2)] * 4 + [("decode", 1, 1)] * (30 - 8 - 4)
     assert long.output_ids == _alone(engine, long_prompt, 5)
     assert short.output_ids == _alone(engine, [5, 6, 7], 30)
     _check_drained(sched)
@@ -101,7 +110,7 @@ def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama, overlap):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_waiting_request_starts_within_two_steps(tiny_llama, overlap):
-    # 5 slots: 3 long requests, the new one, and the previous new one while it finishes
+    # 5 table_idxs: 3 long requests, the new one, and the previous new one while it finishes
     engine = _engine(tiny_llama, page_size=4, max_running_req=5)
     sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap)
     for i in range(3):
@@ -204,7 +213,7 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(2, 40))] for _ in range(8)]
     free_run = Scheduler(engine, max_prefill_tokens=32, overlap=False)
     probe = [free_run.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
-    free_run.run_until_done()
+    _drain(free_run)
     eos, stop_id = probe[0].output_ids[4], probe[1].output_ids[6]  # tokens that do come up
     params = [
         SamplingParams(max_tokens=20),  # stops at eos
@@ -219,10 +228,10 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
     results = {}
     for overlap in (False, True):
         sched = Scheduler(engine, max_prefill_tokens=32, eos_token_ids=[eos], overlap=overlap)
-        requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
-        sched.run_until_done()
+        states = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+        _drain(sched)
         _check_drained(sched)
-        results[overlap] = [(r.output_ids, r.finish_reason) for r in requests]
+        results[overlap] = [(s.output_ids, s.finish_reason) for s in states]
     assert results[True] == results[False]
     assert results[True][0] == (probe[0].output_ids[:5], "stop")
     assert results[True][1][1] == "stop" and results[True][1][0][-1] == stop_id
@@ -235,3 +244,82 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
     monkeypatch.delenv("MINISGL_OVERLAP_SCHEDULING")
     with LLM(str(tiny_llama), device="cpu", dtype="float32") as llm:
         assert llm.scheduler.overlap is True
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_records(tiny_llama, overlap):
+    """Each forward leaves a StepRecord (in the order the forwards ran, the last N kept): what ran, and
+    its host times split into launch, wait for the tokens and processing; off by default."""
+    engine = _engine(tiny_llama, page_size=4, max_running_req=4)
+    off = Scheduler(engine, max_prefill_tokens=8, overlap=overlap)
+    off.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    _drain(off)
+    assert off.record_steps == 0 and not off.step_records
+
+    sched = Scheduler(engine, max_prefill_tokens=8, overlap=overlap, record_steps=100)
+    # slow launches and slow token copies, to see each in its own field
+    forward_batch = engine.forward_batch
+
+    class SlowCopy:
+        def synchronize(self) -> None:
+            time.sleep(0.03)
+
+    def slow_forward(batch, args):
+        time.sleep(0.02)
+        return forward_batch(batch, args)._replace(copy_done_event=SlowCopy())
+
+    engine.forward_batch = slow_forward
+    try:
+        long = sched.add_request(list(range(3, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
+        short = sched.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        _drain(sched)
+    finally:
+        del engine.forward_batch
+    assert len(long.output_ids) == 4 and len(short.output_ids) == 2
+    records = list(sched.step_records)
+    # 12 + 3 prompt tokens in chunks of 8: the long one's first chunk, then its rest with the short one
+    assert [(r.phase, r.batch_size, r.num_tokens, r.num_generated) for r in records] == [
+        ("prefill", 1, 8, 0),
+        ("prefill", 2, 7, 2),
+        ("decode", 2, 2, 2),
+        ("decode", 1, 1, 1),
+        ("decode", 1, 1, 1),
+    ]
+    for r in records:
+        assert isinstance(r, StepRecord) and r.mode == "eager" and r.device_ms is None  # CPU
+        assert r.launch_s >= 0.02 and r.wait_s >= 0.03 and 0 <= r.process_s < 0.03
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        records[0].phase = "decode"
+    sched.record_steps = 2  # keeps the latest
+    assert list(sched.step_records) == records[-2:] and sched.step_records.maxlen == 2
+    with pytest.raises(ValueError, match="record_steps=-1"):
+        sched.record_steps = -1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_at_once_and_leaves_the_others_alone(tiny_llama, overlap):
+    engine = _engine(tiny_llama, page_size=4, max_running_req=2, num_page_override=40)
+    sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(8, 20)), [12, 13], [14, 15, 16]]
+    keep, victim, queued, dropped = [sched.add_request(p, params) for p in prompts]
+    sched.abort(dropped)  # still waiting: it just leaves the queue
+    assert dropped.finish_reason == "abort" and dropped.output_ids == []
+    assert list(sched.waiting) == [keep, victim, queued]
+    for _ in range(4):
+        sched.step()
+    assert victim in sched.running and queued in sched.waiting  # two table_idxs, both taken
+    kept = list(victim.output_ids)
+    sched.abort(victim)
+    assert victim.finish_reason == "abort" and victim.finished and victim not in sched.running
+    assert sched.prep.table_idxs.num_free == 1 and sched.reserved_pages == keep.reserved_pages
+    assert sched.prep.pages.num_used == sched.prep.pages_needed(keep.req.cached_len)
+    sched.abort(victim)  # finished already: nothing happens
+    _drain(sched)
+    assert victim.output_ids == kept  # with overlap, its token in the forward in flight was dropped
+    assert 0 < len(kept) < 10 and victim.finish_time is not None
+    for state, prompt in ((keep, prompts[0]), (queued, prompts[2])):
+        assert state.finish_reason == "length" and state.output_ids == _alone(engine, prompt, 10)
+    _check_drained(sched)
+    with pytest.raises(ValueError, match="not one of this scheduler's requests"):
+        Scheduler(engine).abort(sched.add_request([5, 6], params))

@@ -428,7 +428,7 @@ def test_to_engine_config_converts_types(tmp_path: Path) -> None:
     assert config.tp_info == DistributedInfo(rank=1, size=2)
     assert config.dtype == torch.float16
     assert config.cuda_graph_bs == (1, 2, 8)
-    assert config.max_seq_len == 64
+    assert config.configured_max_seq_len == 64
     with pytest.raises(ValueError, match="rank"):
         settings.to_engine_config(rank=2)
 

@@ -1,8 +1,8 @@
 """The engine: EngineConfig, Engine.forward_batch -> ForwardOutput, and the batch-preparation helper."""
 
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.engine import Engine, ForwardOutput
+from minisgl.engine.engine import Engine, ForwardMode, ForwardOutput
 
 from minisgl.engine.batching import BatchPreparer, generate  # isort: skip  (imports Engine)
 
-__all__ = ["BatchPreparer", "Engine", "EngineConfig", "ForwardOutput", "generate"]
+__all__ = ["BatchPreparer", "Engine", "EngineConfig", "ForwardMode", "ForwardOutput", "generate"]

@@ -1,9 +1,10 @@
 """The scheduler side's batch preparation, small enough to drive an Engine without a scheduler.
 
-`BatchPreparer` owns a request-slot allocator and a page allocator for one engine. It turns token
-lists into `Req`s (a page-table row each), allocates KV pages as sequences grow, writes the page table,
-and fills a `Batch`'s `input_ids`, `positions` and `out_loc`. Everything is checked before anything is
-allocated, so a refused request or batch leaves the engine and the pools as they were.
+`BatchPreparer` owns a table_idx allocator and a page allocator for one engine. It turns token
+lists into `Req`s (a table_idx each: their row of the page table), allocates KV pages as sequences
+grow, writes the page table, and fills a `Batch`'s `input_ids`, `positions` and `out_loc`. Everything
+is checked before anything is allocated, so a refused request or batch leaves the engine and the pools
+as they were.
 
     prep = BatchPreparer(engine)
     reqs = [prep.add_request(ids, SamplingParams(max_tokens=16)) for ids in prompts]
@@ -26,7 +27,7 @@ import torch
 from minisgl.core import Batch, Phase, Req, SamplingParams
 from minisgl.engine.engine import Engine
 from minisgl.engine.sample import BatchSamplingArgs
-from minisgl.kvcache import PageAllocator, SlotAllocator
+from minisgl.kvcache import PageAllocator, TableIdxAllocator
 
 
 class BatchPreparer:
@@ -34,7 +35,7 @@ class BatchPreparer:
         self.engine = engine
         self.page_size = engine.config.page_size
         self.pages = PageAllocator(engine.num_pages)
-        self.slots = SlotAllocator(engine.config.max_running_req)
+        self.table_idxs = TableIdxAllocator(engine.config.max_running_req)
         self._req_pages: dict[int, list[int]] = {}
         self._uids = itertools.count()
 
@@ -56,14 +57,14 @@ class BatchPreparer:
         return -(-num_tokens // self.page_size)
 
     def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
-        """Checks the prompt and takes a page-table row for it (no KV pages yet)."""
+        """Checks the prompt and takes a table_idx for it (no KV pages yet)."""
         params = sampling_params or SamplingParams()
         tokens = [int(t) for t in token_ids]
         self.check_request(tokens, params)
-        slot = self.slots.alloc()
+        table_idx = self.table_idxs.alloc()
         req = Req(
             input_ids=tokens,
-            table_idx=slot,
+            table_idx=table_idx,
             cached_len=0,
             output_len=params.max_tokens,
             uid=next(self._uids),
@@ -137,7 +138,7 @@ class BatchPreparer:
             out_loc += [pages[p // ps] * ps + p % ps for p in span]
         batch = Batch(reqs=list(reqs), phase=phase)
         batch.host_inputs = (None if pending else input_ids, positions, out_loc)
-        # one host-to-device copy (from pinned memory on CUDA) for positions, out_loc and the slots
+        # one host-to-device copy (from pinned memory on CUDA) for positions, out_loc and the table_idxs
         device = self.engine.device
         n = len(positions)
         packed = torch.tensor(
@@ -166,13 +167,13 @@ class BatchPreparer:
         return got
 
     def release(self, reqs: Req | Sequence[Req]) -> None:
-        """Returns the requests' KV pages and page-table rows."""
+        """Returns the requests' KV pages and table_idxs."""
         for req in [reqs] if isinstance(reqs, Req) else reqs:
             pages = self._req_pages.pop(req.uid, None)
             if pages is None:
                 continue
             self.pages.free(pages)
-            self.slots.free(req.table_idx)
+            self.table_idxs.free(req.table_idx)
 
 
 def generate(
@@ -184,7 +185,7 @@ def generate(
 ) -> list[list[int]]:
     """Runs all prompts as one batch (prefill, in chunks if asked, then decode) until each has produced
     `max_tokens` tokens; returns the new tokens of each. EOS is not special here: that is the scheduler's
-    business. Pages and slots are released even when a step fails."""
+    business. Pages and table_idxs are released even when a step fails."""
     prep = preparer or BatchPreparer(engine)
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -194,7 +195,7 @@ def generate(
     try:
         for tokens, params in zip(prompts, sampling_params):
             reqs.append(prep.add_request(tokens, params))
-        running = [req for req in reqs]
+        running = list(reqs)
         while running:
             filling = [req for req in running if req.cached_len < req.num_prompt_tokens]
             if filling:

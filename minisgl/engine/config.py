@@ -177,8 +177,10 @@ class EngineConfig:
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
 
     @cached_property
-    def max_seq_len(self) -> int:
-        """Longest sequence (prompt + output) a request may reach, before the KV pool is sized."""
+    def configured_max_seq_len(self) -> int:
+        """Longest sequence (prompt + output) a request may reach as configured (the model's
+        max_position_embeddings or max_seq_len_override), before the KV pool is sized; the engine's
+        `Engine.max_seq_len` is this capped by the pool."""
         limit = self.model_config.max_position_embeddings
         if self.max_seq_len_override is not None:
             return self.max_seq_len_override

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -13,6 +13,7 @@ from minisgl.attention import create_attention_backend
 from minisgl.core import Batch, Context
 from minisgl.distributed import (
     DistributedInfo,
+    HeadShard,
     destroy_process_group,
     divide,
     init_process_group,
@@ -49,72 +50,86 @@ class _CompletedEvent:
         return True
 
 
+ForwardMode = Literal["cuda_graph", "compiled", "eager"]
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        """Builds the engine in the documented order: communication, model, KV cache, page table,
+        attention and MoE backends, sampler, CUDA graphs."""
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        model_config = config.model_config  # global: the whole model's sizes
         self._closed = False
         started = time.perf_counter()
-        tp_info = config.tp_info
-        if tp_info.size > 1 and model_config.family not in TP_FAMILIES:
-            raise ValueError(
-                f"tensor parallelism is not supported for {model_config.architecture} yet "
-                f"(tp size {tp_info.size}); supported: {', '.join(TP_FAMILIES)} models"
-            )
         # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
-        self.local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
-        divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
-        if model_config.num_experts:
-            divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
+        self.local_heads = _check_tensor_parallel(config)
+        available_before = self._init_communication()
+        model_bytes = self._load_model()
+        self._init_kv_cache(available_before, model_bytes)
+        self._init_page_table()
+        self._init_backends()
+        self.sampler = Sampler(self.device, config.model_config.vocab_size)
+        self._init_cuda_graphs()
+        self.sampler.warm_up()  # compiles the sampler on CUDA
+        self._log_ready(time.perf_counter() - started, model_bytes)
 
-        # 1. communication
+    def _init_communication(self) -> int:
+        """Joins the tensor-parallel group; returns the device memory free before the model loads."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        cfg = self.config
         self._owns_process_group = init_process_group(
-            tp_info, config.distributed_addr, config.distributed_timeout, self.device
+            cfg.tp_info, cfg.distributed_addr, cfg.distributed_timeout, self.device
         )
-        set_tp_info(tp_info)  # read by the model's construction and the layer functions' collectives
-        available_before = _available_memory(self.device)
+        set_tp_info(cfg.tp_info)  # read by the model's construction and the layer functions' collectives
+        return _available_memory(self.device)
 
-        # 2. model
+    def _load_model(self) -> int:
+        """Builds the model and loads this rank's weights; returns their size in bytes."""
+        cfg = self.config
         self.model = build_model(
-            model_config,
-            config.model_path,
-            config.max_seq_len,
+            cfg.model_config,
+            cfg.model_path,
+            cfg.configured_max_seq_len,
             self.device,
             self.dtype,
-            dummy=config.use_dummy_weight,
+            dummy=cfg.use_dummy_weight,
         )
-        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-        # 3. KV cache
+    def _init_kv_cache(self, available_before: int, model_bytes: int) -> None:
+        """Sizes and allocates the KV pool; `max_seq_len` becomes the configured limit capped by the pool."""
+        cfg, model_config = self.config, self.config.model_config
         self.num_pages = self._num_pages(available_before, model_bytes)
         self.kv_cache = MHAKVCachePool(
             model_config.num_layers,
             self.num_pages,
-            config.page_size,
+            cfg.page_size,
             self.local_heads.num_kv_heads,
             model_config.head_dim,
             self.dtype,
             self.device,
         )
-        self.max_seq_len = min(config.max_seq_len, self.num_pages * config.page_size)
+        self.max_seq_len = min(cfg.configured_max_seq_len, self.num_pages * cfg.page_size)
 
-        # 4. page table: (request slot, position) -> KV location; the last row is the dummy request's
-        page_size = config.page_size
+    def _init_page_table(self) -> None:
+        """The page table maps (table_idx, position) to a KV location; its last row, table_idx
+        `max_running_req`, is the dummy request's, on the dummy page."""
+        page_size, max_running_req = self.config.page_size, self.config.max_running_req
         aligned_max_seq_len = -(-self.max_seq_len // page_size) * page_size
         self.page_table = torch.zeros(
-            (config.max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device
+            (max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device
         )
         dummy_loc = self.kv_cache.dummy_page * page_size
-        self.page_table[config.max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
-        # the token each request slot sampled last: a pending decode batch reads its input_ids here
-        self.last_tokens = torch.zeros(config.max_running_req + 1, dtype=torch.int32, device=self.device)
+        self.page_table[max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
+        # the token each table_idx sampled last: a pending decode batch reads its input_ids here
+        self.last_tokens = torch.zeros(max_running_req + 1, dtype=torch.int32, device=self.device)
 
-        # 5. attention and MoE backends (attention sees this rank's heads)
+    def _init_backends(self) -> None:
+        """The attention backend (which sees this rank's heads), the MoE backend and the context."""
+        cfg, model_config = self.config, self.config.model_config
         self.attn_backend = create_attention_backend(
-            config.attention_backend,
+            cfg.attention_backend,
             self.kv_cache,
             self.page_table,
             self.device,
@@ -123,45 +138,37 @@ class Engine:
             head_dim=model_config.head_dim,
         )
         self.moe_backend = (
-            create_moe_backend(config.moe_backend, self.device, self.dtype)
-            if model_config.num_experts
-            else None
+            create_moe_backend(cfg.moe_backend, self.device, self.dtype) if model_config.num_experts else None
         )
         self.ctx = Context(
-            batch_invariant=config.batch_invariant,
-            page_size=page_size,
+            batch_invariant=cfg.batch_invariant,
+            page_size=cfg.page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,
             attn_backend=self.attn_backend,
             moe_backend=self.moe_backend,
         )
 
-        # 6. sampler
-        self.sampler = Sampler(self.device, model_config.vocab_size)
-
-        # 7. CUDA graphs
+    def _init_cuda_graphs(self) -> None:
+        cfg = self.config
+        graph_sizes = (cfg.cuda_graph_bs, cfg.cuda_graph_max_bs)
         self.graph_runner = GraphRunner(
-            self.model,
-            self.ctx,
-            self.device,
-            config.max_running_req,
-            self.max_seq_len,
-            config.cuda_graph_bs,
-            config.cuda_graph_max_bs,
+            self.model, self.ctx, self.device, cfg.max_running_req, self.max_seq_len, *graph_sizes
         )
-        self.sampler.warm_up()  # compiles the sampler on CUDA
 
+    def _log_ready(self, seconds: float, model_bytes: int) -> None:
+        model_config, tp_info = self.config.model_config, self.config.tp_info
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
             "(%.2f GiB), max_seq_len %d",
-            time.perf_counter() - started,
+            seconds,
             model_config.architecture,
             self.device,
             str(self.dtype).removeprefix("torch."),
             model_bytes / GIB,
             f", tp rank {tp_info.rank} of {tp_info.size}" if tp_info.size > 1 else "",
             self.num_pages,
-            page_size,
+            self.config.page_size,
             self.kv_cache.size_bytes / GIB,
             self.max_seq_len,
         )
@@ -191,8 +198,8 @@ class Engine:
                 f"KV cache does not fit: one page of {cfg.page_size} tokens needs {page_bytes} bytes, the "
                 f"budget is {max(budget, 0)} bytes ({how}). Free memory, raise the budget, or set num_page_override."
             )
-        # more pages than every request slot can fill at max_seq_len would never be used
-        useful = cfg.max_running_req * -(-cfg.max_seq_len // cfg.page_size)
+        # more pages than every table_idx can fill at the configured max_seq_len would never be used
+        useful = cfg.max_running_req * -(-cfg.configured_max_seq_len // cfg.page_size)
         if num_pages > useful:
             num_pages = useful
             how += f", capped at max_running_req x max_seq_len = {useful} pages"
@@ -200,7 +207,7 @@ class Engine:
         return num_pages
 
     def write_page_table(self, table_idx: int, start: int, pages: list[int]) -> None:
-        """Maps positions [start, start + len(pages) * page_size) of request slot `table_idx` to `pages`."""
+        """Maps positions [start, start + len(pages) * page_size) of `table_idx` to `pages`."""
         ps = self.config.page_size
         locs = torch.tensor(pages, dtype=torch.int32).repeat_interleave(ps) * ps
         locs += torch.arange(len(pages) * ps, dtype=torch.int32) % ps
@@ -209,7 +216,7 @@ class Engine:
     @torch.inference_mode()
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         """Runs the model on a prepared batch and samples one token per request (also kept in
-        `last_tokens`, by request slot, for a pending decode batch to read)."""
+        `last_tokens`, by table_idx, for a pending decode batch to read)."""
         next_tokens = self.sampler.sample(self._forward(batch), args)
         table_idx = batch.table_idx
         if table_idx is None:
@@ -229,19 +236,29 @@ class Engine:
         token. Marks the computed tokens cached, as `forward_batch` does."""
         return self._forward(batch, own_output=True)
 
+    def forward_mode(self, batch: Batch) -> ForwardMode:
+        """How `forward_batch` runs this prepared batch: a CUDA graph replay, the compiled forward
+        without a graph, or the eager model."""
+        if self.graph_runner.can_use_cuda_graph(batch):
+            return "cuda_graph"
+        if self.graph_runner.can_run_compiled(batch):
+            return "compiled"
+        return "eager"
+
     def _forward(self, batch: Batch, own_output: bool = False) -> torch.Tensor:
         """Logits of the batch. A CUDA graph writes them into its static output, which the next replay
         overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
+        mode = self.forward_mode(batch)
         with self.ctx.forward_batch(batch):
-            if self.graph_runner.can_use_cuda_graph(batch):
+            if mode == "cuda_graph":
                 logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
                 if own_output:
                     logits = logits.clone()
             else:
                 if batch.attn_metadata is None:
                     self.attn_backend.prepare_metadata(batch)
-                if self.graph_runner.can_run_compiled(batch):
+                if mode == "compiled":
                     logits = self.graph_runner.run_compiled(batch)
                 else:
                     logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
@@ -290,6 +307,21 @@ class Engine:
         self.moe_backend = self.ctx.moe_backend = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _check_tensor_parallel(config: EngineConfig) -> HeadShard:
+    """This rank's attention heads; raises before any process group when the model cannot be split."""
+    model_config, tp_info = config.model_config, config.tp_info
+    if tp_info.size > 1 and model_config.family not in TP_FAMILIES:
+        raise ValueError(
+            f"tensor parallelism is not supported for {model_config.architecture} yet "
+            f"(tp size {tp_info.size}); supported: {', '.join(TP_FAMILIES)} models"
+        )
+    local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
+    divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
+    if model_config.num_experts:
+        divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
+    return local_heads
 
 
 def _available_memory(device: torch.device) -> int:

@@ -1,6 +1,6 @@
-"""The paged KV cache pool, its sizing, and the allocators for pages and page-table rows."""
+"""The paged KV cache pool, its sizing, and the allocators for pages and table_idx values."""
 
-from minisgl.kvcache.allocator import PageAllocator, SlotAllocator
+from minisgl.kvcache.allocator import PageAllocator, TableIdxAllocator
 from minisgl.kvcache.pool import BaseKVCachePool, MHAKVCachePool, bytes_per_page
 
-__all__ = ["BaseKVCachePool", "MHAKVCachePool", "PageAllocator", "SlotAllocator", "bytes_per_page"]
+__all__ = ["BaseKVCachePool", "MHAKVCachePool", "PageAllocator", "TableIdxAllocator", "bytes_per_page"]

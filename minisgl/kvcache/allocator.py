@@ -1,4 +1,4 @@
-"""Host-side allocators: KV pages and page-table rows (request slots). Both free what they gave out."""
+"""Host-side allocators: KV pages and table_idx values (rows of the page table). Both free what they gave out."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class PageAllocator:
             self._free.append(page)
 
 
-class SlotAllocator:
-    """Hands out page-table rows in [0, max_running_req); row `max_running_req` is the dummy request's."""
+class TableIdxAllocator:
+    """Hands out table_idx values (page-table rows) in [0, max_running_req); `max_running_req` is the
+    dummy request's."""
 
     def __init__(self, max_running_req: int) -> None:
         self.max_running_req = max_running_req
@@ -52,12 +53,12 @@ class SlotAllocator:
     def alloc(self) -> int:
         if not self._free:
             raise RuntimeError(
-                f"all {self.max_running_req} request slots are in use (max_running_req="
-                f"{self.max_running_req}); free a finished request first or raise max_running_req"
+                f"all {self.max_running_req} page-table rows (max_running_req={self.max_running_req}) are "
+                "in use; free a finished request first or raise max_running_req"
             )
         return self._free.pop()
 
-    def free(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.max_running_req:
-            raise ValueError(f"request slot {slot} is not allocated; it cannot be freed twice")
-        self._free.append(slot)
+    def free(self, table_idx: int) -> None:
+        if table_idx in self._free or not 0 <= table_idx < self.max_running_req:
+            raise ValueError(f"table_idx {table_idx} is not allocated; it cannot be freed twice")
+        self._free.append(table_idx)

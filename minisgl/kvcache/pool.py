@@ -50,13 +50,13 @@ class MHAKVCachePool(BaseKVCachePool):
     ) -> None:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        # zeroed, so that never-written slots (the dummy page, padding) hold finite values
+        # zeroed, so that never-written locations (the dummy page, padding) hold finite values
         self.buffer = torch.zeros(
             (2, num_layers, num_pages + 1, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
-        num_slots = (num_pages + 1) * page_size
-        self._k_flat = self.buffer[0].view(num_layers, num_slots, num_kv_heads, head_dim)
-        self._v_flat = self.buffer[1].view(num_layers, num_slots, num_kv_heads, head_dim)
+        num_locations = (num_pages + 1) * page_size  # the flat views: (locations, kv_heads, head_dim)
+        self._k_flat = self.buffer[0].view(num_layers, num_locations, num_kv_heads, head_dim)
+        self._v_flat = self.buffer[1].view(num_layers, num_locations, num_kv_heads, head_dim)
 
     @property
     def size_bytes(self) -> int:
@@ -68,13 +68,6 @@ class MHAKVCachePool(BaseKVCachePool):
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[1, layer_id]
-
-    def k_flat(self, layer_id: int) -> torch.Tensor:
-        """(num_locations, kv_heads, head_dim), indexed by KV location"""
-        return self._k_flat[layer_id]
-
-    def v_flat(self, layer_id: int) -> torch.Tensor:
-        return self._v_flat[layer_id]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         k_flat, v_flat = self._k_flat[layer_id], self._v_flat[layer_id]

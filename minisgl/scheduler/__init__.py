@@ -2,6 +2,16 @@
 
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
-from minisgl.scheduler.scheduler import Request, Scheduler, Update
+from minisgl.scheduler.request import FinishReason, RequestState, Update
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.stats import StepRecord
 
-__all__ = ["IncrementalDetokenizer", "Request", "Scheduler", "SchedulerConfig", "Update"]
+__all__ = [
+    "FinishReason",
+    "IncrementalDetokenizer",
+    "RequestState",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepRecord",
+    "Update",
+]

@@ -1,0 +1,59 @@
+"""What the scheduler knows of one request (`RequestState`, holding the engine's `Req` once admitted),
+what a step did for it (`Update`), and why it finished (`FinishReason`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from minisgl.core import Req, SamplingParams
+from minisgl.scheduler.detokenizer import IncrementalDetokenizer
+
+# "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request from arrival to finish, as the scheduler tracks it. `req` is the engine-side request
+    (its table_idx, tokens and cached length), created at admission."""
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None = None
+    req: Req | None = None
+    reserved_pages: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # text so far (complete once finished)
+    emitted_len: int = 0  # characters of `text` already handed out by `Update`s
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.req is not None and self.req.cached_len >= len(self.prompt_ids)
+
+    @property
+    def num_launched(self) -> int:
+        """Output tokens sampled or being sampled by a launched forward (0 before prefill completes)."""
+        if not self.prefilled:
+            return 0
+        return self.req.cached_len - len(self.prompt_ids) + 1
+
+
+@dataclass
+class Update:
+    """What one step did for one request: new token ids, new text (when detokenizing), finished or not."""
+
+    state: RequestState
+    token_ids: list[int]
+    text: str
+    finished: bool

@@ -1,0 +1,103 @@
+"""What each forward step cost: the Prometheus metrics (always) and `StepRecord`s (when asked for).
+
+Both are recorded from host-side facts the loop already has, once the step's token copy has completed,
+so recording never synchronizes the device. A record's `device_ms` comes from a pair of CUDA timing
+events around the forward, read after the copy event completed: the end event directly follows the
+copy on the stream, so reading it waits for no work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl import metrics
+from minisgl.core import Phase
+from minisgl.engine import ForwardMode
+from minisgl.scheduler.request import FinishReason, RequestState
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward as the scheduler ran it. Host times in seconds: `launch_s` admitting, scheduling,
+    preparing the batch and launching the forward; `wait_s` blocked on the copy of its tokens to the
+    host; `process_s` handling them (stop checks, detokenizing, metrics). With overlap scheduling the
+    wait and the processing happen in the step after the launch. `device_ms`: GPU time from the
+    forward's start to its tokens' copy (CUDA only, else None)."""
+
+    phase: Phase
+    mode: ForwardMode
+    batch_size: int
+    num_tokens: int  # tokens computed
+    num_generated: int  # output tokens kept (not the partial prefill chunks, not finished requests)
+    launch_s: float
+    wait_s: float
+    process_s: float
+    device_ms: float | None
+
+
+class DeviceTimer:
+    """CUDA timing events around one forward (created only when steps are recorded on CUDA)."""
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def stop(self) -> None:
+        self.end.record()
+
+    def elapsed_ms(self) -> float:
+        """Call only after the forward's copy event completed (see the module docstring)."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
+
+
+class SchedulerMetrics:
+    """The scheduler's Prometheus metrics (minisgl.metrics), labelled with its model name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self._ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**self.labels)
+        self._itl = metrics.INTER_TOKEN_LATENCY.labels(**self.labels)
+
+    def token(self, state: RequestState, now: float) -> None:
+        """A request got a token at `now`: its first (time to first token) or a later one."""
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self._ttft.observe(now - state.arrival_time)
+        else:
+            self._itl.observe(now - state.last_token_time)
+        state.last_token_time = now
+
+    def finished(self, state: RequestState, reason: FinishReason, now: float) -> None:
+        metrics.REQUESTS_FINISHED.labels(reason=reason, **self.labels).inc()
+        metrics.E2E_LATENCY.labels(**self.labels).observe(now - state.arrival_time)
+
+    def step(
+        self,
+        phase: Phase,
+        mode: ForwardMode,
+        batch_size: int,
+        num_tokens: int,
+        num_generated: int,
+        seconds: float,
+    ) -> None:
+        labels = {"phase": phase, **self.labels}
+        metrics.BATCH_SIZE.labels(**labels).observe(batch_size)
+        metrics.BATCH_TOKENS.labels(**labels).observe(num_tokens)
+        metrics.STEP_SECONDS.labels(**labels).observe(seconds)
+        # the label keeps two values: a compiled forward without a graph counts as eager
+        metrics.FORWARD_STEPS.labels(mode="cuda_graph" if mode == "cuda_graph" else "eager", **labels).inc()
+        if phase == "prefill":
+            metrics.PROMPT_TOKENS.labels(**self.labels).inc(num_tokens)
+        metrics.GENERATION_TOKENS.labels(**self.labels).inc(num_generated)
+
+    def queues(self, running: int, waiting: int, kv_cache_usage: float) -> None:
+        metrics.REQUESTS_RUNNING.labels(**self.labels).set(running)
+        metrics.REQUESTS_WAITING.labels(**self.labels).set(waiting)
+        metrics.KV_CACHE_USAGE.labels(**self.labels).set(kv_cache_usage)
+
+    def waiting(self, waiting: int) -> None:
+        metrics.REQUESTS_WAITING.labels(**self.labels).set(waiting)
