@@ -185,6 +185,8 @@ class Context:
     moe_backend: Any = None
     # kernel choices may not depend on the batch's shape (see EngineConfig.batch_invariant)
     batch_invariant: bool = False
+    # one-row linear layers may run the Triton GEMV kernel (see EngineConfig.use_gemv_kernel)
+    use_gemv_kernel: bool = True
     _batch: Batch | None = field(default=None, init=False)
 
     @property
@@ -223,6 +225,13 @@ def raise_recompile_limit() -> None:
 def batch_invariant_mode() -> bool:
     """True while the forward of an engine with ``batch_invariant`` runs (read by `linear`)."""
     return _current_ctx is not None and _current_ctx.batch_invariant
+
+
+def gemv_kernel_mode() -> bool:
+    """False while the forward of an engine with ``use_gemv_kernel`` off or ``batch_invariant`` on runs
+    (read by `linear`); True otherwise, outside a forward too."""
+    ctx = _current_ctx
+    return ctx is None or (ctx.use_gemv_kernel and not ctx.batch_invariant)
 
 
 def get_global_ctx() -> Context:

@@ -55,8 +55,10 @@ def create_attention_backend(
     page_table: torch.Tensor,
     device: torch.device,
     model_config: ModelConfig,
+    tensor_core_min_group: int = 1,
 ) -> BaseAttnBackend:
-    """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair)."""
+    """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair);
+    `tensor_core_min_group` goes to FlashInfer (see `FlashInferAttnBackend`)."""
     prefill, decode = resolve_attention_backend(name, device)
     if prefill == "torch":
         return TorchAttnBackend(kv_cache, page_table, device)
@@ -73,4 +75,5 @@ def create_attention_backend(
         model_config.head_dim,
         prefill,
         decode,
+        tensor_core_min_group=tensor_core_min_group,
     )

@@ -64,6 +64,16 @@ class EngineConfig:
     cpu_kv_budget_gib: float | None = None
     overlap_scheduling: bool = True
     batch_invariant: bool = False
+    # on CUDA, run the sampler as one compiled function (false: the same function eagerly; ablation)
+    compile_sampler: bool = True
+    # on CUDA, run prefill and batches above the largest CUDA graph compiled (false: eagerly; ablation); batch_invariant implies false
+    compile_prefill: bool = True
+    # on CUDA, run one-row half-precision linear layers on the Triton GEMV kernel (false: cuBLAS; ablation); batch_invariant implies false
+    use_gemv_kernel: bool = True
+    # on CUDA, store K and V with one Triton kernel (false: two index_copy_ kernels; ablation)
+    use_kv_store_kernel: bool = True
+    # query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the CUDA-core one
+    tensor_core_min_group: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

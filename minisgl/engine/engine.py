@@ -99,6 +99,7 @@ class Engine:
             model_config.head_dim,
             self.dtype,
             self.device,
+            use_kernel=config.use_kv_store_kernel,
         )
         self.max_seq_len = min(config.max_seq_len, self.num_pages * config.page_size)
 
@@ -118,7 +119,12 @@ class Engine:
             model_config, num_heads=self.local_heads.num_heads, num_kv_heads=self.local_heads.num_kv_heads
         )
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_cache, self.page_table, self.device, attn_config
+            config.attention_backend,
+            self.kv_cache,
+            self.page_table,
+            self.device,
+            attn_config,
+            tensor_core_min_group=config.tensor_core_min_group,
         )
         self.moe_backend = (
             create_moe_backend(config.moe_backend, self.device, self.dtype)
@@ -127,6 +133,7 @@ class Engine:
         )
         self.ctx = Context(
             batch_invariant=config.batch_invariant,
+            use_gemv_kernel=config.use_gemv_kernel,
             page_size=page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,
@@ -135,7 +142,7 @@ class Engine:
         )
 
         # 6. sampler
-        self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.sampler = Sampler(self.device, model_config.vocab_size, compile=config.compile_sampler)
 
         # 7. CUDA graphs
         self.graph_runner = GraphRunner(
@@ -146,6 +153,7 @@ class Engine:
             self.max_seq_len,
             config.cuda_graph_bs,
             config.cuda_graph_max_bs,
+            compile_prefill=config.compile_prefill,
         )
         self.sampler.warm_up()  # compiles the sampler on CUDA
 
