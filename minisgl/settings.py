@@ -135,6 +135,14 @@ class EngineSettings(BaseSettings):
     cpu_kv_budget_gib: float | None = Field(
         default=None, gt=0.0, description="KV-cache budget in GiB on CPU; unset = 10% of available RAM."
     )
+    # ablation switches (EngineConfig's last block)
+    compile_sampler: bool = Field(default=True, description="CUDA: run the sampler compiled; false: eagerly.")
+    compile_prefill: bool = Field(default=True, description="CUDA: run prefill compiled; false: eagerly.")
+    use_gemv_kernel: bool = Field(default=True, description="CUDA: one-row linear layers on the GEMV kernel.")
+    use_kv_store_kernel: bool = Field(default=True, description="CUDA: store K and V with one Triton kernel.")
+    tensor_core_min_group: int = Field(
+        default=1, ge=1, description="Query heads per KV head from which `fi` decode uses tensor cores."
+    )
 
     # field name -> origin ("explicit", "env MINISGL_X", "yaml <path>", "default")
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -287,6 +295,11 @@ class EngineSettings(BaseSettings):
                 cpu_kv_budget_gib=self.cpu_kv_budget_gib,
                 overlap_scheduling=self.overlap_scheduling,
                 batch_invariant=self.batch_invariant,
+                compile_sampler=self.compile_sampler,
+                compile_prefill=self.compile_prefill,
+                use_gemv_kernel=self.use_gemv_kernel,
+                use_kv_store_kernel=self.use_kv_store_kernel,
+                tensor_core_min_group=self.tensor_core_min_group,
             )
         except (ValueError, TypeError, FileNotFoundError) as e:
             # EngineConfig's messages read "key=value ..."; add where the named keys came from
