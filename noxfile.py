@@ -1,4 +1,5 @@
-"""nox sessions: tests, lint, perf (CPU benchmarks), perf_gpu (the GPU benchmark, current environment)."""
+"""nox sessions: tests, lint, perf (the CPU benchmarks of perf/cpu), perf_gpu (the GPU benchmark, current
+environment; the scripts of perf/gpu run as `python -m perf.gpu.NAME`)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def lint(session: nox.Session) -> None:
 def perf(session: nox.Session) -> None:
     """CPU benchmarks (pytest-benchmark): SmolLM2 decode steps at batch 1 and 16, a 512-token prefill."""
     _install(session)
-    session.run("python", "-m", "pytest", "perf", "--benchmark-only", "-q", *session.posargs, env=OFFLINE)
+    session.run("python", "-m", "pytest", "perf/cpu", "--benchmark-only", "-q", *session.posargs, env=OFFLINE)
 
 
 @nox.session(venv_backend="none")

@@ -2,7 +2,7 @@
 forward keeps its kernel choices independent of the batch.
 
 It sits just above `minisgl.core` in the import layers (see tests/test_layers.py): the layer functions
-read `batch_invariant_mode`, the graph runner and the sampler call `raise_recompile_limit`.
+read `gemv_kernel_mode`, the graph runner and the sampler call `raise_recompile_limit`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def raise_recompile_limit() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
-def batch_invariant_mode() -> bool:
-    """True while the forward of an engine with ``batch_invariant`` runs (read by `linear`)."""
+def gemv_kernel_mode() -> bool:
+    """False while the forward of an engine with ``use_gemv_kernel`` off or ``batch_invariant`` on runs
+    (read by `linear`: a row alone must then get the bits it gets inside a batch); True otherwise,
+    outside a forward too."""
     ctx = current_ctx()
-    return ctx is not None and ctx.batch_invariant
+    return ctx is None or (ctx.use_gemv_kernel and not ctx.batch_invariant)

@@ -211,6 +211,8 @@ class Context:
     moe_backend: Any = None
     # kernel choices may not depend on the batch's shape (see EngineConfig.batch_invariant)
     batch_invariant: bool = False
+    # one-row linear layers may run the Triton GEMV kernel (see EngineConfig.use_gemv_kernel)
+    use_gemv_kernel: bool = True
     _batch: Batch | None = field(default=None, init=False)
 
     @property

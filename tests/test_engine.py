@@ -219,19 +219,20 @@ def test_compiled_forward_matches_eager(tiny_llama):
 
 def test_batch_invariant_flag_reaches_the_forward(tiny_llama, monkeypatch):
     """`batch_invariant` (setting MINISGL_BATCH_INVARIANT) is the context's flag, which `linear` reads
-    while that engine's forward runs (and only then) to keep the one-row GEMV kernel out."""
+    while that engine's forward runs (and only then) to keep the one-row GEMV kernel out; so does
+    `use_gemv_kernel` off."""
     import minisgl.models.llama as llama
-    from minisgl.compile import batch_invariant_mode
+    from minisgl.compile import gemv_kernel_mode
     from minisgl.settings import EngineSettings
 
     monkeypatch.setenv("MINISGL_BATCH_INVARIANT", "1")
     assert EngineSettings.load(model_path=str(tiny_llama)).to_engine_config().batch_invariant
     seen, real = [], llama.linear
-    monkeypatch.setattr(llama, "linear", lambda *a: seen.append(batch_invariant_mode()) or real(*a))
-    for flag in (True, False):
-        engine = _engine(tiny_llama, batch_invariant=flag)
-        assert engine.ctx.batch_invariant is flag
+    monkeypatch.setattr(llama, "linear", lambda *a: seen.append(gemv_kernel_mode()) or real(*a))
+    for batch_invariant, use_gemv in ((True, True), (False, True), (False, False)):
+        engine = _engine(tiny_llama, batch_invariant=batch_invariant, use_gemv_kernel=use_gemv)
+        assert engine.ctx.batch_invariant is batch_invariant
         generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=2))
-        assert seen and set(seen) == {flag}
+        assert seen and set(seen) == {use_gemv and not batch_invariant}
         seen.clear()
-    assert not batch_invariant_mode()  # outside a forward
+    assert gemv_kernel_mode()  # outside a forward: no engine forbids it

@@ -12,7 +12,6 @@ import torch
 import transformers
 from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
 
-from minisgl.attention import flashinfer_backend
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
 from minisgl.scheduler import Scheduler
@@ -52,14 +51,14 @@ def _seqs(vocab: int, lens=PROMPT_LENS):
 # "fi/cc": `fi` with FlashInfer's CUDA-core decode kernel instead of the tensor-core one
 @pytest.mark.parametrize("backend", ["fi", "fi/cc", "fa,fi", "fa"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
-def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size, monkeypatch):
+def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
+    extra = {}
     if backend == "fi/cc":
-        backend = "fi"
-        monkeypatch.setattr(flashinfer_backend, "TENSOR_CORE_MIN_GROUP", 1000)
+        backend, extra = "fi", {"tensor_core_min_group": 1000}
     seqs = _seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
     got = _tf(
-        _engine(tiny_qwen3, attention_backend=backend, page_size=page_size, cuda_graph_max_bs=0),
+        _engine(tiny_qwen3, attention_backend=backend, page_size=page_size, cuda_graph_max_bs=0, **extra),
         seqs,
         PROMPT_LENS,
     )

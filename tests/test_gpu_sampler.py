@@ -32,7 +32,7 @@ def test_seeded_draw_alone_equals_inside_any_batch() -> None:
     """Each seeded request (random temperature and filters) draws the same token alone (its own
     compiled graph for one row) and at any position of batches of 2 to 256 rows of other requests."""
     sampler = Sampler(CUDA, VOCAB)
-    assert sampler._compiled is not None
+    assert sampler.compiled
     rng = random.Random(0)
     gen = torch.Generator(device=CUDA).manual_seed(0)
     checked = 0
@@ -73,6 +73,20 @@ def test_greedy_rows_and_tokens_of_weight() -> None:
     assert not torch.equal(out[1::2], argmax[1::2])
     weights = token_weights(logits, torch.ones(256, device=CUDA)).cpu()
     assert bool((weights.gather(1, out[:, None].long()) > 0).all())
+
+
+def test_eager_sampler_draws_the_compiled_tokens() -> None:
+    """`Sampler(..., compile=False)` (the `compile_sampler` setting off) runs the same function eagerly
+    and draws the same tokens, greedy and sampled rows, with and without filters."""
+    compiled, eager = Sampler(CUDA, VOCAB), Sampler(CUDA, VOCAB, compile=False)
+    assert compiled.compiled and not eager.compiled
+    rng = random.Random(3)
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    for batch_size in (1, 2, 64):
+        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * 3
+        reqs = [make_req(i, random_params(rng), offset=rng.randrange(1, 100_000)) for i in range(batch_size)]
+        args = BatchSamplingArgs.from_reqs(reqs, CUDA, random.Random(4))
+        assert torch.equal(compiled.sample(logits, args), eager.sample(logits, args)), batch_size
 
 
 @pytest.mark.parametrize(

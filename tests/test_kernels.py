@@ -1,13 +1,16 @@
 """The Triton kernels (`minisgl.kernels`): one-row GEMV against F.linear in float32, the fused KV store
-against `index_copy_`, and when each applies. The kernel tests skip without CUDA and Triton; the
-dispatch tests run anywhere."""
+against `index_copy_`, when each applies, and the engine settings that switch them (and the other
+ablation switches) off. The kernel tests skip without CUDA and Triton; the dispatch tests run anywhere."""
 
 import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_tiny_model
 
+from minisgl.core import SamplingParams, gemv_kernel_mode
+from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.kernels import gemv as G
 from minisgl.kernels import kv_store as S
 from minisgl.kvcache import MHAKVCachePool
@@ -35,6 +38,49 @@ def test_gemv_does_not_apply_off_its_shape():
 def test_kv_store_does_not_apply_on_cpu():
     k = torch.randn(3, 2, 4)
     assert not S.kv_store_applies(k, k, torch.zeros(10, 2, 4))
+
+
+ABLATION_OFF = dict(
+    compile_sampler=False,
+    compile_prefill=False,
+    use_gemv_kernel=False,
+    use_kv_store_kernel=False,
+    tensor_core_min_group=4,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+
+
+@pytest.mark.parametrize(
+    "overrides, kv_kernel, gemv_setting, compiled_prefill, gemv_in_forward",
+    [
+        ({}, True, True, True, True),
+        (ABLATION_OFF, False, False, False, False),
+        (dict(batch_invariant=True), True, True, False, False),
+    ],
+    ids=["defaults", "all-off", "batch-invariant"],
+)
+def test_ablation_switches_reach_the_components(
+    tiny_llama, monkeypatch, overrides, kv_kernel, gemv_setting, compiled_prefill, gemv_in_forward
+):
+    """The settings of the ablation block go to the KV pool, the context and the graph runner (which
+    `batch_invariant` overrides); `linear` sees the GEMV switch while that engine's forward runs."""
+    import minisgl.models.llama as llama
+
+    seen, real = [], llama.linear
+    monkeypatch.setattr(llama, "linear", lambda *a: seen.append(gemv_kernel_mode()) or real(*a))
+    engine = Engine(EngineConfig(model_path=str(tiny_llama), device="cpu", dtype=torch.float32, **overrides))
+    assert engine.kv_cache.use_kernel is kv_kernel
+    assert engine.ctx.use_gemv_kernel is gemv_setting
+    assert engine.graph_runner.compile_prefill is compiled_prefill
+    assert not engine.sampler.compiled  # CPU: eager whatever compile_sampler says
+    generate(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
+    assert seen and set(seen) == {gemv_in_forward}
+    engine.shutdown()
+    assert gemv_kernel_mode()  # outside a forward
 
 
 @pytest.mark.parametrize(

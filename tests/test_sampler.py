@@ -205,25 +205,16 @@ def test_distribution_unseeded() -> None:
     check_distribution(counts, expected_distribution(logits.tolist(), 1.0))
 
 
-def test_distribution_top_k() -> None:
-    logits = spread_logits(24, seed=12)
-    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=7, seed=43))
-    check_distribution(counts, expected_distribution(logits.tolist(), 1.0, top_k=7))
-
-
-def test_distribution_top_p() -> None:
-    logits = spread_logits(24, seed=13)
-    counts = draw_many(logits, SamplingParams(temperature=0.8, top_p=0.6, seed=44))
-    expected = expected_distribution(logits.tolist(), 0.8, top_p=0.6)
-    assert 1 < (expected > 0).sum() < 24
-    check_distribution(counts, expected)
-
-
-def test_distribution_min_p() -> None:
-    logits = spread_logits(24, seed=14)
-    counts = draw_many(logits, SamplingParams(temperature=1.0, min_p=0.25, seed=45))
-    expected = expected_distribution(logits.tolist(), 1.0, min_p=0.25)
-    assert 1 < (expected > 0).sum() < 24
+@pytest.mark.parametrize(
+    "logits_seed, temperature, sample_seed, one_filter",
+    [(12, 1.0, 43, {"top_k": 7}), (13, 0.8, 44, {"top_p": 0.6}), (14, 1.0, 45, {"min_p": 0.25})],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_distribution_one_filter(logits_seed, temperature, sample_seed, one_filter) -> None:
+    logits = spread_logits(24, seed=logits_seed)
+    counts = draw_many(logits, SamplingParams(temperature=temperature, seed=sample_seed, **one_filter))
+    expected = expected_distribution(logits.tolist(), temperature, **one_filter)
+    assert 1 < (expected > 0).sum() < 24  # the filter drops some tokens, not all but one
     check_distribution(counts, expected)
 
 
@@ -333,6 +324,11 @@ def test_token_weights_fixed_point() -> None:
     assert weights[0, 1] == 2**WEIGHT_BITS and weights[0, 2] == 0 and weights[0, 4] == 0
     assert abs(weights[0, 3].item() / 2**WEIGHT_BITS - math.exp(-2.0)) < 1e-6
     assert abs(weights[0, 0].item() / 2**WEIGHT_BITS - math.exp(-4.0)) < 1e-6
+
+
+def test_sampler_runs_eagerly_on_cpu() -> None:
+    """`compile` only applies on CUDA: a CPU sampler runs the function eagerly either way."""
+    assert not Sampler(CPU, 10).compiled and not Sampler(CPU, 10, compile=False).compiled
 
 
 def test_compiled_sampler_equals_eager() -> None:

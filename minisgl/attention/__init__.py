@@ -56,9 +56,11 @@ def create_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    tensor_core_min_group: int = 1,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
-    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`."""
+    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`; `tensor_core_min_group` goes to
+    FlashInfer (see `FlashInferAttnBackend`)."""
     prefill, decode = resolve_attention_backend(name, device)
     if prefill == "torch":
         return TorchAttnBackend(kv_cache, page_table, device)
@@ -67,5 +69,13 @@ def create_attention_backend(
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
 
     return FlashInferAttnBackend(
-        kv_cache, page_table, device, num_heads, num_kv_heads, head_dim, prefill, decode
+        kv_cache,
+        page_table,
+        device,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        prefill,
+        decode,
+        tensor_core_min_group=tensor_core_min_group,
     )

@@ -3,10 +3,9 @@ FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only; decode ru
 one query token per request).
 
 `fi` decode uses FlashInfer's tensor-core kernel when each KV head serves at least
-`TENSOR_CORE_MIN_GROUP` query heads (1: always) and its CUDA-core kernel below that. On the H200 with
-Qwen3-0.6B's 2 query heads per KV head both kernels take the same device time at batch 256
-(perf/gpu_attention.py), and the CUDA-core one plans 3x faster on the host; the tensor-core kernel is the
-one measured end to end (the benchmark in README), so it is the default.
+`tensor_core_min_group` query heads (the setting of that name; default 1: always) and its CUDA-core
+kernel below that. The two kernels are compared in docs/performance.md (`python -m perf.gpu.attention`);
+the tensor-core kernel is the one the end-to-end benchmark measures, so it is the default.
 
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
@@ -22,11 +21,11 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.torch_backend import store_and_plan
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
-TENSOR_CORE_MIN_GROUP = 1  # query heads per KV head from which `fi` decode uses tensor cores
 
 
 @dataclass
@@ -46,7 +45,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
         prefill: str,
         decode: str,
         decode_tensor_cores: bool | None = None,
+        tensor_core_min_group: int = 1,
     ) -> None:
+        """`decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
+        `tensor_core_min_group` query heads (an integer >= 1)."""
+        if not isinstance(tensor_core_min_group, int) or tensor_core_min_group < 1:
+            raise ValueError(
+                f"tensor_core_min_group must be an integer >= 1, got tensor_core_min_group={tensor_core_min_group!r}"
+            )
         import flashinfer
 
         self.flashinfer = flashinfer
@@ -59,7 +65,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         )
         self.names = (prefill, decode)
         if decode_tensor_cores is None:
-            decode_tensor_cores = num_qo_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
+            decode_tensor_cores = num_qo_heads // num_kv_heads >= tensor_core_min_group
         self.decode_tensor_cores = decode_tensor_cores
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_buffers: dict[str, torch.Tensor] = {}
@@ -171,8 +177,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
-        meta = batch.attn_metadata
-        assert isinstance(meta, FlashInferMetadata), "prepare_metadata must run before forward"
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        meta = store_and_plan(self.kv_cache, k, v, layer_id, batch, FlashInferMetadata)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return meta.wrapper.run(q, kv)

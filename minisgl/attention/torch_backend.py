@@ -9,6 +9,7 @@ scaled-dot-product attention call serves prefill of mixed lengths, extension of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,24 @@ import torch.nn.functional as F
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
+
+Metadata = TypeVar("Metadata", bound=BaseAttnMetadata)
+
+
+def store_and_plan(
+    kv_cache: MHAKVCachePool,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    batch: Batch,
+    kind: type[Metadata],
+) -> Metadata:
+    """The first step of every backend's forward: stores k and v at `batch.out_loc` for `layer_id` and
+    returns the batch's attention plan, which must be the backend's own `kind`."""
+    meta = batch.attn_metadata
+    assert isinstance(meta, kind), "prepare_metadata must run before forward"
+    kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    return meta
 
 
 @dataclass
@@ -68,9 +87,7 @@ class TorchAttnBackend(BaseAttnBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
-        meta = batch.attn_metadata
-        assert isinstance(meta, TorchAttnMetadata), "prepare_metadata must run before forward"
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        meta = store_and_plan(self.kv_cache, k, v, layer_id, batch, TorchAttnMetadata)
         num_tokens, num_heads, head_dim = q.shape
         num_reqs, max_q = meta.page_index.shape[0], meta.max_q
         num_kv_heads = k.shape[1]

@@ -140,6 +140,30 @@ class EngineConfig:
         "Give a request the same logits (and seeded tokens) alone or in any batch: on CUDA no one-row "
         "GEMV kernel and eager prefill; slower.",
     )
+    # ablation switches: each fast path can be turned off to measure what it brings
+    compile_sampler: bool = setting(
+        True,
+        "On CUDA, run the sampler as one compiled function; false: the same function eagerly (ablation).",
+    )
+    compile_prefill: bool = setting(
+        True,
+        "On CUDA, run prefill and batches above the largest CUDA graph compiled; false: eagerly (ablation). "
+        "batch_invariant implies false.",
+    )
+    use_gemv_kernel: bool = setting(
+        True,
+        "On CUDA, run one-row half-precision linear layers on the Triton GEMV kernel; false: cuBLAS "
+        "(ablation). batch_invariant implies false.",
+    )
+    use_kv_store_kernel: bool = setting(
+        True, "On CUDA, store K and V with one Triton kernel; false: two index_copy_ kernels (ablation)."
+    )
+    tensor_core_min_group: int = setting(
+        1,
+        "Query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the "
+        "CUDA-core one.",
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)  # each field against its declaration above; `dtype` 'auto' becomes None

@@ -68,7 +68,7 @@ class Engine:
         self._init_kv_cache(available_before, model_bytes)
         self._init_page_table()
         self._init_backends()
-        self.sampler = Sampler(self.device, config.model_config.vocab_size)
+        self.sampler = Sampler(self.device, config.model_config.vocab_size, compile=config.compile_sampler)
         self._init_cuda_graphs()
         self.sampler.warm_up()  # compiles the sampler on CUDA
         self._log_ready(time.perf_counter() - started, model_bytes)
@@ -109,6 +109,7 @@ class Engine:
             model_config.head_dim,
             self.dtype,
             self.device,
+            use_kernel=cfg.use_kv_store_kernel,
         )
         self.max_seq_len = min(cfg.configured_max_seq_len, self.num_pages * cfg.page_size)
 
@@ -136,12 +137,14 @@ class Engine:
             num_heads=self.local_heads.num_heads,
             num_kv_heads=self.local_heads.num_kv_heads,
             head_dim=model_config.head_dim,
+            tensor_core_min_group=cfg.tensor_core_min_group,
         )
         self.moe_backend = (
             create_moe_backend(cfg.moe_backend, self.device, self.dtype) if model_config.num_experts else None
         )
         self.ctx = Context(
             batch_invariant=cfg.batch_invariant,
+            use_gemv_kernel=cfg.use_gemv_kernel,
             page_size=cfg.page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,
@@ -153,7 +156,13 @@ class Engine:
         cfg = self.config
         graph_sizes = (cfg.cuda_graph_bs, cfg.cuda_graph_max_bs)
         self.graph_runner = GraphRunner(
-            self.model, self.ctx, self.device, cfg.max_running_req, self.max_seq_len, *graph_sizes
+            self.model,
+            self.ctx,
+            self.device,
+            cfg.max_running_req,
+            self.max_seq_len,
+            *graph_sizes,
+            compile_prefill=cfg.compile_prefill,
         )
 
     def _log_ready(self, seconds: float, model_bytes: int) -> None:

@@ -4,8 +4,9 @@ The model's forward is compiled once with torch.compile (fullgraph, dynamic batc
 is an opaque custom op), then captured into one CUDA graph per batch size in `batch_sizes`, all in one
 memory pool, from the largest down. A decode batch is padded with the dummy request (page-table row
 `max_running_req`, one token on the dummy page) up to the next captured size and replayed; larger
-batches and prefill run the same compiled forward without a graph (`run_compiled`; measured 1.7 to 2.5x
-faster than eager prefill on the H200, `perf/gpu_prefill.py`), as the documentation allows.
+batches and prefill run the same compiled forward without a graph (`run_compiled`; faster than eager
+prefill, see docs/performance.md and `python -m perf.gpu.prefill`), as the documentation allows, unless
+`compile_prefill` is off (ablation) or the engine is batch-invariant.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def default_max_bs(device: torch.device) -> int:
 
 
 class GraphRunner:
+    """CUDA graphs of the decode forward and the compiled forward they share (see the module docstring).
+
+    ``compile_prefill``: prefill and batches above the largest graph run the compiled forward (False:
+    eagerly, for ablation; the ``compile_prefill`` setting). A batch-invariant engine runs them eagerly
+    whatever it says.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -42,8 +50,11 @@ class GraphRunner:
         max_seq_len: int,
         cuda_graph_bs: tuple[int, ...] | None,
         cuda_graph_max_bs: int | None,
+        compile_prefill: bool = True,
     ) -> None:
         self.batch_sizes: list[int] = []
+        # the compiled graph's kernels depend on the token count, so batch invariance rules it out
+        self.compile_prefill = compile_prefill and not ctx.batch_invariant
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if device.type != "cuda" or cuda_graph_max_bs == 0:
             logger.info(
@@ -84,7 +95,7 @@ class GraphRunner:
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
         self._capture(sizes)
         self.batch_sizes = sizes
-        if not ctx.batch_invariant:
+        if self.compile_prefill:
             self._warm_up_compiled()
 
     def _dummy_batch(self, bs: int) -> Batch:
@@ -143,10 +154,10 @@ class GraphRunner:
 
     def can_run_compiled(self, batch: Batch) -> bool:
         """Prefill and decode batches above the largest graph of two or more tokens (a single token
-        would make dynamo specialize a graph on size 1) run the compiled forward, unless the engine is
-        batch-invariant (the compiled graph's kernels depend on the token count: measured on the H200,
-        `perf/gpu_ablation.py`)."""
-        return bool(self.batch_sizes) and batch.input_ids.shape[0] >= 2 and not self.ctx.batch_invariant
+        would make dynamo specialize a graph on size 1) run the compiled forward, when `compile_prefill`
+        (off in a batch-invariant engine: the compiled graph's kernels depend on the token count, see
+        docs/performance.md and `python -m perf.gpu.ablation`)."""
+        return bool(self.batch_sizes) and batch.input_ids.shape[0] >= 2 and self.compile_prefill
 
     def run_compiled(self, batch: Batch) -> torch.Tensor:
         """The compiled forward without a graph (attention planned). A prefill's `last_indices` gets

@@ -12,8 +12,9 @@ change a row's token: a request's draw depends only on its own logits, parameter
 gives the same value on any device.
 
 On CUDA the whole step after the logits (argmax, weights, filters, hash, search) runs as one
-``torch.compile``d function with a dynamic batch dimension: a few fused kernels instead of the hundred
-or so ops it launches eagerly (``perf/sampler_ops.py``); on CPU the same function runs eagerly.
+``torch.compile``d function with a dynamic batch dimension: a few fused kernels instead of the many small
+ops it launches eagerly (``python -m perf.gpu.sampler_ops`` counts them; see docs/performance.md); on CPU,
+and with ``Sampler(..., compile=False)`` (the ``compile_sampler`` setting), the same function runs eagerly.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ _MASK32 = 0xFFFFFFFF
 WEIGHT_BITS = 40
 # tokens per block of the two-level search and cumulative sums (no scan is longer than this)
 SAMPLE_BLOCK = 1024
-# False: the sampler runs eagerly on CUDA too (ablation)
-COMPILE = True
 
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
@@ -168,6 +167,17 @@ def sample_rows(
     return torch.where(is_greedy, greedy, draw(weights, targets)).to(torch.int32)
 
 
+def _packed_row(field: str, row: int) -> property:
+    """A read-only named view of row `row` of the packed (3, B) `field` of `BatchSamplingArgs` (None
+    when the field is None)."""
+
+    def get(args: BatchSamplingArgs) -> torch.Tensor | None:
+        packed = getattr(args, field)
+        return None if packed is None else packed[row]
+
+    return property(get, doc=f"row {row} of ``{field}``, or None")
+
+
 @dataclass
 class BatchSamplingArgs:
     """Per-request sampling parameters of one batch, as tensors on the device.
@@ -187,29 +197,12 @@ class BatchSamplingArgs:
     # (B, K) int64 token ids that must not be drawn (e.g. EOS before min_tokens), padded with vocab_size
     suppress: torch.Tensor | None = None
 
-    @property
-    def temperatures(self) -> torch.Tensor | None:
-        return None if self.floats is None else self.floats[0]
-
-    @property
-    def top_p(self) -> torch.Tensor | None:
-        return None if self.floats is None else self.floats[1]
-
-    @property
-    def min_p(self) -> torch.Tensor | None:
-        return None if self.floats is None else self.floats[2]
-
-    @property
-    def top_k(self) -> torch.Tensor | None:
-        return None if self.ints is None else self.ints[0]
-
-    @property
-    def seeds(self) -> torch.Tensor | None:
-        return None if self.ints is None else self.ints[1]
-
-    @property
-    def offsets(self) -> torch.Tensor | None:
-        return None if self.ints is None else self.ints[2]
+    temperatures = _packed_row("floats", 0)
+    top_p = _packed_row("floats", 1)
+    min_p = _packed_row("floats", 2)
+    top_k = _packed_row("ints", 0)
+    seeds = _packed_row("ints", 1)
+    offsets = _packed_row("ints", 2)
 
     @classmethod
     def from_reqs(
@@ -249,17 +242,26 @@ class BatchSamplingArgs:
 
 
 class Sampler:
-    """Turns the last-position logits of a batch into next tokens (see the module docstring)."""
+    """Turns the last-position logits of a batch into next tokens (see the module docstring).
 
-    def __init__(self, device: torch.device, vocab_size: int) -> None:
+    ``compile``: on CUDA, run the sampled path as one compiled function (False: the same function
+    eagerly, for ablation; the ``compile_sampler`` setting). CPU always runs it eagerly.
+    """
+
+    def __init__(self, device: torch.device, vocab_size: int, compile: bool = True) -> None:
         self.device = device
         self.vocab_size = vocab_size
         self._rng = random.Random()
         self._compiled = None
-        if device.type == "cuda":
+        if device.type == "cuda" and compile:
             # one graph per need_filter value and batch kind (1, or dynamic), per vocabulary
             raise_recompile_limit()
             self._compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        """True when the sampled path runs compiled (CUDA, ``compile`` on)."""
+        return self._compiled is not None
 
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """The sampling arguments of ``batch``; call it before the forward so the copy overlaps."""
@@ -284,7 +286,7 @@ class Sampler:
         if args.all_greedy:
             return logits.argmax(dim=-1).to(torch.int32)
         assert args.floats is not None and args.ints is not None
-        if self._compiled is None or not COMPILE:
+        if self._compiled is None:
             return sample_rows(logits, args.floats, args.ints, args.need_filter)
         # one graph for every batch size above 1 (a batch of 1 gets its own)
         for tensor, dim in ((logits, 0), (args.floats, 1), (args.ints, 1)):
@@ -293,7 +295,7 @@ class Sampler:
 
     def warm_up(self) -> None:
         """Compiles the sampled paths (with and without filters, one row and several) at start, so the
-        first requests do not pay for it. Nothing to do on CPU."""
+        first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU, ``compile`` off)."""
         if self._compiled is None:
             return
         for batch_size in (1, 2):

@@ -1,10 +1,11 @@
 """A one-row linear layer (y = x W^T + b for a single row x) as a Triton kernel.
 
 Decoding one request multiplies one row by every weight matrix of the model. cuBLAS's kernels for that
-shape read Qwen3-0.6B's small matrices (4 to 12 MB) at about a quarter of HBM bandwidth; this kernel
-gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so every load is
-in flight at once) and reduces in float32. `linear` in `minisgl.layers.basic` calls it for a single row
-on CUDA in half precision when Triton is present; everything else goes to `F.linear`.
+shape read small matrices well below HBM bandwidth (see docs/performance.md, `python -m perf.gpu.gemv`);
+this kernel gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so
+every load is in flight at once) and reduces in float32. `linear` in `minisgl.layers.basic` calls it for
+a single row on CUDA in half precision when Triton is present, unless the engine turned it off
+(`use_gemv_kernel` setting, or `batch_invariant`); everything else goes to `F.linear`.
 
 Under torch.compile the kernel is the opaque custom op `minisgl::gemv`, so the decode graph traces and
 captures it like any other kernel.
@@ -20,23 +21,21 @@ try:
 except ImportError:  # CPU-only installs: F.linear serves every shape
     triton = None
 
-# set to False to send every shape to F.linear (ablation: perf/gpu_ablation.py)
-ENABLED = True
 # the widest row (K) the kernel takes; its sweep is unrolled, so this bounds the code size
 MAX_K = 16384
 
 
 def _block_n(n: int) -> int:
-    """Output rows per program: two on wide matrices, one on narrow ones (1,024 programs for 1,024
-    rows, enough to keep an H200's 132 SMs busy). Measured on the H200 (`perf/gpu_gemv.py --sweep`)."""
+    """Output rows per program: two on wide matrices, one on narrow ones (one program per row keeps
+    every SM busy on narrow matrices). Chosen by `python -m perf.gpu.gemv --sweep`; see
+    docs/performance.md."""
     return 2 if n >= 4096 else 1
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `linear(x, weight)` should run on the kernel: one row, CUDA, bf16/fp16, contiguous."""
     return (
-        ENABLED
-        and triton is not None
+        triton is not None
         and x.is_cuda
         and x.dim() == 2
         and x.shape[0] == 1

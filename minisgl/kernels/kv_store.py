@@ -2,7 +2,8 @@
 K and V caches in a single launch (two `index_copy_` kernels otherwise).
 
 One program per token copies both rows (kv_heads * head_dim elements each). K and V may be strided
-views (V is a slice of the fused QKV projection); each row's heads and dims must be dense.
+views (V is a slice of the fused QKV projection); each row's heads and dims must be dense. The KV pool
+uses it where it applies unless built with `use_kernel=False` (the `use_kv_store_kernel` setting).
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ try:
 except ImportError:  # CPU-only installs: index_copy_ serves
     triton = None
 
-# set to False to store with two index_copy_ kernels (ablation)
-ENABLED = True
-
 
 def kv_store_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when `store_kv` can run: Triton, CUDA, (T, H, D) rows with dense heads, same dtype."""
     return (
-        ENABLED
-        and triton is not None
+        triton is not None
         and k.is_cuda
         and k.dim() == 3
         and k.shape == v.shape

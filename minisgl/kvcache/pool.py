@@ -47,7 +47,10 @@ class MHAKVCachePool(BaseKVCachePool):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        use_kernel: bool = True,
     ) -> None:
+        # store_kv runs the Triton KV-store kernel where it applies (False: two index_copy_, ablation)
+        self.use_kernel = use_kernel
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         # zeroed, so that never-written locations (the dummy page, padding) hold finite values
@@ -71,7 +74,7 @@ class MHAKVCachePool(BaseKVCachePool):
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         k_flat, v_flat = self._k_flat[layer_id], self._v_flat[layer_id]
-        if kv_store_applies(k, v, k_flat):  # one Triton kernel for both
+        if self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both
             store_kv(k, v, out_loc, k_flat, v_flat)
         else:
             k_flat.index_copy_(0, out_loc, k)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.compile import batch_invariant_mode
+from minisgl.compile import gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
 from minisgl.kernels.gemv import gemv, gemv_applies
 
@@ -33,8 +33,9 @@ def add_rms_norm(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias); a single half-precision row on CUDA runs on the Triton GEMV kernel (not
-    in an engine with ``batch_invariant``: a row alone must get the bits it gets inside a batch)."""
-    if gemv_applies(x, weight) and not batch_invariant_mode():
+    in an engine with ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must get the
+    bits it gets inside a batch)."""
+    if gemv_applies(x, weight) and gemv_kernel_mode():
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

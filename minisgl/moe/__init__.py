@@ -13,21 +13,23 @@ import logging
 
 import torch
 
-from minisgl.moe.base import BaseMoeBackend
+from minisgl.moe.base import BaseMoeBackend, MoeFunction
 from minisgl.moe.fused_backend import FusedMoeBackend, fused_moe, fused_unsupported_reason
 from minisgl.moe.op import moe
-from minisgl.moe.torch_backend import TorchMoeBackend, select_experts
+from minisgl.moe.torch_backend import TorchMoeBackend, select_experts, torch_moe
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BaseMoeBackend",
     "FusedMoeBackend",
+    "MoeFunction",
     "TorchMoeBackend",
     "create_moe_backend",
     "fused_moe",
     "moe",
     "select_experts",
+    "torch_moe",
 ]
 
 

@@ -1,23 +1,27 @@
-"""The interface every mixture-of-experts backend implements."""
+"""The interface every mixture-of-experts backend implements: one function of the layer's tensors."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
-import torch
+from torch import Tensor
+
+# forward(x, router_logits, w13, w2, top_k, renormalize) -> out; see `BaseMoeBackend.forward`
+MoeFunction = Callable[[Tensor, Tensor, Tensor, Tensor, int, bool], Tensor]
 
 
 class BaseMoeBackend(ABC):
+    """A backend is its `forward` function: subclasses set it to a plain function of the same arguments
+    (`forward = staticmethod(fn)`), which can also be called, or compiled, without the object.
+    `graph_capturable`: the function reads nothing on the host, so CUDA graphs can capture it."""
+
+    graph_capturable: bool = False
+
     @abstractmethod
     def forward(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-    ) -> torch.Tensor:
+        self, x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+    ) -> Tensor:
         """The sparse MLP of one layer.
 
         x (T, H) are the tokens, router_logits (T, E) the router's scores of each expert. w13 (E, 2*I, H)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from minisgl.moe.base import BaseMoeBackend
 from minisgl.moe.torch_backend import select_experts
@@ -89,13 +90,8 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+) -> Tensor:
     """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`."""
     check_fused_moe_shapes(x, w13, w2, top_k)
     num_tokens, hidden = x.shape
@@ -133,14 +129,4 @@ class FusedMoeBackend(BaseMoeBackend):
     so it runs inside captured CUDA graphs; bfloat16 on CUDA (sm90+), any float dtype on CPU."""
 
     graph_capturable = True
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-    ) -> torch.Tensor:
-        return fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+    forward = staticmethod(fused_moe)

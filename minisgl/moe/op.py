@@ -10,6 +10,7 @@ stays one graph with `fullgraph=True` whatever the backend does inside. The Engi
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from minisgl.core import get_global_ctx
 from minisgl.moe.base import BaseMoeBackend
@@ -24,13 +25,8 @@ def _backend() -> BaseMoeBackend:
 
 @torch.library.custom_op("minisgl::moe", mutates_args=())
 def _moe_op(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+) -> Tensor:
     return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)
 
 
@@ -39,15 +35,7 @@ def _(x, router_logits, w13, w2, top_k, renormalize):
     return torch.empty_like(x)
 
 
-def moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
+def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool) -> Tensor:
     """x (T, H), router_logits (T, E), w13 (E, 2I, H), w2 (E, H, I) -> (T, H); see BaseMoeBackend."""
-    if torch.compiler.is_compiling():
-        return _moe_op(x, router_logits, w13, w2, top_k, renormalize)
-    return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)
+    run = _moe_op if torch.compiler.is_compiling() else _backend().forward
+    return run(x, router_logits, w13, w2, top_k, renormalize)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from minisgl.moe.base import BaseMoeBackend
 
@@ -20,6 +21,29 @@ def select_experts(
     return weights.to(dtype), ids
 
 
+def torch_moe(
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+) -> Tensor:
+    """The reference MoE (see `TorchMoeBackend`); shapes as in `BaseMoeBackend.forward`."""
+    weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()  # (T * top_k,): token t's slot j is row t * top_k + j
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    slot_weights = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        start += count
+        gate, up = F.linear(x[tokens[rows]], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * slot_weights[rows, None]
+        out.index_add_(0, tokens[rows], y)
+    return out
+
+
 class TorchMoeBackend(BaseMoeBackend):
     """Loops over the experts that received tokens: gathers their tokens, runs SwiGLU and the down
     projection, scales by the routing weight and adds into the output in expert order (the order, and
@@ -29,29 +53,4 @@ class TorchMoeBackend(BaseMoeBackend):
     GPU without CUDA graphs); a graph-capturable GPU backend is the job of the 'fused' one.
     """
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        router_logits: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        top_k: int,
-        renormalize: bool,
-    ) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
-        out = torch.zeros_like(x)
-        flat_ids = ids.flatten()  # (T * top_k,): token t's slot j is row t * top_k + j
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-        tokens = order // top_k
-        slot_weights = weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            gate, up = F.linear(x[tokens[rows]], w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[expert]) * slot_weights[rows, None]
-            out.index_add_(0, tokens[rows], y)
-        return out
+    forward = staticmethod(torch_moe)

@@ -3,7 +3,7 @@ when run eagerly; on CUDA the sampler is compiled into a few fused kernels) and 
 time of `BatchSamplingArgs.from_reqs` (prepare) and `Sampler.sample`, on CPU with a tiny vocabulary so
 that the ops' own compute does not count.
 
-    python perf/sampler_ops.py
+    python -m perf.gpu.sampler_ops
 """
 
 from __future__ import annotations

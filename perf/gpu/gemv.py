@@ -1,7 +1,7 @@
 """One-row linear layers on the GPU: cuBLAS (F.linear) against the Triton GEMV kernel of
 `minisgl.kernels.gemv`, at Qwen3-0.6B's shapes.
 
-    python perf/gpu_gemv.py [--sweep]
+    python -m perf.gpu.gemv [--sweep]
 
 Each figure is device time per call, measured inside a CUDA graph of 28 calls on 28 distinct weight
 copies (as in a decode step: the weights come from HBM, not from L2). `--sweep` also times every kernel

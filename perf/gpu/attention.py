@@ -1,7 +1,7 @@
 """Decode attention kernels side by side on the GPU: FlashInfer's CUDA-core and tensor-core decode
 (`fi`) and FA3 run as a one-token prefill (`fa`), for Qwen3-0.6B's heads (16 query, 8 KV, dim 128).
 
-    python perf/gpu_attention.py
+    python -m perf.gpu.attention
 
 Prints, per batch size and context length, the host time of planning and the device time of one
 layer's attention (calls back to back). A plain script, not a test.

@@ -2,7 +2,7 @@
 768, bf16) on the GPU: the `fused` backend (eager and replayed from a CUDA graph) against the `torch`
 backend, for several token counts. Plain script, not a test:
 
-    python perf/gpu_moe.py [--tokens 1 16 64 256 1024 4096] [--iters 20] [--skew 0]
+    python -m perf.gpu.moe [--tokens 1 16 64 256 1024 4096] [--iters 20] [--skew 0]
 
 Each figure is the median of `--iters` runs timed with CUDA events after warm-up. `--skew` > 0 biases
 the router towards low expert ids (a log-normal scale per expert), as real routing is never uniform.
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=0.0, help="router bias towards some experts (0: none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("perf/gpu_moe.py needs a CUDA GPU")
+        sys.exit("perf.gpu.moe needs a CUDA GPU")
 
     torch.manual_seed(0)
     device = torch.device("cuda")

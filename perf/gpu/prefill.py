@@ -1,7 +1,7 @@
 """Prefill on the GPU, eager against torch.compile (the decode graphs' compiled forward, dynamic in the
 token count), on the H200 preset (Qwen3-0.6B dummy weights).
 
-    python perf/gpu_prefill.py [--config configs/h200-qwen3-0.6b.yaml]
+    python -m perf.gpu.prefill [--config configs/h200-qwen3-0.6b.yaml]
 
 Prints the device time of one prefill forward (model only, attention planned once) per batch shape,
 and the relative difference of the logits. A plain script, not a test.
@@ -10,16 +10,13 @@ and the relative difference of the logits. A plain script, not a test.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-sys.path.insert(0, "perf")
-from gpu_profile import _gpu_ms  # noqa: E402
-
-from minisgl.core import SamplingParams  # noqa: E402
-from minisgl.engine import BatchPreparer, Engine  # noqa: E402
-from minisgl.settings import EngineSettings  # noqa: E402
+from minisgl.core import SamplingParams
+from minisgl.engine import BatchPreparer, Engine
+from minisgl.settings import EngineSettings
+from perf.gpu.timing import gpu_ms
 
 # (requests, prompt tokens each): the scheduler's 8,192-token chunks and smaller prefills
 SHAPES = [(1, 8192), (16, 512), (8, 1024), (4, 256), (1, 128)]
@@ -49,8 +46,8 @@ def main() -> None:
         with engine.ctx.forward_batch(batch):
             eager = engine.model(*inputs)
             comp = compiled(*inputs)
-            t_eager = _gpu_ms(lambda inputs=inputs: engine.model(*inputs), iters=10)
-            t_comp = _gpu_ms(lambda inputs=inputs: compiled(*inputs), iters=10)
+            t_eager = gpu_ms(lambda inputs=inputs: engine.model(*inputs), iters=10)
+            t_comp = gpu_ms(lambda inputs=inputs: compiled(*inputs), iters=10)
         diff = ((comp.float() - eager.float()).norm() / eager.float().norm()).item()
         print(
             f"{n:>8} {n * length:>7} {t_eager:>9.2f} {t_comp:>12.2f} {t_eager / t_comp:>8.2f} {diff:>9.1e}",

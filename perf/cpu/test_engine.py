@@ -1,6 +1,6 @@
 """CPU benchmarks of the engine on SmolLM2-135M-Instruct (float32): decode steps and a prefill.
 
-Run with `nox -s perf` (or `python -m pytest perf --benchmark-only`).
+Run with `nox -s perf` (or `python -m pytest perf/cpu --benchmark-only`).
 """
 
 import pytest
