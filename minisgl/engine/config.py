@@ -64,15 +64,15 @@ class EngineConfig:
     cpu_kv_budget_gib: float | None = None
     overlap_scheduling: bool = True
     batch_invariant: bool = False
-    # on CUDA, run the sampler as one compiled function (false: the same function eagerly; ablation)
+    # CUDA: run the sampler as one compiled function (false: the same function eagerly; ablation)
     compile_sampler: bool = True
-    # on CUDA, run prefill and batches above the largest CUDA graph compiled (false: eagerly; ablation); batch_invariant implies false
+    # CUDA: run prefill and batches above the largest graph compiled (false: eagerly); batch_invariant: false
     compile_prefill: bool = True
-    # on CUDA, run one-row half-precision linear layers on the Triton GEMV kernel (false: cuBLAS; ablation); batch_invariant implies false
+    # CUDA: run one-row half-precision linear layers on the Triton GEMV kernel; batch_invariant: false
     use_gemv_kernel: bool = True
-    # on CUDA, store K and V with one Triton kernel (false: two index_copy_ kernels; ablation)
+    # CUDA: store K and V with one Triton kernel (false: two index_copy_ kernels; ablation)
     use_kv_store_kernel: bool = True
-    # query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the CUDA-core one
+    # query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel (below: CUDA-core)
     tensor_core_min_group: int = 1
 
     def __post_init__(self) -> None:
