@@ -50,8 +50,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
         """`decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
         `tensor_core_min_group` query heads (an integer >= 1)."""
         if not isinstance(tensor_core_min_group, int) or tensor_core_min_group < 1:
+            got = f"tensor_core_min_group={tensor_core_min_group!r}"
             raise ValueError(
-                f"tensor_core_min_group must be an integer >= 1, got tensor_core_min_group={tensor_core_min_group!r}"
+                f"tensor_core_min_group must be an integer >= 1 (1: always tensor cores), got {got}"
             )
         import flashinfer
 

@@ -295,7 +295,8 @@ class Sampler:
 
     def warm_up(self) -> None:
         """Compiles the sampled paths (with and without filters, one row and several) at start, so the
-        first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU, ``compile`` off)."""
+        first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU, or
+        ``compile`` off)."""
         if self._compiled is None:
             return
         for batch_size in (1, 2):
