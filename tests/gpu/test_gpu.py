@@ -2,7 +2,7 @@
 code without a graph, transformers on a tiny model, seeded sampling on the GPU. Skips without CUDA.
 
 All tests use one attention shape (head_dim 128, 16 query / 8 KV heads, bf16: Qwen3-0.6B's), so the
-FlashInfer kernels compile once. Run them all with `python -m pytest tests/test_gpu.py`.
+FlashInfer kernels compile once. Run them all with `python -m pytest tests/gpu`.
 """
 
 import importlib.util

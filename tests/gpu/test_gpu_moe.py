@@ -2,7 +2,7 @@
 CUDA graph replay bit-identical to eager, and engines on Qwen3-MoE models capturing CUDA graphs with it.
 Skips without CUDA (and the engine tests without flashinfer, whose attention backend the graphs need).
 
-Run: `python -m pytest tests/test_gpu_moe.py`.
+Run: `python -m pytest tests/gpu/test_gpu_moe.py`.
 """
 
 import importlib.util

@@ -1,0 +1,93 @@
+"""The Triton kernels (`minisgl.kernels`) on the GPU: one-row GEMV against F.linear in float32 (also under
+torch.compile and in a CUDA graph), the fused KV store against `index_copy_`. Skipped without CUDA and
+Triton; the dispatch tests that run anywhere are in tests/test_kernels.py."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.kernels import gemv as G
+from minisgl.kernels import kv_store as S
+from minisgl.kvcache import MHAKVCachePool
+from minisgl.layers import linear
+
+HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def gpu(test):
+    """Marks a test `cuda` and skips it without a CUDA GPU and Triton."""
+    return pytest.mark.cuda(pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU and Triton")(test))
+
+
+@pytest.mark.parametrize(
+    "n,k,bias,dtype",
+    [
+        (4096, 1024, False, torch.bfloat16),
+        (1024, 3072, False, torch.bfloat16),
+        (1000, 3000, True, torch.bfloat16),  # neither a power of two nor a multiple of the blocks
+        (151936, 1024, False, torch.bfloat16),
+        (7, 5, True, torch.float16),
+        (6144, 1024, True, torch.float16),
+    ],
+)
+@gpu
+def test_gemv_matches_float32_reference(n, k, bias, dtype):
+    torch.manual_seed(n + k)
+    dev = torch.device("cuda")
+    x = torch.randn(1, k, dtype=dtype, device=dev)
+    w = torch.randn(n, k, dtype=dtype, device=dev) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=dev) if bias else None
+    assert G.gemv_applies(x, w)
+    out = linear(x, w, b)
+    assert out.shape == (1, n) and out.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    # only the output's rounding to 8 (bf16) or 11 (fp16) mantissa bits separates them
+    assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
+    cublas = F.linear(x, w, b).float()
+    assert ((cublas - ref).norm() / ref.norm()).item() < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+
+
+@gpu
+def test_gemv_under_compile_and_graph():
+    dev = torch.device("cuda")
+    w1 = torch.randn(512, 256, dtype=torch.bfloat16, device=dev) / 16
+    w2 = torch.randn(256, 512, dtype=torch.bfloat16, device=dev) / 16
+
+    def f(x):
+        return linear(torch.relu(linear(x, w1)), w2)
+
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device=dev)
+    eager = f(x)
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x), eager)  # the same kernel, opaque to the compiler
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    compiled(static_x)
+    with torch.cuda.graph(graph):
+        out = compiled(static_x)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2)
+    graph.replay()
+    assert torch.equal(out, f(x2))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300])
+@gpu
+def test_kv_store_matches_index_copy(tokens):
+    dev = torch.device("cuda")
+    heads, dim, page = 8, 128, 16
+    pools = [MHAKVCachePool(2, 40, page, heads, dim, torch.bfloat16, dev) for _ in range(2)]
+    qkv = torch.randn(tokens, (16 + 2 * heads) * dim, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(tokens, heads, dim, dtype=torch.bfloat16, device=dev)
+    v = qkv[:, (16 + heads) * dim :].view(tokens, heads, dim)  # a strided view, as in the model
+    out_loc = torch.randperm(41 * page, device=dev)[:tokens]
+    assert S.kv_store_applies(k, v, pools[0].k_cache(1).flatten(0, 1))
+    pools[0].store_kv(k, v, out_loc, 1)
+    pools[1].k_cache(1).flatten(0, 1).index_copy_(0, out_loc, k)
+    pools[1].v_cache(1).flatten(0, 1).index_copy_(0, out_loc, v)
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    if tokens:
+        assert torch.equal(pools[0].k_cache(1).flatten(0, 1)[out_loc], k)
