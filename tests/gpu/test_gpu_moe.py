@@ -29,7 +29,7 @@ needs_grouped_mm_kernel = pytest.mark.skipif(
     reason="needs an sm90/sm100 GPU (where torch._grouped_mm has its sync-free kernel)",
 )
 BF16_TOL = 2e-2
-QWEN3_30B_A3B = Path(__file__).resolve().parents[1] / "configs" / "models" / "qwen3-30b-a3b"
+QWEN3_30B_A3B = Path(__file__).resolve().parents[2] / "configs" / "models" / "qwen3-30b-a3b"
 # Qwen3-30B-A3B's MoE layer: 128 experts, 8 per token, hidden 2048, expert intermediate 768
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
