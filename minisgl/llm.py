@@ -111,19 +111,7 @@ class LLM:
             settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
         scheduler_config = self.settings.to_scheduler_config()
-        if launched is not None and launched[1] > 1:
-            self.engine = RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
-        elif self.settings.tp_size > 1:  # rank 0 here, ranks 1..N-1 in processes of their own
-            settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
-            workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
-            try:
-                self.engine = RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers)
-            except BaseException:
-                for proc in workers:
-                    proc.kill()
-                raise
-        else:
-            self.engine = Engine(self.settings.to_engine_config())
+        self.engine = self._start_engine(settings, config, launched)
         model_path = self.engine.config.model_path
         self.model_name = Path(model_path).name
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
@@ -137,6 +125,25 @@ class LLM:
             tokenizer=self.tokenizer,
             model_name=self.model_name,
         )
+
+    def _start_engine(
+        self, settings: dict[str, Any], config: str | Path | None, launched: tuple[int, int] | None
+    ) -> Engine | RankZeroEngine:
+        """This process's engine: alone, or rank 0 of a tensor-parallel group whose other ranks a
+        launcher started (`launched`) or that are spawned here."""
+        if launched is not None and launched[1] > 1:
+            return RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
+        if self.settings.tp_size == 1:
+            return Engine(self.settings.to_engine_config())
+        # rank 0 here, ranks 1..N-1 in processes of their own
+        settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
+        workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
+        try:
+            return RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers)
+        except BaseException:
+            for proc in workers:
+                proc.kill()
+            raise
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
