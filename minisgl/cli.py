@@ -14,6 +14,11 @@ from minisgl import metrics
 from minisgl.core import SamplingParams
 from minisgl.settings import EngineSettings, SettingsError
 
+# printed to stderr before `generate` waits for prompts on a stdin that is no terminal
+STDIN_PROMPT_NOTE = (
+    "reading prompts from stdin, one per line, until end of input (Ctrl-D); or give them as arguments"
+)
+
 
 def _settings_options(command: Callable) -> Callable:
     """One option per setting (--page-size, --max-prefill-tokens, ...), help text from its declaration."""
@@ -147,6 +152,7 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
     if prompt_file is not None:
         texts += [line.rstrip("\n") for line in prompt_file if line.strip()]
     elif not texts and not sys.stdin.isatty():
+        click.echo(STDIN_PROMPT_NOTE, err=True)  # an open pipe would wait without a word
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise click.UsageError('give a prompt: minisgl-run generate "The capital of France is"')
@@ -162,8 +168,10 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
             ignore_eos=kwargs["ignore_eos"],
             min_tokens=kwargs["min_tokens"],
         )
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e)) from e
+    from minisgl.llm import RequestError
+
     llm = _make_llm(kwargs)
     try:
         inputs = [llm.chat_prompt([{"role": "user", "content": t}]) if chat else t for t in texts]
@@ -177,8 +185,10 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
             return
         for text, output in zip(texts, llm.generate(inputs, params, progress=True)):
             click.echo(f"{'' if chat else text}{output.text}" if not chat else f"> {text}\n{output.text}")
+            if output.error is not None:
+                click.echo(f"[{output.error}]", err=True)
             click.echo()
-    except ValueError as e:
+    except (TypeError, ValueError, RequestError) as e:
         raise click.ClickException(str(e)) from e
     finally:
         llm.shutdown()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ class Setting:
             return value
         bounds = bounds_text(self.ge, self.gt, self.le, self.lt)
         items = value if isinstance(value, tuple | list) else (value,)
+        if any(isinstance(item, float) and not math.isfinite(item) for item in items):
+            raise ValueError(f"{name}={given!r} must be a finite number")
         if bounds and not all(_within(item, self.ge, self.gt, self.le, self.lt) for item in items):
             what = "has an entry out of range: each" if items is value else "is out of range: it"
             raise ValueError(f"{name}={given!r} {what} must be {bounds}")

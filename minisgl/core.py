@@ -8,6 +8,7 @@ protocols, which `minisgl.attention.BaseAttnBackend` and `minisgl.kvcache.BaseKV
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +17,45 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 Phase = Literal["prefill", "decode"]
+
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot run steps any more: a tensor-parallel rank died, or the engine was shut down.
+    The scheduler finishes the failed step's requests with "error" and raises it."""
+
+
+# failures after which no step can succeed: the scheduler raises them (a CUDA error such as an illegal
+# memory access breaks the process's CUDA context; torch >= 2.8 raises it as AcceleratorError)
+FATAL_ERRORS: tuple[type[BaseException], ...] = (FatalEngineError,) + (
+    (torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()
+)
+
+
+def as_token_ids(value: Any, what: str = "prompt") -> list[int]:
+    """``value`` as a list of token ids: a list or tuple of integers >= 0 (numpy integers too). A float,
+    a bool, bytes, a string or a tensor is refused with a TypeError naming ``what``, never converted."""
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, list | tuple):
+        hint = ""
+        if isinstance(value, bytes | bytearray):
+            hint = "; decode bytes to a str first"
+        elif isinstance(value, torch.Tensor):
+            hint = "; pass tensor.tolist()"
+        raise TypeError(f"{what} must be a list of integer token ids, got {type(value).__name__}{hint}")
+    if set(map(type, value)) <= {int}:  # the common case, checked at C speed
+        ids = list(value)
+    else:
+        ids = []
+        for t in value:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{what} must hold integer token ids, got {t!r} ({type(t).__name__})")
+            ids.append(int(t))
+    if ids and not (0 <= min(ids) and max(ids) <= INT64_MAX):
+        bad = next(t for t in ids if not 0 <= t <= INT64_MAX)
+        raise ValueError(f"{what} holds token id {bad}: token ids are integers in [0, 2**63)")
+    return ids
 
 
 @runtime_checkable
@@ -75,37 +115,55 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)):
+        # Python values are checked, not coerced: True is no token count, 2.0 no token id
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {name}={value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("top_k", "max_tokens", "min_tokens", "seed"):
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an integer, got {name}={value!r}")
+            object.__setattr__(self, name, int(value))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be True or False, got ignore_eos={self.ignore_eos!r}")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got stop={self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop_ids, list | tuple):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got stop_token_ids={stop_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(as_token_ids(stop_ids, "stop_token_ids")))
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        t = self.temperature
+        if not (math.isfinite(t) and 0.0 <= t <= FLOAT32_MAX):
             raise ValueError(
-                f"temperature must be a finite number >= 0, got temperature={self.temperature!r}"
+                f"temperature must be a finite number in [0, {FLOAT32_MAX:.3g}] (0 means greedy; the "
+                f"sampler computes in float32), got temperature={t!r}"
             )
-        if self.temperature < 0:
+        if not -1 <= self.top_k <= INT64_MAX:
             raise ValueError(
-                f"temperature must be >= 0 (0 means greedy), got temperature={self.temperature!r}"
+                f"top_k must be an integer in [-1, 2**63) (-1 or 0: no limit), got top_k={self.top_k!r}"
             )
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0: no limit), got top_k={self.top_k!r}")
-        if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p <= 1.0):
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got top_p={self.top_p!r}")
-        if not (isinstance(self.min_p, int | float) and 0.0 <= self.min_p <= 1.0):
+        if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got min_p={self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got seed={self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got max_tokens={self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 1 <= self.max_tokens <= INT64_MAX:
+            raise ValueError(
+                f"max_tokens must be an integer in [1, 2**63), got max_tokens={self.max_tokens!r}"
+            )
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got min_tokens={self.min_tokens!r}"
-            )
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got stop={self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must hold token ids >= 0, got stop_token_ids={self.stop_token_ids!r}"
             )
 
     @property

@@ -13,17 +13,22 @@ llm.shutdown()
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+import numbers
+import signal
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from minisgl.core import SamplingParams
-from minisgl.engine import Engine
+from minisgl.core import SamplingParams, as_token_ids
+from minisgl.engine import Engine, check_tensor_parallel
 from minisgl.launch import RankZeroEngine, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import RequestState, Scheduler
@@ -44,13 +49,17 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop token, stop string) or "length" (max_tokens)
-    time_to_first_token: float
+    # "stop" (EOS, stop token, stop string), "length" (max_tokens), "abort" (the call was interrupted
+    # or the LLM shut down) or "error" (a step failed for this request: `error` says how)
+    finish_reason: str
+    time_to_first_token: float | None  # None when no token came
     total_time: float
+    error: str | None = None
 
     @classmethod
     def from_state(cls, index: int, prompt: str | None, state: RequestState) -> RequestOutput:
-        assert state.finish_reason is not None and state.first_token_time is not None
+        assert state.finish_reason is not None and state.finish_time is not None
+        first = state.first_token_time
         return cls(
             index=index,
             prompt=prompt,
@@ -58,9 +67,14 @@ class RequestOutput:
             text=state.text,
             token_ids=list(state.output_ids),
             finish_reason=state.finish_reason,
-            time_to_first_token=state.first_token_time - state.arrival_time,
+            time_to_first_token=None if first is None else first - state.arrival_time,
             total_time=state.finish_time - state.arrival_time,
+            error=state.error,
         )
+
+
+class RequestError(RuntimeError):
+    """A streamed request failed inside the engine (finish_reason "error"); the engine goes on."""
 
 
 def resolve_model(model: str | None) -> str | None:
@@ -125,6 +139,12 @@ class LLM:
             tokenizer=self.tokenizer,
             model_name=self.model_name,
         )
+        # one thread steps the scheduler at a time; a step serves the requests of every caller
+        self._lock = threading.Lock()
+        # streams dropped unfinished (their __del__ may run in any thread, even inside a step): aborted
+        # by the next step
+        self._abandoned: deque[RequestState] = deque()
+        self._closed = False
 
     def _start_engine(
         self, settings: dict[str, Any], config: str | Path | None, launched: tuple[int, int] | None
@@ -135,7 +155,8 @@ class LLM:
             return RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
         if self.settings.tp_size == 1:
             return Engine(self.settings.to_engine_config())
-        # rank 0 here, ranks 1..N-1 in processes of their own
+        # rank 0 here, ranks 1..N-1 in processes of their own, once the model is known to split
+        check_tensor_parallel(self.settings.to_engine_config(rank=0))
         settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
         workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
         try:
@@ -152,7 +173,43 @@ class LLM:
                     f"the model folder {self.engine.config.model_path!r} has no tokenizer: give token ids"
                 )
             return prompt, self.tokenizer(prompt)["input_ids"]
-        return None, [int(t) for t in prompt]
+        return None, as_token_ids(prompt)
+
+    def _prepare(
+        self, prompts: Any, sampling_params: Any
+    ) -> tuple[list[tuple[str | None, list[int]]], list[SamplingParams]]:
+        """Encoded prompts and one SamplingParams each; TypeError or ValueError for anything else."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], numbers.Integral)
+        ):
+            prompts = [prompts]  # one prompt: a text or a list of token ids
+        if not isinstance(prompts, list | tuple):
+            raise TypeError(
+                "prompts must be a str, a list of token ids, or a list of those; got "
+                f"{type(prompts).__name__}" + ("; pass tensor.tolist()" if hasattr(prompts, "tolist") else "")
+            )
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list | tuple):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                f"{type(sampling_params).__name__}"
+                + ("; use SamplingParams(**params)" if isinstance(sampling_params, dict) else "")
+            )
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        return [self._encode(p) for p in prompts], list(sampling_params)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was shut down; create a new LLM")
+
+    def _step(self) -> None:
+        """One scheduler step (the caller holds `_lock`), after aborting the streams dropped unfinished."""
+        self._check_open()
+        while self._abandoned:
+            self.scheduler.abort(self._abandoned.popleft())
+        self.scheduler.step()
 
     def generate(
         self,
@@ -161,39 +218,66 @@ class LLM:
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion; outputs in input order.
-        All requests are checked before any runs, so a bad one raises without side effects."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        encoded = [self._encode(p) for p in prompts]
-        for (_, ids), params in zip(encoded, sampling_params):
-            self.scheduler.prep.check_request(ids, params)
-        states = [
-            self.scheduler.add_request(ids, params) for (_, ids), params in zip(encoded, sampling_params)
-        ]
-        with tqdm(total=len(states), desc="generating", unit="req", disable=not progress) as bar:
-            while self.scheduler.has_work():
-                bar.update(sum(update.finished for update in self.scheduler.step()))
+
+        All requests are checked before any is queued, so a bad one raises (ValueError, TypeError)
+        without side effects. A request that fails inside the engine gets finish_reason "error" and
+        the message in `error`; the others go on. If the call is interrupted (Ctrl-C, which takes effect
+        between two steps, or any exception) its unfinished requests are aborted and free their pages
+        before the exception leaves. Safe to call from several threads: their requests share the batch."""
+        with self._lock:
+            self._check_open()
+            encoded, params = self._prepare(prompts, sampling_params)
+            for (_, ids), p in zip(encoded, params):
+                self.scheduler.check_request(ids, p)
+            states = [self.scheduler.add_request(ids, p) for (_, ids), p in zip(encoded, params)]
+        try:
+            self._run_until_finished(states, progress)
+        finally:
+            self._abort_unfinished(states)
         return [
             RequestOutput.from_state(i, text, state)
             for i, ((text, _), state) in enumerate(zip(encoded, states))
         ]
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yields text deltas of one request as its tokens are produced. The request is checked (and
-        queued) at the call, so a bad one raises here, before any iteration."""
-        _, ids = self._encode(prompt)
-        state = self.scheduler.add_request(ids, sampling_params or SamplingParams(), stream=True)
-        return self._deltas(state)
+    def _run_until_finished(self, states: list[RequestState], progress: bool) -> None:
+        """Steps the scheduler (a step serves every request, whichever thread runs it) until `states`
+        have finished."""
+        pending, total = deque(states), len(states)
+        with (
+            tqdm(total=total, desc="generating", unit="req", disable=not progress) as bar,
+            _interrupts_between_steps() as interrupted,
+        ):
+            while pending:
+                with self._lock:
+                    while pending and pending[0].finished:
+                        pending.popleft()
+                    if pending:
+                        self._step()
+                if interrupted():
+                    raise KeyboardInterrupt
+                if progress:  # finished ones behind an unfinished head count once it finishes
+                    bar.update(total - len(pending) - bar.n)
+        with self._lock:  # nothing else to do: collect the forward still in flight (overlap), if any
+            if not (self.scheduler.waiting or self.scheduler.running or self._closed):
+                while self.scheduler.has_work():
+                    self._step()
 
-    def _deltas(self, state: RequestState) -> Iterator[str]:
-        while not state.finished:
-            for update in self.scheduler.step():
-                if update.state is state and update.text:
-                    yield update.text
+    def _abort_unfinished(self, states: Sequence[RequestState]) -> None:
+        unfinished = [state for state in states if not state.finished]
+        if unfinished:
+            with self._lock:
+                for state in unfinished:
+                    self.scheduler.abort(state)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Stream:
+        """Text deltas of one request as its tokens are produced (a `Stream`). The request is checked
+        and queued at the call, so a bad one raises here, before any iteration. Closing the stream
+        (`close()`, the end of a `with` block, or dropping it) aborts the request if it is unfinished."""
+        with self._lock:
+            self._check_open()
+            [(_, ids)], [params] = self._prepare([prompt], sampling_params)
+            state = self.scheduler.add_request(ids, params, stream=True)
+        return Stream(self, state)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation under the tokenizer's chat template, ready for the reply."""
@@ -211,13 +295,118 @@ class LLM:
         return self.generate([self.chat_prompt(messages)], sampling_params)[0]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Aborts every unfinished request (a `generate` in another thread returns them with
+        finish_reason "abort") and releases the engine. Later calls raise a RuntimeError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for state in [*self.scheduler.waiting, *self.scheduler.running]:
+                self.scheduler.abort(state)
+            self._abandoned.clear()
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class Stream(Iterator[str]):
+    """The text deltas of one request (from `LLM.stream`). Each `next()` runs scheduler steps (serving
+    every request) until new text is there. If the request fails in the engine, the text produced so
+    far is yielded and then `RequestError` raised. `close()`, leaving a `with` block, or dropping the
+    stream aborts the request if it is unfinished, freeing its pages."""
+
+    def __init__(self, llm: LLM, state: RequestState) -> None:
+        self._llm, self.state = llm, state
+        self._sent = 0  # characters of state.text yielded
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.state.finish_reason
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        state = self.state
+        with _interrupts_between_steps() as interrupted:
+            while True:
+                # text up to emitted_len is final (the scheduler holds back a possible stop string)
+                end = len(state.text) if state.finished else state.emitted_len
+                if end > self._sent:
+                    delta, self._sent = state.text[self._sent : end], end
+                    return delta
+                if state.finished:
+                    if state.finish_reason == "error":
+                        raise RequestError(f"request {state.uid} {state.error}")
+                    raise StopIteration
+                try:
+                    with self._llm._lock:
+                        if not state.finished:
+                            self._llm._step()
+                except BaseException:
+                    self.close()
+                    raise
+                if interrupted():
+                    self.close()
+                    raise KeyboardInterrupt
+
+    def close(self) -> None:
+        """Aborts the request if it is unfinished."""
+        if not self.state.finished:
+            with self._llm._lock:
+                if not self._llm._closed:
+                    self._llm.scheduler.abort(self.state)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self.state.finished:
+            return
+        llm = self._llm
+        # garbage collection may run this inside a step (the lock is held, by this thread or another):
+        # then the abort waits for the next step; otherwise it happens now
+        if llm._lock.acquire(blocking=False):
+            try:
+                if not llm._closed:
+                    llm.scheduler.abort(self.state)
+            finally:
+                llm._lock.release()
+        else:
+            llm._abandoned.append(self.state)
+
+
+@contextlib.contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], bool]]:
+    """In the main thread, a Ctrl-C (SIGINT) during the block is held until the running step is done:
+    the block asks `interrupted()` between steps and raises KeyboardInterrupt itself, so a step is never
+    cut in half. A second Ctrl-C raises at once. Elsewhere (other threads, a handler of the
+    application's own), nothing changes."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+    hits = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if hits:
+            raise KeyboardInterrupt
+        hits.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _eos_token_ids(model_path: str, engine: Engine, tokenizer: Any) -> set[int]:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import torch
 import yaml
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, ValidationError, create_model
 from pydantic_settings import (
@@ -252,10 +253,15 @@ def _holds_list(annotation: Any) -> bool:
 
 def _reader(field: SettingField) -> Callable[[Any], Any]:
     """A string (env variables, CLI options) is parsed into the setting's type; any other value (Python,
-    YAML) must have that type already: True is no 1, 1 is no True."""
+    YAML) must have that type already: True is no 1, 1 is no True. Where the config holds a torch.dtype
+    given by name, a torch.dtype from Python (``LLM(dtype=torch.float16)``) becomes its name ('float16'):
+    the settings keep the string."""
     holds_list = _holds_list(field.given_type)
+    dtype_by_name = is_instance(torch.float32, field.annotation) and is_instance("", field.given_type)
 
     def read(value: Any) -> Any:
+        if dtype_by_name and isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
         if isinstance(value, str):
             return _parse_list(value) if holds_list else value
         if not is_instance(value, field.given_type):

@@ -147,3 +147,21 @@ def reference_logits(folder: Path, seqs: list[list[int]], prompt_lens: list[int]
     with torch.no_grad():
         full = [model(torch.tensor([s])).logits[0] for s in seqs]
     return torch.stack([f[n - 1 : n + steps] for f, n in zip(full, prompt_lens)])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_tiny_model_with_tokenizer(tmp_path: Path, arch: str = "llama", **overrides: Any) -> Path:
+    """A tiny model (see `make_tiny_model`) with the embedded default model's tokenizer and its
+    vocabulary size, so that text prompts, streams and stop strings run at a tiny model's speed."""
+    import shutil
+
+    from minisgl.models.default import default_model_path
+
+    source = default_model_path()
+    folder = make_tiny_model(tmp_path, arch, vocab_size=49152, **overrides)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+    return folder

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import minisgl.llm
 from minisgl.bench import WorkloadShape, make_workload
-from minisgl.cli import main
+from minisgl.cli import STDIN_PROMPT_NOTE, main
 from minisgl.core import SamplingParams
 from minisgl.settings import NON_SETTING_ENV_VARS, EngineSettings
 
@@ -544,8 +544,27 @@ def test_generate_missing_config_file(runner) -> None:
 
 @pytest.mark.parametrize("stdin", ["", "\n  \n"], ids=["empty", "blank-lines"])
 def test_generate_without_prompt(runner, monkeypatch, stdin: str) -> None:
+    """Without prompts, stdin (no terminal under CliRunner) is read, and first said so on stderr: an open
+    pipe would otherwise wait without a word."""
     monkeypatch.setattr(minisgl.llm, "LLM", None)  # never reached
     result = runner.invoke(main, ["generate"], input=stdin)
     assert result.exit_code == 2
     assert "Usage:" in result.stderr and "give a prompt" in result.stderr
+    assert result.stderr.startswith(STDIN_PROMPT_NOTE + "\n"), result.stderr
+    assert "stdin" in STDIN_PROMPT_NOTE and "Ctrl-D" in STDIN_PROMPT_NOTE
+    assert result.stdout == ""
+    _no_traceback(result)
+
+
+@pytest.mark.parametrize("given", ["argument", "file"])
+def test_generate_stdin_note_only_when_stdin_is_read(runner, monkeypatch, tmp_path: Path, given: str) -> None:
+    """A prompt argument or --file: stdin is not read and nothing is said about it (the run stops at a bad
+    option, or at an empty file, before any model)."""
+    monkeypatch.setattr(minisgl.llm, "LLM", None)  # never reached
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = [PROMPT, "--top-p", "0"] if given == "argument" else ["--file", str(empty)]
+    result = runner.invoke(main, ["generate", *args], input=f"{PROMPT}\n")
+    assert result.exit_code == 2 and "Usage:" in result.stderr, result.output
+    assert STDIN_PROMPT_NOTE not in result.output
     _no_traceback(result)

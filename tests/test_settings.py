@@ -228,10 +228,49 @@ def test_strings_are_parsed_other_values_type_checked(monkeypatch: pytest.Monkey
     coerced: True is no 1 and 1 is no True."""
     assert EngineSettings.load(page_size="32", overlap_scheduling="false").page_size == 32
     assert EngineSettings.load(memory_ratio=1).memory_ratio == 1.0  # an integer is a number
-    for key, value in [("page_size", True), ("use_dummy_weight", 1), ("memory_ratio", False), ("dtype", 16)]:
+    for key, value in [
+        ("page_size", True),
+        ("use_dummy_weight", 1),
+        ("memory_ratio", False),
+        ("dtype", 16),
+        ("page_size", torch.float16),  # only dtype takes a torch.dtype
+    ]:
         with pytest.raises(SettingsError) as error:
             EngineSettings.load(**{key: value})
         assert_names(error, f"{key}={value!r} must be", "explicit")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtype_takes_a_torch_dtype(dtype: torch.dtype, tmp_path: Path) -> None:
+    """From Python, dtype may also be a torch.dtype: the settings keep its name, the EngineConfig the dtype."""
+    name = str(dtype).removeprefix("torch.")
+    settings = EngineSettings.load(
+        model_path=str(make_model_folder(tmp_path / "m")), device="cpu", dtype=dtype
+    )
+    assert settings.dtype == name and settings.sources()["dtype"] == "explicit"
+    assert f"dtype: {name}  # explicit" in settings.to_yaml(with_sources=True).splitlines()
+    assert settings.to_engine_config().dtype is dtype
+    assert EngineSettings.load(dtype=torch.half).dtype == "float16"  # an alias is the same torch.dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64])
+def test_unsupported_torch_dtype_is_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(SettingsError) as error:
+        EngineSettings.load(dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    assert_names(
+        error, f"dtype={dtype}", "explicit", f"dtype={name!r} is not supported", "float32, bfloat16, float16"
+    )
+
+
+def test_llm_takes_a_torch_dtype(tmp_path: Path) -> None:
+    from minisgl.llm import LLM
+
+    model = make_model_folder(tmp_path / "m")
+    with LLM(
+        str(model), device="cpu", dtype=torch.bfloat16, use_dummy_weight=True, cpu_kv_budget_gib=0.01
+    ) as llm:
+        assert llm.settings.dtype == "bfloat16" and llm.engine.dtype == torch.bfloat16
 
 
 # -- errors ----------------------------------------------------------------------------------------

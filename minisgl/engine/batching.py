@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.core import Batch, Phase, Req, SamplingParams
+from minisgl.core import Batch, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine.engine import Engine
 from minisgl.engine.sample import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, TableIdxAllocator
@@ -40,13 +40,17 @@ class BatchPreparer:
         self._uids = itertools.count()
 
     def check_request(self, tokens: list[int], params: SamplingParams) -> None:
-        """Raises a ValueError if the request can never run on this engine."""
+        """Raises a ValueError if the request can never run on this engine (`tokens`: a list of ints,
+        see `minisgl.core.as_token_ids`)."""
         vocab_size, max_seq_len = self.engine.config.model_config.vocab_size, self.engine.max_seq_len
         if not tokens:
             raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-        if bad is not None:
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            bad = next(t for t in tokens if not 0 <= t < vocab_size)
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
         if len(tokens) + params.max_tokens > max_seq_len:
             raise ValueError(
                 f"prompt of {len(tokens)} tokens + max_tokens={params.max_tokens} exceeds max_seq_len="
@@ -59,7 +63,7 @@ class BatchPreparer:
     def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
         """Checks the prompt and takes a table_idx for it (no KV pages yet)."""
         params = sampling_params or SamplingParams()
-        tokens = [int(t) for t in token_ids]
+        tokens = as_token_ids(token_ids)
         self.check_request(tokens, params)
         table_idx = self.table_idxs.alloc()
         req = Req(

@@ -20,6 +20,10 @@ from minisgl.distributed import DistributedInfo
 from minisgl.models.config import ModelConfig
 
 MAX_PAGE_SIZE = 256
+# upper bounds that keep a mistyped value from allocating without end (the page table has
+# max_running_req + 1 rows of max_seq_len entries; RoPE tables have max_seq_len rows)
+MAX_RUNNING_REQ = 16384
+MAX_SEQ_LEN = 2**20
 MOE_BACKENDS = ("auto", "torch", "fused")
 DEVICE_TYPES = ("cpu", "cuda")
 DTYPES: dict[str, torch.dtype] = {
@@ -77,7 +81,8 @@ class EngineConfig:
     )
     dtype: torch.dtype | None = setting(
         "auto",
-        "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16.",
+        "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16 "
+        "(from Python also a torch.dtype).",
         given_as=str,
         parse=parse_dtype,
     )
@@ -86,7 +91,7 @@ class EngineConfig:
     )
     page_size: int = setting(16, "Tokens per KV-cache page.", ge=1, le=MAX_PAGE_SIZE)
     max_running_req: int = setting(
-        256, "Request slots: most requests running (decoded together) at once.", ge=1
+        256, "Request slots: most requests running (decoded together) at once.", ge=1, le=MAX_RUNNING_REQ
     )
     attention_backend: str = setting(
         "auto",
@@ -118,7 +123,7 @@ class EngineConfig:
         None, "Fixed number of KV-cache pages instead of sizing from free memory.", ge=1
     )
     max_seq_len_override: int | None = setting(
-        None, "Longest sequence (prompt + output); unset = the model's max positions.", ge=1
+        None, "Longest sequence (prompt + output); unset = the model's max positions.", ge=1, le=MAX_SEQ_LEN
     )
     use_dummy_weight: bool = setting(
         False, "Random weights made on the device instead of loading checkpoints (only config.json is read)."

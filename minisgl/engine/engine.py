@@ -10,7 +10,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from minisgl.attention import create_attention_backend
-from minisgl.core import Batch, Context
+from minisgl.core import Batch, Context, FatalEngineError
 from minisgl.distributed import (
     DistributedInfo,
     HeadShard,
@@ -62,7 +62,7 @@ class Engine:
         self._closed = False
         started = time.perf_counter()
         # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
-        self.local_heads = _check_tensor_parallel(config)
+        self.local_heads = check_tensor_parallel(config)
         available_before = self._init_communication()
         model_bytes = self._load_model()
         self._init_kv_cache(available_before, model_bytes)
@@ -118,6 +118,11 @@ class Engine:
         `max_running_req`, is the dummy request's, on the dummy page."""
         page_size, max_running_req = self.config.page_size, self.config.max_running_req
         aligned_max_seq_len = -(-self.max_seq_len // page_size) * page_size
+        _check_fits(
+            (max_running_req + 1) * aligned_max_seq_len * 4,
+            _available_memory(self.device),
+            f"a page table of max_running_req={max_running_req} (+1) rows x max_seq_len={self.max_seq_len}",
+        )
         self.page_table = torch.zeros(
             (max_running_req + 1, aligned_max_seq_len), dtype=torch.int32, device=self.device
         )
@@ -186,7 +191,11 @@ class Engine:
         cfg, mc = self.config, self.config.model_config
         kv_heads = self.local_heads.num_kv_heads  # this rank's share of the KV cache
         page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
+        free = available_before - model_bytes
         if cfg.num_page_override is not None:
+            _check_fits(
+                cfg.num_page_override * page_bytes, free, f"num_page_override={cfg.num_page_override}"
+            )
             logger.info("KV cache: num_page_override=%d", cfg.num_page_override)
             return cfg.num_page_override
         if self.device.type == "cuda":
@@ -197,6 +206,7 @@ class Engine:
             )
         elif cfg.cpu_kv_budget_gib is not None:
             budget = int(cfg.cpu_kv_budget_gib * GIB)
+            _check_fits(budget, free, f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}")
             how = f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}"
         else:
             budget = int(available_before * CPU_KV_FRACTION)
@@ -277,7 +287,7 @@ class Engine:
 
     def _check_batch(self, batch: Batch) -> None:
         if self._closed:
-            raise RuntimeError("the engine is shut down; create a new Engine")
+            raise FatalEngineError("the engine is shut down; create a new Engine")
         if not batch.reqs:
             raise ValueError("batch has no requests")
         if len(batch.reqs) > self.config.max_running_req:
@@ -318,8 +328,9 @@ class Engine:
             torch.cuda.empty_cache()
 
 
-def _check_tensor_parallel(config: EngineConfig) -> HeadShard:
-    """This rank's attention heads; raises before any process group when the model cannot be split."""
+def check_tensor_parallel(config: EngineConfig) -> HeadShard:
+    """This rank's attention heads; raises before any process group (and before a launcher starts the
+    other ranks) when the model cannot be split over ``config.tp_info.size`` ranks."""
     model_config, tp_info = config.model_config, config.tp_info
     if tp_info.size > 1 and model_config.family not in TP_FAMILIES:
         raise ValueError(
@@ -331,6 +342,15 @@ def _check_tensor_parallel(config: EngineConfig) -> HeadShard:
     if model_config.num_experts:
         divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
     return local_heads
+
+
+def _check_fits(num_bytes: int, available: int, what: str) -> None:
+    """Raises a MemoryError naming `what` before an allocation larger than the memory available."""
+    if num_bytes > available:
+        raise MemoryError(
+            f"{what} needs {num_bytes / GIB:.2f} GiB, but only {max(available, 0) / GIB:.2f} GiB are "
+            "available; lower it"
+        )
 
 
 def _available_memory(device: torch.device) -> int:

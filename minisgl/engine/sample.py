@@ -118,15 +118,17 @@ def draw(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     ``weights`` is int64 (B, V), non-negative; ``targets`` int64 (B,) in [0, row total). Two levels, so no
     scan covers the whole vocabulary: the cumulative sums of the block totals locate the block (the
     number of blocks whose cumulative total is <= target), one cumulative sum inside that block locates
-    the token. Tokens of weight 0 are never drawn.
+    the token. Tokens of weight 0 are never drawn; a row that weighs 0 in all (NaN logits) still gets an
+    id inside the vocabulary.
     """
     blocks = _blocks(weights)
     cdf = blocks.sum(dim=-1).cumsum(dim=-1)
-    block = (cdf <= targets[:, None]).sum(dim=-1, keepdim=True)
+    # clamped: a row of zero weights (NaN logits) must not index past the vocabulary
+    block = (cdf <= targets[:, None]).sum(dim=-1, keepdim=True).clamp_(max=cdf.shape[1] - 1)
     local = blocks.gather(1, block[:, :, None].expand(-1, -1, SAMPLE_BLOCK)).squeeze(1)
     local_target = targets[:, None] - (cdf.gather(1, block) - local.sum(dim=-1, keepdim=True))
     token = (local.cumsum(dim=-1) <= local_target).sum(dim=-1, keepdim=True)
-    return (block * SAMPLE_BLOCK + token).squeeze(1)
+    return (block * SAMPLE_BLOCK + token).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
 
 def keep_mask(
@@ -143,7 +145,8 @@ def keep_mask(
     keep = rank < top_k[:, None]
     before = (blocked_cumsum(ordered) - ordered).double()
     total = ordered.sum(dim=-1, keepdim=True).double()
-    keep &= (before < top_p.double()[:, None] * total) | (top_p[:, None] >= 1.0)
+    # the heaviest token always stays, however small top_p is (1e-50 is 0 in float32)
+    keep &= (before < top_p.double()[:, None] * total) | (top_p[:, None] >= 1.0) | (rank == 0)
     keep &= ordered.double() >= min_p.double()[:, None] * ordered[:, :1].double()
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
@@ -226,7 +229,7 @@ class BatchSamplingArgs:
         )
         ints = torch.tensor(
             [
-                [p.top_k if p.top_k > 0 else TOP_K_ALL for p in params],
+                [min(p.top_k, TOP_K_ALL) if p.top_k > 0 else TOP_K_ALL for p in params],
                 [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
                 [req.device_len for req in reqs],
             ],

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch, FatalEngineError, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.engine.sample import BatchSamplingArgs
 
@@ -88,7 +88,7 @@ class RankZeroEngine:
         for rank, proc in enumerate(self.workers, start=1):
             if not proc.is_alive():
                 self.shutdown(notify=False)
-                raise RuntimeError(
+                raise FatalEngineError(
                     f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the group was stopped"
                 )
 

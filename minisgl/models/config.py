@@ -1,8 +1,25 @@
-"""ModelConfig: the architecture facts minisgl needs, read from a model folder's config.json."""
+"""ModelConfig: the architecture facts minisgl needs, read from a model folder's config.json.
+
+Every key minisgl reads is checked for its JSON type, not coerced (``true``, ``"64"`` and ``64.5`` are no
+integers; an integer is a number), and for its range, so that a broken config.json fails when it is read,
+with ``<path>: key=value must be ...``, instead of a ZeroDivisionError or a MemoryError in the engine.
+The upper bounds lie far above any released model and only catch absurd values:
+
+- widths (hidden_size, head_dim, intermediate_size, moe_intermediate_size): at most 2**20
+- vocab_size: at most 2**24
+- counts (num_hidden_layers, num_attention_heads, num_key_value_heads, num_experts,
+  decoder_sparse_step): at most 2**16
+- positions (max_position_embeddings, RoPE's original_max_position_embeddings): at most 2**31 - 1,
+  the largest int32 position
+
+An optional key set to null takes its default, as in transformers.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +33,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+# upper bounds of the integer keys (see the module docstring)
+MAX_WIDTH = 2**20
+MAX_VOCAB = 2**24
+MAX_COUNT = 2**16
+MAX_POSITIONS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -57,74 +80,50 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        """The config of the parsed config.json `raw`; `source` (the file) begins every error message."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: must hold a JSON object at its top level, got a {_json_type(raw)}")
+        arch, family = _architecture(raw, source)
+        keys = _Keys(raw, source, f" for {arch}")
+        _check_unsupported_features(keys)
+
+        hidden_size = keys.integer("hidden_size", le=MAX_WIDTH)
+        num_layers = keys.integer("num_hidden_layers")
+        num_heads = keys.integer("num_attention_heads")
+        num_kv_heads = keys.integer("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
             raise ValueError(
-                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; minisgl supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{source}: num_attention_heads={num_heads} must be a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise ValueError(f"{source}: missing required key {key!r} for {arch}")
-            return raw[key]
-
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"{source}: hidden_act={hidden_act!r} is not supported; minisgl supports 'silu'")
-        if raw.get("mlp_bias"):
-            raise ValueError(f"{source}: mlp_bias=true is not supported")
-        if raw.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported")
-
-        hidden_size, num_heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = raw.get("head_dim") or hidden_size // num_heads
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        attention_bias = bool(raw.get("attention_bias", False))
-        moe: dict[str, Any] = {}
-        if family == "qwen3_moe":
-            # transformers 5 writes `num_local_experts`; the hub's config.json files say `num_experts`
-            num_experts = raw.get("num_experts", raw.get("num_local_experts"))
-            if num_experts is None:
-                raise ValueError(f"{source}: missing required key 'num_experts' for {arch}")
-            moe = dict(
-                num_experts=int(num_experts),
-                num_experts_per_tok=int(need("num_experts_per_tok")),
-                moe_intermediate_size=int(need("moe_intermediate_size")),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),  # transformers' default
-                decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-                mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
-            )
-            if not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
-                raise ValueError(
-                    f"{source}: num_experts_per_tok={moe['num_experts_per_tok']} must be in "
-                    f"[1, num_experts={moe['num_experts']}]"
-                )
+        vocab_size = keys.integer("vocab_size", le=MAX_VOCAB)
+        attention_bias = keys.flag("attention_bias")
+        # transformers 5 writes `dtype`, older versions `torch_dtype`
+        dtype, torch_dtype = keys.text("dtype", None), keys.text("torch_dtype", None)
         return cls(
             architecture=arch,
             family=family,
             hidden_size=hidden_size,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(raw, source),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            num_kv_heads=num_kv_heads,
+            head_dim=_head_dim(keys, hidden_size, num_heads),
+            intermediate_size=keys.integer("intermediate_size", le=MAX_WIDTH),
+            vocab_size=vocab_size,
+            rms_norm_eps=keys.number("rms_norm_eps", 1e-6),
+            rope=_rope_config(keys),
+            max_position_embeddings=keys.integer("max_position_embeddings", 4096, le=MAX_POSITIONS),
             # transformers' Llama, Qwen2 and Qwen3 configs default to untied embeddings
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=keys.flag("tie_word_embeddings"),
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=False if family == "qwen2" else attention_bias,
             qk_norm=family in ("qwen3", "qwen3_moe"),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            **moe,
+            eos_token_ids=keys.token_ids("eos_token_id", vocab_size),
+            bos_token_id=keys.integer(
+                "bos_token_id", None, ge=0, le=vocab_size - 1, why=f" (vocab_size={vocab_size})"
+            ),
+            torch_dtype=dtype or torch_dtype,
+            **(_moe(keys, num_layers) if family == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -132,27 +131,213 @@ class ModelConfig:
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(model_path)!r}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), source=str(path))
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a valid JSON file ({e})") from e
+        return cls.from_dict(raw, source=str(path))
 
 
-def _rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta included); older configs write `rope_theta` and
-    # `rope_scaling` separately.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+_REQUIRED: Any = object()  # the default of a key that must be given
+
+
+class _Keys:
+    """Reads the keys of one JSON object of config.json and checks each one's type and range.
+
+    Errors start with the file and read ``key=value must be ...``; ``names`` maps a key to how messages
+    name it where that differs (the RoPE parameters: ``rope_scaling.factor``)."""
+
+    def __init__(
+        self, raw: Mapping[str, Any], source: str, context: str = "", names: Mapping[str, str] | None = None
+    ) -> None:
+        self.raw, self.source, self.context, self.names = raw, source, context, names or {}
+
+    def error(self, key: str, value: Any, valid: str) -> ValueError:
+        return ValueError(f"{self.source}: {self.names.get(key, key)}={_show(value)} must be {valid}")
+
+    def get(self, key: str, default: Any) -> tuple[Any, bool]:
+        """(value, given): the key's value, or `default` where it is absent or, with a default, null."""
+        if key not in self.raw:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.source}: missing required key {key!r}{self.context}")
+            return default, False
+        value = self.raw[key]
+        if value is None and default is not _REQUIRED:
+            return default, False
+        return value, True
+
+    def integer(
+        self, key: str, default: Any = _REQUIRED, *, ge: int = 1, le: int = MAX_COUNT, why: str = ""
+    ) -> Any:
+        value, given = self.get(key, default)
+        if given and not (_is_int(value) and ge <= value <= le):
+            raise self.error(key, value, f"an integer in [{ge}, {le}]{why}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED, *, gt: float = 0.0) -> float:
+        value, given = self.get(key, default)
+        if given and not (_is_finite_number(value) and value > gt):
+            raise self.error(key, value, f"a finite number > {gt:g}")
+        return float(value) if given else value
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value, given = self.get(key, default)
+        if given and not isinstance(value, bool):
+            raise self.error(key, value, "true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> Any:
+        value, given = self.get(key, default)
+        if given and not isinstance(value, str):
+            raise self.error(key, value, "a string")
+        return value
+
+    def object(self, key: str) -> dict[str, Any]:
+        value, given = self.get(key, {})
+        if given and not isinstance(value, dict):
+            raise self.error(key, value, "a JSON object or null")
+        return value
+
+    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
+        """One token id or a list of them, each in [0, vocab_size)."""
+        value, _ = self.get(key, [])
+        ids = value if isinstance(value, list) else [value]
+        if not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
+            raise self.error(
+                key, value, f"a token id in [0, {vocab_size - 1}] or a list of them (vocab_size={vocab_size})"
+            )
+        return tuple(ids)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    """`value` as config.json writes it (true, null, "64"), cut short where it is long."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _architecture(raw: dict[str, Any], source: str) -> tuple[str, str]:
+    archs = raw.get("architectures") or []
+    if not isinstance(archs, list):
+        raise _Keys(raw, source).error("architectures", archs, "a list of architecture names")
+    arch = next((a for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
         raise ValueError(
-            f"{source}: rope type {rope_type!r} is not supported; minisgl supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; minisgl supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return arch, SUPPORTED_ARCHITECTURES[arch]
+
+
+def _check_unsupported_features(keys: _Keys) -> None:
+    hidden_act, _ = keys.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(
+            f'{keys.source}: hidden_act={_show(hidden_act)} is not supported; minisgl supports "silu"'
+        )
+    if keys.flag("mlp_bias"):
+        raise ValueError(f"{keys.source}: mlp_bias=true is not supported")
+    if keys.flag("use_sliding_window"):
+        raise ValueError(f"{keys.source}: use_sliding_window=true is not supported")
+
+
+def _head_dim(keys: _Keys, hidden_size: int, num_heads: int) -> int:
+    """head_dim, or hidden_size / num_attention_heads where it is absent; even, for rotary embeddings."""
+    head_dim = keys.integer("head_dim", None, le=MAX_WIDTH)
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"{keys.source}: hidden_size={hidden_size} must be a multiple of "
+                f"num_attention_heads={num_heads} (or give head_dim)"
+            )
+        head_dim = hidden_size // num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"{keys.source}: hidden_size={hidden_size} / num_attention_heads={num_heads} = head_dim "
+                f"{head_dim} must be even for rotary embeddings"
+            )
+    elif head_dim % 2:
+        raise keys.error("head_dim", head_dim, "even for rotary embeddings")
+    return head_dim
+
+
+def _rope_config(keys: _Keys) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta included); older configs write `rope_theta` and
+    # `rope_scaling` separately. `rope_parameters` wins where both set a key.
+    scaling, params = keys.object("rope_scaling"), keys.object("rope_parameters")
+    names = {**{k: f"rope_scaling.{k}" for k in scaling}, **{k: f"rope_parameters.{k}" for k in params}}
+    rope = _Keys({**scaling, **params}, keys.source, names=names)
+    theta = rope.number("rope_theta", None)
+    if theta is None:
+        theta = keys.number("rope_theta", 10000.0)
+    rope_type = rope.raw.get("rope_type", rope.raw.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        key = "rope_type" if "rope_type" in rope.raw else "type"
+        raise ValueError(
+            f"{keys.source}: {names[key]}={_show(rope_type)} is not supported; minisgl supports rope types "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    low_freq_factor = rope.number("low_freq_factor", 1.0)
+    high_freq_factor = rope.number("high_freq_factor", 4.0)
+    if rope_type == "llama3" and high_freq_factor <= low_freq_factor:
+        raise rope.error("high_freq_factor", high_freq_factor, f"> low_freq_factor={low_freq_factor:g}")
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=rope.number("factor", 1.0),
+        low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor,
+        original_max_position_embeddings=rope.integer(
+            "original_max_position_embeddings", 8192, le=MAX_POSITIONS
+        ),
+    )
+
+
+def _moe(keys: _Keys, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE config."""
+    # transformers 5 writes `num_local_experts`; the hub's config.json files say `num_experts`
+    raw = keys.raw
+    experts_key = (
+        "num_local_experts"
+        if raw.get("num_experts") is None and "num_local_experts" in raw
+        else "num_experts"
+    )
+    num_experts = keys.integer(experts_key)
+    layers, _ = keys.get("mlp_only_layers", [])
+    if not (isinstance(layers, list) and all(_is_int(i) and 0 <= i < num_layers for i in layers)):
+        raise keys.error(
+            "mlp_only_layers",
+            layers,
+            f"a list of layer indices in [0, {num_layers - 1}] (num_hidden_layers={num_layers})",
+        )
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=keys.integer(
+            "num_experts_per_tok", le=num_experts, why=f" ({experts_key}={num_experts})"
+        ),
+        moe_intermediate_size=keys.integer("moe_intermediate_size", le=MAX_WIDTH),
+        norm_topk_prob=keys.flag("norm_topk_prob"),  # transformers' default
+        decoder_sparse_step=keys.integer("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(layers),
     )

@@ -19,13 +19,24 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
 
+    def check(self, params: SamplingParams, stream: bool, vocab_size: int) -> None:
+        """Raises a ValueError if the request's output could not be produced: stop strings or streamed
+        text without a tokenizer, or min_tokens with every token id banned (stop ids and EOS)."""
+        if (params.stop or stream) and self.tokenizer is None:
+            raise ValueError("stop strings and streaming text need a tokenizer; this model folder has none")
+        if params.min_tokens > 0:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if sum(1 for t in banned if 0 <= t < vocab_size) == vocab_size:
+                raise ValueError(
+                    f"stop_token_ids{'' if params.ignore_eos else ' and the EOS ids'} cover the whole "
+                    f"vocabulary ({vocab_size} ids), all banned until min_tokens={params.min_tokens}: no "
+                    "token could be drawn; stop on fewer ids or set min_tokens=0"
+                )
+
     def detokenizer(self, params: SamplingParams, stream: bool) -> IncrementalDetokenizer | None:
-        """The incremental detokenizer a request needs (stop strings, streamed text), or None."""
-        if not (params.stop or stream):
-            return None
-        if self.tokenizer is None:
-            raise ValueError("stop strings and streaming text need a tokenizer")
-        return IncrementalDetokenizer(self.tokenizer)
+        """The incremental detokenizer a request needs (stop strings, streamed text), or None (after
+        `check`)."""
+        return IncrementalDetokenizer(self.tokenizer) if params.stop or stream else None
 
     def suppressed(
         self, states: Sequence[RequestState], vocab_size: int, device: torch.device

@@ -9,8 +9,9 @@ from typing import Literal
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 
-# "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`
-FinishReason = Literal["stop", "length", "abort"]
+# "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`;
+# "error": a step failed for it (`RequestState.error` says how)
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class RequestState:
     text: str = ""  # text so far (complete once finished)
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with finish_reason "error": what failed
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None

@@ -12,7 +12,8 @@ Each `step()` runs one forward:
   `max_prefill_tokens` tokens in all; a prompt longer than what is left is cut and continues next time.
 - A decode step runs every request whose prefill is complete, one token each.
 - Finished requests (EOS, a stop token, a stop string, max_tokens) leave at once and free their pages;
-  so does a request given to `abort()`.
+  so does a request given to `abort()`, and one whose step failed (finish reason "error", see `step`;
+  docs/failures.md). The scheduler is driven by one thread at a time (`LLM` holds a lock).
 
 Overlap scheduling (the `overlap_scheduling` setting, on by default; MINISGL_OVERLAP_SCHEDULING=0 or
 `Scheduler(overlap=False)` turns it off for ablation; always off under tensor parallelism): a step
@@ -33,17 +34,21 @@ launching forwards and collecting their tokens, abort.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from minisgl.core import Phase, SamplingParams
+from minisgl.core import FATAL_ERRORS, Phase, SamplingParams, as_token_ids
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
 from minisgl.scheduler.stats import DeviceTimer, SchedulerMetrics, StepRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,18 +74,19 @@ class Scheduler:
         max_prefill_tokens: int = 8192,
         eos_token_ids: Sequence[int] = (),
         tokenizer: Any = None,
-        model_name: str = "",
+        model_name: str | None = None,
         overlap: bool | None = None,
         record_steps: int = 0,
     ) -> None:
-        """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off)."""
+        """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off).
+        `model_name` labels the metrics (default: the model folder's name)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
         self.engine = engine
         self.prep = BatchPreparer(engine)
         self.max_prefill_tokens = max_prefill_tokens
         self.output = OutputProcessor(tokenizer, eos_token_ids)
-        self.metrics = SchedulerMetrics(model_name)
+        self.metrics = SchedulerMetrics(model_name or Path(engine.config.model_path).name)
         # None: on (the overlap_scheduling setting). Under tensor parallelism the other ranks replay
         # batches from host tokens, so there is no overlap
         self.overlap = overlap is not False and engine.config.tp_info.size == 1
@@ -106,12 +112,21 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams, stream: bool = False) -> None:
+        """Raises a ValueError (a TypeError for a value of the wrong type) naming the problem if the
+        request could never run; queues nothing. `prompt_ids`: a list of ints (`as_token_ids`)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self.prep.check_request(prompt_ids, params)
+        self.output.check(params, stream, self.engine.config.model_config.vocab_size)
+
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, stream: bool = False
     ) -> RequestState:
-        """Queues a request; raises a ValueError naming the problem if it could never run."""
-        prompt = [int(t) for t in prompt_ids]
-        self.prep.check_request(prompt, params)
+        """Queues a request; raises a ValueError or TypeError naming the problem if it could never run
+        (see `check_request`), queueing nothing."""
+        prompt = as_token_ids(prompt_ids)
+        self.check_request(prompt, params, stream)
         # max_seq_len never exceeds the pool, so a request that passed the check can always be reserved
         need = self.prep.pages_needed(len(prompt) + params.max_tokens)
         detokenizer = self.output.detokenizer(params, stream)
@@ -138,15 +153,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Update]:
+        """Admits waiting requests while they fit; returns the updates of any that failed to."""
         while self.waiting and self.prep.table_idxs.num_free > 0:
             state = self.waiting[0]
             if self.reserved_pages + state.reserved_pages > self.engine.num_pages:
                 break  # first come, first served: later requests wait behind it
+            try:
+                state.req = self.prep.add_request(state.prompt_ids, state.params)
+            except Exception as e:
+                return self._fail([state], e, "admitting it")
             self.waiting.popleft()
-            state.req = self.prep.add_request(state.prompt_ids, state.params)
             self.reserved_pages += state.reserved_pages
             self.running.append(state)
+        return []
 
     def _finish(self, state: RequestState, reason: FinishReason, now: float) -> None:
         """Ends a request whose text is complete: frees what it holds."""
@@ -166,13 +186,62 @@ class Scheduler:
 
     def step(self) -> list[Update]:
         """Admits what fits, launches one forward (prefill chunk or decode) and returns the updates of
-        the forward it reads: this one, or with overlap the one launched by the previous step."""
+        the forward it reads: this one, or with overlap the one launched by the previous step.
+
+        A step that fails (an exception while preparing, running or sampling its forward, or reading its
+        tokens) finishes its requests with finish_reason "error" and the message in `state.error`,
+        freeing what they hold; an exception while processing one request's token finishes that request
+        alone. Their updates are returned (finished, with what is left of their text) and the scheduler
+        goes on with the others. A request that can no longer be scheduled is finished the same way.
+        A failure after which no step can run (`FATAL_ERRORS`: a dead tensor-parallel rank, a CUDA
+        error, a shut-down engine) finishes the step's requests and is raised."""
         started = time.perf_counter()
-        self._admit()
-        launched = self._launch(started)
+        updates = self._admit()
+        blocked = bool(self.waiting) and not self.running  # the queue's head did not fit an empty engine
+        states, chunks = self._schedule()
+        launched = self._launch(states, chunks, started, updates) if states else None
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
-        return [] if launched is None else self._collect(launched)
+        if launched is not None:
+            updates += self._collect(launched)
+        if not states and self._in_flight is None:  # nothing ran, nothing runs: nobody may be stuck
+            updates += self._fail_unschedulable(blocked)
+        return updates
+
+    def _fail_unschedulable(self, blocked: bool) -> list[Update]:
+        """Finishes what no step can ever serve (a scheduler bug, never a user's request): running
+        requests that are neither prefilling nor decoding, or a queue head that did not fit an empty
+        engine. Without it `has_work()` would stay true and a caller's loop would spin forever."""
+        if self.running:
+            return self._fail(list(self.running), "it could not be scheduled any more", "scheduling")
+        if blocked and self.waiting:
+            return self._fail([self.waiting[0]], "it does not fit the empty engine", "admitting it")
+        return []
+
+    def _fail(self, states: Sequence[RequestState], error: Exception | str, stage: str) -> list[Update]:
+        """Finishes `states` with finish_reason "error" (`state.error` = what failed while `stage`),
+        freeing their table_idxs and pages; returns their final updates."""
+        detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        message = f"failed while {stage}: {detail}"
+        states = [state for state in states if not state.finished]
+        logger.error(
+            "%d request(s) %s %s",
+            len(states),
+            [state.uid for state in states],
+            message,
+            exc_info=error if isinstance(error, Exception) else None,
+        )
+        now, updates = time.perf_counter(), []
+        for state in states:
+            state.error = message
+            try:
+                self.output.finish_text(state)
+            except Exception:  # the detokenizer may be what failed: the text stays as it was
+                pass
+            self._finish(state, "error", now)
+            updates.append(Update(state, [], self.output.take_delta(state), True))
+        self.metrics.queues(len(self.running), len(self.waiting), self._kv_cache_usage())
+        return updates
 
     def _schedule(self) -> tuple[list[RequestState], list[int] | None]:
         """(requests, prefill chunk sizes) for a prefill step or (requests, None) for a decode step."""
@@ -191,10 +260,20 @@ class Scheduler:
             return chosen, chunks
         return decoding, None
 
-    def _launch(self, started: float) -> _InFlight | None:
-        states, chunks = self._schedule()
-        if not states:
+    def _launch(
+        self, states: list[RequestState], chunks: list[int] | None, started: float, updates: list[Update]
+    ) -> _InFlight | None:
+        """Prepares and launches the forward of `states`; if that fails, finishes them with "error"
+        (their updates go to `updates`) and returns None."""
+        try:
+            return self._run(states, chunks, started)
+        except Exception as e:
+            updates += self._fail(states, e, "running a step")
+            if isinstance(e, FATAL_ERRORS):  # no later step can run either
+                raise
             return None
+
+    def _run(self, states: list[RequestState], chunks: list[int] | None, started: float) -> _InFlight:
         scheduled = time.perf_counter()
         reqs = [state.req for state in states]
         phase: Phase = "decode" if chunks is None else "prefill"
@@ -219,14 +298,23 @@ class Scheduler:
 
     def _collect(self, launched: _InFlight) -> list[Update]:
         waiting_since = time.perf_counter()
-        launched.output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
+        try:
+            launched.output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
+            tokens = launched.output.next_tokens_cpu.tolist()
+        except Exception as e:  # the forward failed on the device
+            failed = self._fail(launched.states, e, "running a step")
+            if isinstance(e, FATAL_ERRORS):
+                raise
+            return failed
         now = time.perf_counter()
-        tokens = launched.output.next_tokens_cpu.tolist()
-        updates = [
-            self._process(state, token, now)
-            for state, token, produces in zip(launched.states, tokens, launched.produces)
-            if produces and not state.finished  # finished: stopped one step earlier (overlap), or aborted
-        ]
+        updates, failed = [], []
+        for state, token, produces in zip(launched.states, tokens, launched.produces):
+            # finished: stopped one step earlier (overlap), aborted or failed
+            if produces and not state.finished:
+                try:
+                    updates.append(self._process(state, token, now))
+                except Exception as e:  # this request's own output processing: it alone fails
+                    failed += self._fail([state], e, "processing its token")
         batch_size, num_generated = len(launched.states), len(updates)
         self.metrics.step(
             launched.phase,
@@ -252,7 +340,7 @@ class Scheduler:
                     device_ms=device_ms,
                 )
             )
-        return updates
+        return updates + failed
 
     def _process(self, state: RequestState, token: int, now: float) -> Update:
         state.req.input_ids.append(token)

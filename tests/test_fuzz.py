@@ -1,0 +1,222 @@
+"""Property tests (hypothesis) over what a user can pass: sampling parameters, prompts and settings.
+
+Any input either raises a clear error up front (a ValueError, TypeError or SettingsError naming the
+value, or a MemoryError naming the setting that asked too much) or generates normally (finish reason
+"stop" or "length", never "error"); afterwards no request holds a page, every slot is free, and a
+normal request gives the same tokens as before. Examples are bounded in number and size and have no
+deadline, so the run takes the same time on a slow machine."""
+
+import math
+
+import pytest
+from conftest import make_tiny_model_with_tokenizer
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.settings import SettingsError
+
+VOCAB = 49152  # the tokenizer's, as the default model's
+NORMAL_PROMPT, NORMAL = "The capital of France is", SamplingParams(max_tokens=4, ignore_eos=True)
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,  # the same examples on every run: CI does not flake on a new one
+    database=None,  # nothing written to .hypothesis/
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+# values of the wrong kind or far out of range, mixed into every field
+ANYTHING = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.sampled_from([2**63, 2**63 - 1, -(2**63), 2**31, -1, 0]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.binary(max_size=3),
+    st.lists(st.integers(min_value=-3, max_value=60000), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
+
+
+def one_field_corrupted(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    """Keyword arguments drawn from `fields` (each key given or not), half of them with one key's value
+    replaced by ANYTHING: errors come one at a time, and valid inputs stay common."""
+    valid = st.fixed_dictionaries({}, optional=fields)
+
+    @st.composite
+    def corrupted(draw: st.DrawFn) -> dict:
+        kwargs = draw(valid)
+        kwargs[draw(st.sampled_from(sorted(fields)))] = draw(ANYTHING)
+        return kwargs
+
+    return st.one_of(valid, corrupted())
+
+
+TOKEN = st.one_of(st.integers(min_value=0, max_value=VOCAB - 1), st.sampled_from([0, 1, 2, VOCAB - 1]))
+SAMPLING = one_field_corrupted(
+    {
+        "temperature": st.one_of(st.floats(0, 3), st.sampled_from([0.0, 1e-50, 1e-8, 1e30, 3.4e38, 3.5e38])),
+        "top_k": st.one_of(st.integers(-1, VOCAB + 5), st.sampled_from([2**62, 2**63 - 1])),
+        "top_p": st.one_of(st.floats(1e-60, 1.0), st.sampled_from([1e-300, 5e-324, 1.0])),
+        "min_p": st.floats(0.0, 1.0),
+        "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+        "max_tokens": st.integers(3, 8),
+        "min_tokens": st.integers(0, 3),
+        "ignore_eos": st.booleans(),
+        "stop": st.one_of(
+            st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)
+        ),
+        "stop_token_ids": st.lists(st.one_of(TOKEN, st.sampled_from([VOCAB, 10**6, 2**70])), max_size=4),
+    }
+).map(lambda kwargs: {"max_tokens": 4, **kwargs})  # not the default 1024: a CPU run stays short
+TEXT, IDS = st.text(max_size=40), st.lists(TOKEN, max_size=24)
+ONE_PROMPT = st.one_of(
+    TEXT,
+    IDS,
+    TEXT,
+    IDS,
+    st.lists(st.integers(min_value=-(2**64), max_value=2**64), max_size=4),
+    st.lists(st.floats(0, 100), min_size=1, max_size=3),
+)
+PROMPTS = st.one_of(ONE_PROMPT, ONE_PROMPT, st.lists(ONE_PROMPT, max_size=3), ANYTHING)
+# words a clear error of the LLM's checks uses (Python internals such as "unhashable" or "NoneType"
+# without a word on what to pass are not clear)
+CLEAR = ("prompt", "token", "max_tokens", "max_seq_len", "vocabulary", "tokenizer", "stop", "sampling")
+
+
+def check_clean(llm: LLM) -> None:
+    sched = llm.scheduler
+    assert not sched.running and not sched.waiting and not llm._abandoned
+    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
+    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
+
+
+def check_outputs(outputs, params: SamplingParams) -> None:
+    for out in outputs:
+        assert out.finish_reason in ("stop", "length"), out.error
+        assert len(out.token_ids) <= params.max_tokens
+        assert all(0 <= t < VOCAB for t in out.token_ids)
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == params.max_tokens
+
+
+def sampling_params(kwargs: dict) -> SamplingParams | None:
+    """SamplingParams(**kwargs), or None after checking its error names a field given."""
+    try:
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        assert any(name in str(e) for name in kwargs), e
+        event("SamplingParams refused")
+        return None
+
+
+def run_one(llm: LLM, prompt, params: SamplingParams, stream: bool) -> None:
+    """Generates (or streams) the prompt: a clear error up front, or a normal finish."""
+    try:
+        if stream:
+            deltas = llm.stream(prompt, params)
+        else:
+            outputs = llm.generate(prompt, params)
+    except (TypeError, ValueError) as e:
+        assert any(word in str(e) for word in CLEAR), e
+        check_clean(llm)  # refused: nothing was queued
+        event(f"request refused: {type(e).__name__}")
+        return
+    event("generated")
+    if stream:
+        text = "".join(deltas)
+        assert deltas.finish_reason in ("stop", "length") and isinstance(text, str)
+    else:
+        check_outputs(outputs, params)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4)
+    llm.normal = llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids
+    yield llm
+    llm.shutdown()
+
+
+@FUZZ
+@given(kwargs=SAMPLING, prompt=PROMPTS, stream=st.booleans())
+def test_any_sampling_params_and_prompt_either_raise_clearly_or_generate(tiny_llm, kwargs, prompt, stream):
+    params = sampling_params(kwargs)
+    if params is not None:
+        run_one(tiny_llm, prompt, params, stream and isinstance(prompt, str))
+    check_clean(tiny_llm)
+    assert tiny_llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids == tiny_llm.normal
+    check_clean(tiny_llm)
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    llm = LLM(device="cpu", dtype="float32")  # the embedded SmolLM2-135M-Instruct
+    llm.normal = llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids
+    yield llm
+    llm.shutdown()
+
+
+@settings(FUZZ, max_examples=40)
+@given(kwargs=SAMPLING, prompt=PROMPTS)
+def test_the_default_model_survives_the_same_inputs(default_llm, kwargs, prompt):
+    params = sampling_params(kwargs)
+    if params is not None:
+        run_one(default_llm, prompt, params, stream=False)
+    check_clean(default_llm)
+    assert default_llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids == default_llm.normal
+    check_clean(default_llm)
+
+
+# settings a CPU engine reads, with values around their bounds (tp_size only where it fails before any
+# process starts: the tiny model has 4 heads)
+SETTINGS = one_field_corrupted(
+    {
+        "page_size": st.sampled_from([1, 2, 4, 16, 256, 257, 0]),
+        "max_running_req": st.sampled_from([1, 2, 8, 16384, 16385, 0]),
+        "num_page_override": st.sampled_from([None, 1, 3, 64, 10**9, 10**13, 0]),
+        "max_seq_len_override": st.sampled_from([None, 1, 8, 600, 2**20, 2**20 + 1, 0]),
+        "max_prefill_tokens": st.sampled_from([None, 1, 3, 64, 0]),
+        "overlap_scheduling": st.booleans(),
+        "cpu_kv_budget_gib": st.sampled_from([None, 1e-9, 0.01, 0.05, 1e6, 0.0, math.inf]),
+        "memory_ratio": st.sampled_from([0.5, 1.0, 0.0, 1.5]),
+        "dtype": st.sampled_from(["auto", "float32", "bfloat16", "int8"]),
+        "attention_backend": st.sampled_from(["auto", "torch", "torch,torch", "bogus"]),
+        "cuda_graph_max_bs": st.sampled_from([None, 0, 4, -1]),
+        "tp_size": st.sampled_from([1, 0, 3]),
+        "device": st.sampled_from(["cpu", "auto", "tpu", "cpu:x"]),
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+
+
+@settings(FUZZ, max_examples=60)
+@given(kwargs=SETTINGS)
+def test_any_settings_either_raise_clearly_or_serve(tiny_folder, kwargs):
+    kwargs = {"cpu_kv_budget_gib": 0.05, **kwargs}  # a small KV pool unless the example says otherwise
+    if kwargs.get("device") == "auto":
+        kwargs["device"] = "cpu"  # not a GPU, where there is one
+    try:
+        llm = LLM(str(tiny_folder), **kwargs)
+    except (SettingsError, ValueError, TypeError, MemoryError) as e:
+        named = [*kwargs, "max_seq_len", "num_attention_heads", "tensor-parallel"]
+        assert any(name in str(e) for name in named), e
+        event(f"settings refused: {type(e).__name__}")
+        return
+    event("settings served")
+    try:
+        [out] = llm.generate(NORMAL_PROMPT, NORMAL)
+        assert out.finish_reason == "length" and len(out.token_ids) == NORMAL.max_tokens
+    except ValueError as e:  # a max_seq_len too short for the prompt
+        assert "max_seq_len" in str(e), e
+    finally:
+        check_clean(llm)
+        llm.shutdown()
