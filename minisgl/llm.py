@@ -17,7 +17,9 @@ import contextlib
 import json
 import logging
 import numbers
+import shutil
 import signal
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -124,8 +126,19 @@ class LLM:
                 )
             settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
+        self._rendezvous_dir: str | None = None
+        if launched is None and self.settings.tp_size > 1 and self.settings.distributed_addr == "auto":
+            # the ranks meet at a new file in a private folder: no port to collide, nothing listening
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="minisgl-tp-")
+            settings["distributed_addr"] = f"file://{self._rendezvous_dir}/rendezvous"
+            self.settings = EngineSettings.load(config, **settings)
         scheduler_config = self.settings.to_scheduler_config()
-        self.engine = self._start_engine(settings, config, launched)
+        try:
+            self.engine = self._start_engine(settings, config, launched)
+        except BaseException:
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            raise
         model_path = self.engine.config.model_path
         self.model_name = Path(model_path).name
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
@@ -305,6 +318,8 @@ class LLM:
                 self.scheduler.abort(state)
             self._abandoned.clear()
             self.engine.shutdown()
+            if self._rendezvous_dir is not None:
+                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def __enter__(self) -> LLM:
         return self

@@ -128,6 +128,21 @@ def test_invalid_config_values(tiny_llama, kwargs, match):
         EngineConfig(model_path=str(tiny_llama), device="cpu", **kwargs)
 
 
+def test_host_threads(tiny_llama):
+    """On CPU the engine keeps torch's threads (the model's GEMMs use them) unless host_threads says;
+    tests/gpu/test_gpu.py checks the CUDA default of one thread."""
+    before = torch.get_num_threads()
+    try:
+        _engine(tiny_llama, num_page_override=8)
+        assert torch.get_num_threads() == before
+        _engine(tiny_llama, num_page_override=8, host_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="host_threads=0"):
+        EngineConfig(model_path=str(tiny_llama), device="cpu", host_threads=0)
+
+
 def test_missing_model_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         EngineConfig(model_path=str(tmp_path / "nowhere"))

@@ -1,5 +1,6 @@
 """LLM(tp=N): rank 0 in this process schedules, spawned ranks follow; results equal a single rank."""
 
+import os
 import socket
 
 import pytest
@@ -135,3 +136,44 @@ def test_torchrun_style_ranks_from_the_environment(smollm2_path):
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-1500:] for _, err in outs]
     assert outs[0][0].startswith("The capital of France is") and "Paris" in outs[0][0]
     assert outs[1][0] == outs[2][0] == ""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_a_main_guard_is_told_before_any_rank_starts(tiny_qwen3, tmp_path, guarded):
+    """Spawned ranks import the main script again: LLM(tp=2) at a script's top level is refused with
+    the fix named, before any process starts; under `if __name__ == "__main__":` it is not."""
+    import subprocess
+    import sys
+
+    call = f"LLM({str(tiny_qwen3)!r}, tp=2, device='cpu', distributed_addr={_addr()!r}).shutdown()"
+    body = f"if __name__ == '__main__':\n    {call}\n    print('ran')\n" if guarded else f"{call}\n"
+    script = tmp_path / "script.py"
+    script.write_text(f"from minisgl.llm import LLM\n{body}")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    if guarded:
+        assert out.returncode == 0 and "ran" in out.stdout, out.stderr[-2000:]
+    else:
+        assert out.returncode != 0
+        assert 'put the code that creates the LLM under `if __name__ == "__main__":`' in out.stderr
+        assert "bootstrapping" not in out.stderr  # no rank was started
+
+
+def test_auto_rendezvous_needs_no_port_and_a_taken_port_is_a_clear_error(tiny_qwen3):
+    """Unset distributed_addr: the ranks meet at a file in a private folder, removed at shutdown. A
+    tcp:// address whose port is taken is an error naming the address and the fix, not a raw
+    EADDRINUSE, and the spawned rank is stopped."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm = LLM(str(tiny_qwen3), tp=2, device="cpu", dtype="float32", distributed_timeout=60)
+    folder = llm._rendezvous_dir
+    assert llm.settings.distributed_addr == f"file://{folder}/rendezvous"
+    out = llm.generate([[5, 6, 7]], params)[0].token_ids
+    workers = list(llm.engine.workers)
+    llm.shutdown()
+    assert not os.path.exists(folder) and not any(p.is_alive() for p in workers)
+    assert out == _generate(tiny_qwen3, 1, [[5, 6, 7]], params)[0]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match="could not meet its group at distributed_addr"):
+            LLM(str(tiny_qwen3), tp=2, device="cpu", distributed_addr=addr, distributed_timeout=20)

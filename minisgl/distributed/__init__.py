@@ -112,14 +112,25 @@ def init_process_group(info: DistributedInfo, addr: str, timeout_s: float, devic
             "torch.distributed is already initialized in this process; minisgl runs one engine per "
             "process. Start each rank in its own process."
         )
+    if addr == "auto":
+        raise ValueError(
+            "distributed_addr='auto' is chosen by LLM(tp=N) and `minisgl-run --tp N`, which start the "
+            "ranks; ranks started otherwise need one address: tcp://HOST:PORT, file:///PATH or env://"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=addr,
-        rank=info.rank,
-        world_size=info.size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=addr,
+            rank=info.rank,
+            world_size=info.size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except dist.DistNetworkError as e:  # e.g. EADDRINUSE: the port is taken
+        raise RuntimeError(
+            f"tensor-parallel rank {info.rank} could not meet its group at distributed_addr={addr!r} ({e}); "
+            "use a free port, or leave distributed_addr unset (auto) when LLM(tp=N) starts the ranks"
+        ) from e
     logger.info("communication: %s group of %d ranks at %s (rank %d)", backend, info.size, addr, info.rank)
     return True
 

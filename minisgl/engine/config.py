@@ -24,6 +24,9 @@ MAX_PAGE_SIZE = 256
 # max_running_req + 1 rows of max_seq_len entries; RoPE tables have max_seq_len rows)
 MAX_RUNNING_REQ = 16384
 MAX_SEQ_LEN = 2**20
+# intra-op threads of a process driving a GPU: its host work is small tensor ops, where a thread per core
+# only waits for threads the OS has parked once the host is busy (docs/gpu.md#host-threads)
+CUDA_HOST_THREADS = 1
 MOE_BACKENDS = ("auto", "torch", "fused")
 DEVICE_TYPES = ("cpu", "cuda")
 DTYPES: dict[str, torch.dtype] = {
@@ -129,7 +132,9 @@ class EngineConfig:
         False, "Random weights made on the device instead of loading checkpoints (only config.json is read)."
     )
     distributed_addr: str = setting(
-        "tcp://127.0.0.1:23333", "Rendezvous address of the tensor-parallel process group."
+        "auto",
+        "Rendezvous of the tensor-parallel group: auto (LLM(tp=N) and --tp N: a new file in a private "
+        "temporary folder, no port), tcp://HOST:PORT, file:///PATH or env:// (torchrun's variables).",
     )
     distributed_timeout: float = setting(
         300.0, "Seconds before a tensor-parallel collective gives up.", gt=0.0
@@ -168,6 +173,14 @@ class EngineConfig:
         "Query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the "
         "CUDA-core one.",
         ge=1,
+    )
+
+    host_threads: int | None = setting(
+        None,
+        "Intra-op threads of torch's host (CPU) work in this process (torch.set_num_threads); unset = "
+        f"{CUDA_HOST_THREADS} when the engine runs on CUDA, torch's default (all cores) on CPU.",
+        ge=1,
+        le=4096,
     )
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from minisgl.distributed import (
     set_tp_info,
     shard_heads,
 )
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
@@ -55,14 +55,15 @@ ForwardMode = Literal["cuda_graph", "compiled", "eager"]
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        """Builds the engine in the documented order: communication, model, KV cache, page table,
-        attention and MoE backends, sampler, CUDA graphs."""
+        """Builds the engine in the documented order (after setting this process's host threads):
+        communication, model, KV cache, page table, attention and MoE backends, sampler, CUDA graphs."""
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self._closed = False
         started = time.perf_counter()
         # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
         self.local_heads = check_tensor_parallel(config)
+        self._init_host_threads()
         available_before = self._init_communication()
         model_bytes = self._load_model()
         self._init_kv_cache(available_before, model_bytes)
@@ -72,6 +73,16 @@ class Engine:
         self._init_cuda_graphs()
         self.sampler.warm_up()  # compiles the sampler on CUDA
         self._log_ready(time.perf_counter() - started, model_bytes)
+
+    def _init_host_threads(self) -> None:
+        """Sets torch's intra-op threads for this process: `host_threads`, or where unset
+        CUDA_HOST_THREADS on CUDA (on CPU the model's GEMMs use every core, as torch chooses)."""
+        threads = self.config.host_threads
+        if threads is None and self.device.type == "cuda":
+            threads = CUDA_HOST_THREADS
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+            logger.info("host threads: %d (torch intra-op threads of this process)", threads)
 
     def _init_communication(self) -> int:
         """Joins the tensor-parallel group; returns the device memory free before the model loads."""

@@ -15,9 +15,11 @@ MASTER_ADDR and MASTER_PORT set): rank 0 runs the LLM as usual, the others run `
 
 from __future__ import annotations
 
+import ast
 import logging
 import multiprocessing as mp
 import os
+import sys
 from typing import Any
 
 import torch
@@ -133,8 +135,44 @@ def launched_rank() -> tuple[int, int] | None:
     return None
 
 
+def check_main_guard() -> None:
+    """Raises a clear error if ranks are started from the main script's top level outside an
+    ``if __name__ == "__main__":`` block: the spawned ranks import the main script again, and there
+    they would try to start ranks of their own (multiprocessing's "bootstrapping phase" error)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None or path is None or not os.path.isfile(path):
+        return  # not started from the main script's top level (a function, a REPL, `python -c`)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            if node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+                return
+    raise RuntimeError(
+        f"{path}, line {line}: tensor parallelism starts its ranks as new processes, which import this "
+        'script again; put the code that creates the LLM under `if __name__ == "__main__":`'
+    )
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """True for ``__name__ == "__main__"`` (either order)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.unparse(test.left), ast.unparse(test.comparators[0])}
+    return sides == {"__name__", "'__main__'"}
+
+
 def start_workers(size: int, settings: dict[str, Any], config: str | None) -> list[mp.process.BaseProcess]:
     """Spawns ranks 1..size-1 (daemons: they end with this process)."""
+    check_main_guard()
     ctx = mp.get_context("spawn")
     workers = [
         ctx.Process(

@@ -172,3 +172,18 @@ def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
         )
         results.append([(r.output_ids, r.finish_reason) for r in requests])
     assert results[0] == results[1]
+
+
+def test_a_cuda_engine_runs_its_host_work_on_one_thread(tiny_qwen3):
+    """A process driving a GPU uses CUDA_HOST_THREADS intra-op threads unless host_threads says."""
+    from minisgl.engine.config import CUDA_HOST_THREADS
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        _engine(tiny_qwen3, cuda_graph_max_bs=0).shutdown()
+        assert torch.get_num_threads() == CUDA_HOST_THREADS
+        _engine(tiny_qwen3, cuda_graph_max_bs=0, host_threads=3).shutdown()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
