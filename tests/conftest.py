@@ -165,3 +165,34 @@ def make_tiny_model_with_tokenizer(tmp_path: Path, arch: str = "llama", **overri
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
     return folder
+
+
+def check_clean(sched) -> None:
+    """Nothing queued or running on the scheduler, no KV page held, every slot free."""
+    assert not sched.running and not sched.waiting
+    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
+    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
+
+
+def llm_clean(llm) -> None:
+    """`check_clean` of an LLM's scheduler, and no dropped stream waiting to be aborted."""
+    check_clean(llm.scheduler)
+    assert not llm._abandoned
+
+
+def one_decode_step(engine, prompts: list[list[int]], next_token: int = 5) -> tuple[torch.Tensor, bool]:
+    """Prefills `prompts`, feeds each `next_token`, and returns the logits of that one decode step and
+    whether it replayed a CUDA graph."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import BatchPreparer
+
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
+    engine.forward_logits(prep.prefill(reqs))
+    for req in reqs:
+        req.input_ids.append(next_token)
+    batch = prep.decode(reqs)
+    replayed = engine.graph_runner.can_use_cuda_graph(batch)
+    logits = engine.forward_logits(batch)
+    prep.release(reqs)
+    return logits, replayed

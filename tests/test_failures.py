@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_model_with_tokenizer
+from conftest import check_clean, llm_clean, make_tiny_model, make_tiny_model_with_tokenizer
 
 from minisgl.core import FatalEngineError, SamplingParams
 from minisgl.engine import Engine, EngineConfig, ForwardOutput, generate
@@ -53,13 +53,6 @@ def _engine(folder) -> Engine:
 
 def _alone(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
     return generate(engine, [prompt], params)[0]
-
-
-def check_clean(sched: Scheduler) -> None:
-    """Nothing queued or running, no page held, every slot free."""
-    assert not sched.running and not sched.waiting
-    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
-    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
 
 
 def _drain(sched: Scheduler) -> None:
@@ -244,11 +237,6 @@ def test_a_fatal_engine_failure_finishes_the_step_and_is_raised(tiny_llama):
 
 
 # -- through the LLM -------------------------------------------------------------------------------
-
-
-def llm_clean(llm: LLM) -> None:
-    check_clean(llm.scheduler)
-    assert not llm._abandoned
 
 
 def test_a_request_failing_inside_the_llm_does_not_poison_it(tiny_text_llm):

@@ -9,7 +9,7 @@ deadline, so the run takes the same time on a slow machine."""
 import math
 
 import pytest
-from conftest import make_tiny_model_with_tokenizer
+from conftest import llm_clean, make_tiny_model_with_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -87,13 +87,6 @@ PROMPTS = st.one_of(ONE_PROMPT, ONE_PROMPT, st.lists(ONE_PROMPT, max_size=3), AN
 CLEAR = ("prompt", "token", "max_tokens", "max_seq_len", "vocabulary", "tokenizer", "stop", "sampling")
 
 
-def check_clean(llm: LLM) -> None:
-    sched = llm.scheduler
-    assert not sched.running and not sched.waiting and not llm._abandoned
-    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
-    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
-
-
 def check_outputs(outputs, params: SamplingParams) -> None:
     for out in outputs:
         assert out.finish_reason in ("stop", "length"), out.error
@@ -122,7 +115,7 @@ def run_one(llm: LLM, prompt, params: SamplingParams, stream: bool) -> None:
             outputs = llm.generate(prompt, params)
     except (TypeError, ValueError) as e:
         assert any(word in str(e) for word in CLEAR), e
-        check_clean(llm)  # refused: nothing was queued
+        llm_clean(llm)  # refused: nothing was queued
         event(f"request refused: {type(e).__name__}")
         return
     event("generated")
@@ -148,9 +141,9 @@ def test_any_sampling_params_and_prompt_either_raise_clearly_or_generate(tiny_ll
     params = sampling_params(kwargs)
     if params is not None:
         run_one(tiny_llm, prompt, params, stream and isinstance(prompt, str))
-    check_clean(tiny_llm)
+    llm_clean(tiny_llm)
     assert tiny_llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids == tiny_llm.normal
-    check_clean(tiny_llm)
+    llm_clean(tiny_llm)
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +160,9 @@ def test_the_default_model_survives_the_same_inputs(default_llm, kwargs, prompt)
     params = sampling_params(kwargs)
     if params is not None:
         run_one(default_llm, prompt, params, stream=False)
-    check_clean(default_llm)
+    llm_clean(default_llm)
     assert default_llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids == default_llm.normal
-    check_clean(default_llm)
+    llm_clean(default_llm)
 
 
 # settings a CPU engine reads, with values around their bounds (tp_size only where it fails before any
@@ -218,5 +211,5 @@ def test_any_settings_either_raise_clearly_or_serve(tiny_folder, kwargs):
     except ValueError as e:  # a max_seq_len too short for the prompt
         assert "max_seq_len" in str(e), e
     finally:
-        check_clean(llm)
+        llm_clean(llm)
         llm.shutdown()

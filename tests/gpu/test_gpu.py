@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.scheduler import Scheduler
 
 pytestmark = [
@@ -126,15 +126,9 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
         # logits of one decode step, bit for bit
         logits = []
         for e in (graphs, plain):
-            prep = BatchPreparer(e)
-            reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
-            e.forward_logits(prep.prefill(reqs))
-            for r in reqs:
-                r.input_ids.append(5)
-            batch = prep.decode(reqs)
-            assert e.graph_runner.can_use_cuda_graph(batch) == (e is graphs and bs <= 16)
-            logits.append(e.forward_logits(batch))
-            prep.release(reqs)
+            step_logits, replayed = one_decode_step(e, prompts)
+            assert replayed == (e is graphs and bs <= 16)
+            logits.append(step_logits)
         assert torch.equal(logits[0], logits[1]), f"bs={bs}"
 
 

@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import GPU_SHAPE, make_tiny_model
-from test_failures import FAULT, GREEDY, OFFENDER, PEERS, check_clean, inject_fault
+from conftest import GPU_SHAPE, check_clean, make_tiny_model
+from test_failures import FAULT, GREEDY, OFFENDER, PEERS, inject_fault
 
 from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.scheduler import Scheduler

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe
 
 pytestmark = [
@@ -186,15 +186,9 @@ def test_engine_fused_captures_graphs_and_matches_torch(tiny_qwen3_moe):
     prompts = _prompts(5, 512, seed=7)
     logits = []
     for e in (fused, plain, ref):
-        prep = BatchPreparer(e)
-        reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]
-        e.forward_logits(prep.prefill(reqs))
-        for r in reqs:
-            r.input_ids.append(5)
-        batch = prep.decode(reqs)
-        assert e.graph_runner.can_use_cuda_graph(batch) == (e is fused)
-        logits.append(e.forward_logits(batch).float())
-        prep.release(reqs)
+        step_logits, replayed = one_decode_step(e, prompts)
+        assert replayed == (e is fused)
+        logits.append(step_logits.float())
     assert torch.equal(logits[0], logits[1])
     assert rel_err(logits[0], logits[2]) < BF16_TOL
     for e in (fused, ref, plain):
