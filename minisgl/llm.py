@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from minisgl.core import SamplingParams, as_token_ids
 from minisgl.engine import Engine, check_tensor_parallel
-from minisgl.launch import RankZeroEngine, launched_rank, start_workers
+from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import RequestState, Scheduler
 from minisgl.settings import EngineSettings
@@ -111,7 +111,7 @@ class LLM:
         """`model`: a local folder, 'smollm2-135m' (also what None means), or a hub id. `config`: a
         YAML settings file; other keyword arguments are settings of the engine and the scheduler (see
         `minisgl.settings`, docs/settings.md). `tp=N` (or `tp_size`) runs N tensor-parallel ranks: this
-        process is rank 0 and schedules, N-1 spawned processes follow."""
+        process is rank 0 and leads, N-1 spawned processes run their schedulers in lockstep."""
         import transformers
 
         if "tp" in settings:
@@ -133,6 +133,7 @@ class LLM:
             settings["distributed_addr"] = f"file://{self._rendezvous_dir}/rendezvous"
             self.settings = EngineSettings.load(config, **settings)
         scheduler_config = self.settings.to_scheduler_config()
+        self.group: TPGroup | None = None  # rank 0's side of a tensor-parallel group
         try:
             self.engine = self._start_engine(settings, config, launched)
         except BaseException:
@@ -151,7 +152,10 @@ class LLM:
             eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
             tokenizer=self.tokenizer,
             model_name=self.model_name,
+            link=None if self.group is None else self.group.link,
         )
+        if self.group is not None:
+            self.group.start(self.scheduler)
         # one thread steps the scheduler at a time; a step serves the requests of every caller
         self._lock = threading.Lock()
         # streams dropped unfinished (their __del__ may run in any thread, even inside a step): aborted
@@ -161,22 +165,27 @@ class LLM:
 
     def _start_engine(
         self, settings: dict[str, Any], config: str | Path | None, launched: tuple[int, int] | None
-    ) -> Engine | RankZeroEngine:
-        """This process's engine: alone, or rank 0 of a tensor-parallel group whose other ranks a
-        launcher started (`launched`) or that are spawned here."""
-        if launched is not None and launched[1] > 1:
-            return RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers=[])
-        if self.settings.tp_size == 1:
-            return Engine(self.settings.to_engine_config())
-        # rank 0 here, ranks 1..N-1 in processes of their own, once the model is known to split
-        check_tensor_parallel(self.settings.to_engine_config(rank=0))
-        settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
-        workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
+    ) -> Engine:
+        """This process's engine: alone, or rank 0 of a tensor-parallel group (`self.group`) whose
+        other ranks a launcher started (`launched`) or that are spawned here."""
+        workers = []
+        if launched is None or launched[1] == 1:
+            if self.settings.tp_size == 1:
+                return Engine(self.settings.to_engine_config())
+            # rank 0 here, ranks 1..N-1 in processes of their own, once the model is known to split
+            check_tensor_parallel(self.settings.to_engine_config(rank=0))
+            settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
+            workers = start_workers(self.settings.tp_size, settings, None if config is None else str(config))
+        engine = None
         try:
-            return RankZeroEngine(Engine(self.settings.to_engine_config(rank=0)), workers)
+            engine = Engine(self.settings.to_engine_config(rank=0))
+            self.group = TPGroup(engine, workers)
+            return engine
         except BaseException:
             for proc in workers:
                 proc.kill()
+            if engine is not None:
+                engine.shutdown()
             raise
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -314,12 +323,16 @@ class LLM:
             if self._closed:
                 return
             self._closed = True
-            for state in [*self.scheduler.waiting, *self.scheduler.running]:
-                self.scheduler.abort(state)
-            self._abandoned.clear()
-            self.engine.shutdown()
-            if self._rendezvous_dir is not None:
-                shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            try:
+                for state in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self.scheduler.abort(state)
+                self._abandoned.clear()
+                if self.group is not None:
+                    self.group.shutdown()
+            finally:  # the engine and its process group go in any case: a new LLM may follow
+                self.engine.shutdown()
+                if self._rendezvous_dir is not None:
+                    shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def __enter__(self) -> LLM:
         return self

@@ -3,6 +3,7 @@
 Bottom to top (a module may import from its own layer and the layers below it, never from above):
 
     entry        cli, __main__ (`python -m minisgl`), bench.__main__ (`python -m minisgl.bench`)
+    server       server (the OpenAI-compatible HTTP server: its protocol, later its processes)
     bench        bench (the offline benchmark library)
     llm          llm (the LLM front end: tokenizer, scheduler, TP ranks)
     launch       launch (tensor-parallel ranks as processes; later the server's processes)
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("minisgl.launch",)),
     ("llm", ("minisgl.llm",)),
     ("bench", ("minisgl.bench",)),
+    ("server", ("minisgl.server",)),
     ("entry", ("minisgl.cli", "minisgl.__main__", "minisgl.bench.__main__")),
 ]
 

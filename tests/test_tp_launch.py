@@ -5,7 +5,7 @@ import socket
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import llm_clean, make_tiny_model
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -56,8 +56,8 @@ def test_dead_rank_is_a_clear_error(tiny_qwen3):
         str(tiny_qwen3), tp=2, device="cpu", dtype="float32", distributed_addr=_addr(), distributed_timeout=60
     )
     try:
-        llm.engine.workers[0].kill()
-        llm.engine.workers[0].join(10)
+        llm.group.workers[0].kill()
+        llm.group.workers[0].join(10)
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
     finally:
@@ -167,7 +167,7 @@ def test_auto_rendezvous_needs_no_port_and_a_taken_port_is_a_clear_error(tiny_qw
     folder = llm._rendezvous_dir
     assert llm.settings.distributed_addr == f"file://{folder}/rendezvous"
     out = llm.generate([[5, 6, 7]], params)[0].token_ids
-    workers = list(llm.engine.workers)
+    workers = list(llm.group.workers)
     llm.shutdown()
     assert not os.path.exists(folder) and not any(p.is_alive() for p in workers)
     assert out == _generate(tiny_qwen3, 1, [[5, 6, 7]], params)[0]
@@ -177,3 +177,171 @@ def test_auto_rendezvous_needs_no_port_and_a_taken_port_is_a_clear_error(tiny_qw
         addr = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(RuntimeError, match="could not meet its group at distributed_addr"):
             LLM(str(tiny_qwen3), tp=2, device="cpu", distributed_addr=addr, distributed_timeout=20)
+
+
+# -- ranks in lockstep, two processes: overlap, stops decided by rank 0, aborts, faults ------------
+
+
+def _text_llm(folder, tp: int, **kw) -> LLM:
+    return LLM(
+        str(folder),
+        tp=tp,
+        device="cpu",
+        dtype="float32",
+        max_running_req=6,
+        page_size=4,
+        max_prefill_tokens=24,
+        distributed_timeout=120,  # also how long rank 0 waits for the spawned rank to start (a busy CI host)
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    from conftest import make_tiny_model_with_tokenizer
+
+    return make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("text"), "qwen3")
+
+
+LOCKSTEP_PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "Hello"]
+
+
+def _lockstep_params(stop: str) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=12),  # EOS may stop it: rank 0 decides
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=16, stop=[stop]),  # a stop string: only rank 0 has the text
+        SamplingParams(max_tokens=9, min_tokens=4, ignore_eos=False, stop_token_ids=[7, 8, 9]),
+    ]
+
+
+def _outputs(llm: LLM, params) -> list[tuple[list[int], str]]:
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(LOCKSTEP_PROMPTS, params)]
+
+
+def _exit_codes(llm: LLM) -> list[int | None]:
+    workers = list(llm.group.workers)
+    llm.shutdown()
+    return [proc.exitcode for proc in workers]
+
+
+def test_lockstep_tp2_equals_tp1_with_overlap_stops_aborts_and_faults(text_model, monkeypatch):
+    """TP=2 with overlap scheduling (on by default): the same tokens and finishes as one rank, with a
+    stop string found in rank 0's text, an aborted stream, unseeded sampling (ranks share the seed rank
+    0 draws: the follower checks the tokens every step) and faults injected on rank 0 alone (a failed
+    step, one request's failed token handling), which fail only their requests. The follower ends
+    cleanly (exit code 0), so it never diverged."""
+    single = _text_llm(text_model, 1)
+    try:
+        probe = single.generate(LOCKSTEP_PROMPTS[2], SamplingParams(max_tokens=16))[0].text
+        stop = probe[len(probe) // 2 : len(probe) // 2 + 2] or "x"
+        params = _lockstep_params(stop)
+        expected = _outputs(single, params)
+        with single.stream("Hello", SamplingParams(max_tokens=20, ignore_eos=True)) as stream:
+            streamed = [next(stream), next(stream)]
+    finally:
+        single.shutdown()
+    assert expected[2][1] == "stop"
+
+    llm = _text_llm(text_model, 2)
+    try:
+        assert llm.scheduler.overlap and llm.group is not None
+        assert _outputs(llm, params) == expected
+        with llm.stream("Hello", SamplingParams(max_tokens=20, ignore_eos=True)) as stream:
+            assert [next(stream), next(stream)] == streamed
+        assert stream.finish_reason == "abort"
+        unseeded = llm.generate(
+            LOCKSTEP_PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+        )
+        assert [len(o.token_ids) for o in unseeded] == [12] * 4
+
+        # rank 0 alone fails preparing one step: its requests fail, on every rank; the rest go on
+        output = llm.scheduler.output
+        original = output.suppressed
+
+        def fail_once(*args):
+            output.suppressed = original
+            raise RuntimeError("injected on rank 0")
+
+        output.suppressed = fail_once
+        failed = llm.generate(LOCKSTEP_PROMPTS, params)
+        assert {o.finish_reason for o in failed} == {"error"}
+        assert "injected on rank 0" in failed[0].error
+        # rank 0 alone fails handling one request's token: that request alone fails
+        check_stop = output.check_stop
+        monkeypatch.setattr(
+            output,
+            "check_stop",
+            lambda state, token: (
+                (_ for _ in ()).throw(RuntimeError("bad token"))
+                if state.prompt_ids == llm.tokenizer(LOCKSTEP_PROMPTS[1])["input_ids"]
+                else check_stop(state, token)
+            ),
+        )
+        mixed = _outputs(llm, params)
+        assert mixed[1][1] == "error"
+        assert [mixed[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+        monkeypatch.setattr(output, "check_stop", check_stop)
+        assert _outputs(llm, params) == expected
+        llm_clean(llm)
+    finally:
+        codes = _exit_codes(llm)
+    assert codes == [0]
+
+
+def _fail_third_forward(rank, engine, scheduler):
+    """Worker setup (runs in the spawned rank): its third forward raises."""
+    calls = []
+    original = engine.forward_batch
+
+    def forward_batch(batch, args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"injected on rank {rank}")
+        return original(batch, args)
+
+    engine.forward_batch = forward_batch
+
+
+def test_a_failure_on_another_rank_ends_the_group_with_that_rank_named(tiny_qwen3, monkeypatch):
+    """Rank 1 fails inside a step: it reports its error and exits; rank 0, left waiting in the step's
+    collectives, raises a FatalEngineError naming rank 1 and its error, well inside
+    distributed_timeout; the LLM refuses later calls."""
+    import functools
+    import time
+
+    from minisgl import llm as llm_module
+    from minisgl.core import FatalEngineError
+    from minisgl.launch import start_workers
+
+    monkeypatch.setattr(
+        llm_module, "start_workers", functools.partial(start_workers, setup=_fail_third_forward)
+    )
+    llm = LLM(str(tiny_qwen3), tp=2, device="cpu", dtype="float32", distributed_timeout=120)
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            FatalEngineError, match=r"tensor-parallel rank 1 failed \(.*RuntimeError: injected on rank 1"
+        ):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert time.monotonic() - started < 60  # not the 120 s timeout: the report ends the wait
+        with pytest.raises(FatalEngineError, match="rank 1"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        codes = _exit_codes(llm)
+    assert codes == [1]
+
+
+def test_a_rank_killed_mid_stream_is_a_clear_error(text_model):
+    llm = _text_llm(text_model, 2)
+    try:
+        stream = llm.stream("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
+        next(stream)
+        llm.group.workers[0].kill()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+            for _ in stream:
+                pass
+        assert stream.finish_reason == "error"
+    finally:
+        codes = _exit_codes(llm)
+    assert codes == [-9]

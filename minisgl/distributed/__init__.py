@@ -4,12 +4,21 @@ The Engine records its rank as the process's current TP info (`set_tp_info`) rig
 group; the layer functions and the model ask `get_tp_info()` instead of threading the size through every
 call. With one rank every collective is a plain Python no-op, so `torch.compile(fullgraph=True)` sees
 no communication at all.
+
+On CUDA, small all-reduces (a decode step's, up to `one_shot_all_reduce_max_bytes`; off by default,
+see docs/tensor-parallel-and-moe.md) can skip NCCL: each
+rank copies its part into a buffer that every rank of the machine can read (torch's symmetric memory,
+CUDA IPC) and sums all the parts itself in one kernel ("one-shot"). Measured inside CUDA graphs on two
+H200s: 6.0 us against NCCL's 17.8 us for a (1, 1024) bf16 tensor, 21.5 us against 38.2 us for
+(256, 4096) (`python -m perf.gpu.allreduce`); the sums are the same on every rank (every rank adds the
+parts in rank order). Larger messages (prefill) go to NCCL.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +58,75 @@ def get_tp_info() -> DistributedInfo:
     return _current
 
 
+@dataclass
+class _OneShot:
+    """The symmetric-memory buffer of this process's one-shot all-reduces."""
+
+    buffer: torch.Tensor
+    group_name: str
+
+
+_one_shot: _OneShot | None = None
+
+
+def init_one_shot_all_reduce(max_bytes: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Sets up one-shot all-reduces of up to `max_bytes` of `dtype` for this rank (collective: every rank
+    of the group calls it). Returns False, leaving NCCL in charge, where it cannot be used (one rank,
+    no CUDA, `max_bytes` 0, or the buffer cannot be shared)."""
+    global _one_shot
+    _one_shot = None
+    if _current.size == 1 or device.type != "cuda" or max_bytes <= 0:
+        return False
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = dist.group.WORLD.group_name
+        buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+    except Exception as e:  # noqa: BLE001  (an old torch, no peer access: NCCL does it all)
+        logger.warning(
+            "one-shot all-reduce unavailable (%s: %s): NCCL for every all-reduce", type(e).__name__, e
+        )
+        return False
+    _one_shot = _OneShot(buffer, group_name)
+    logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above", max_bytes)
+    return True
+
+
+def close_one_shot_all_reduce() -> None:
+    global _one_shot
+    _one_shot = None
+
+
+@torch.library.custom_op("minisgl::one_shot_all_reduce", mutates_args=())
+def one_shot_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the ranks, in a new tensor, by the one-shot kernel (see the module docstring)."""
+    assert _one_shot is not None
+    buffer = _one_shot.buffer[: x.numel()].view(x.shape)
+    out = torch.empty_like(x)
+    torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x.contiguous(), "sum", _one_shot.group_name, out)
+    return out
+
+
+@one_shot_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums x over the tensor-parallel ranks, in place; returns x. No-op for a single rank."""
-    if _current.size > 1:
-        dist.all_reduce(x)
+    """Sums x over the tensor-parallel ranks; returns the sum (x itself, summed in place, unless the
+    one-shot kernel took it). No-op for a single rank."""
+    if _current.size == 1:
+        return x
+    one_shot = _one_shot
+    if (
+        one_shot is not None
+        and x.device == one_shot.buffer.device
+        and x.dtype == one_shot.buffer.dtype
+        and x.numel() <= one_shot.buffer.numel()
+    ):
+        return torch.ops.minisgl.one_shot_all_reduce(x)
+    dist.all_reduce(x)
     return x
 
 
@@ -118,6 +192,8 @@ def init_process_group(info: DistributedInfo, addr: str, timeout_s: float, devic
             "ranks; ranks started otherwise need one address: tcp://HOST:PORT, file:///PATH or env://"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if info.rank == 0 and addr.startswith("tcp://"):
+        _check_port_free(addr)  # before torch tries: a failed try leaves state behind (see below)
     try:
         dist.init_process_group(
             backend=backend,
@@ -126,15 +202,60 @@ def init_process_group(info: DistributedInfo, addr: str, timeout_s: float, devic
             world_size=info.size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    except dist.DistNetworkError as e:  # e.g. EADDRINUSE: the port is taken
-        raise RuntimeError(
-            f"tensor-parallel rank {info.rank} could not meet its group at distributed_addr={addr!r} ({e}); "
-            "use a free port, or leave distributed_addr unset (auto) when LLM(tp=N) starts the ranks"
-        ) from e
+    except Exception as e:
+        # torch counted a group that does not exist: the next try in this process would look for its
+        # peers under another key of the rendezvous and wait for ever (torch 2.11 to 2.13)
+        world = getattr(dist.distributed_c10d, "_world", None)
+        if not dist.is_initialized() and hasattr(world, "group_count"):
+            world.group_count = 0
+        if isinstance(e, dist.DistNetworkError):  # e.g. EADDRINUSE: the port is taken
+            raise RuntimeError(
+                f"tensor-parallel rank {info.rank} could not meet its group at distributed_addr={addr!r} "
+                f"({e}); use a free port, or leave distributed_addr unset (auto) when LLM(tp=N) starts "
+                "the ranks"
+            ) from e
+        raise
     logger.info("communication: %s group of %d ranks at %s (rank %d)", backend, info.size, addr, info.rank)
+    # created now, while the ranks are together: its first use comes after each rank built its engine,
+    # which may take one rank minutes longer than another (compilation), hence the start-up timeout
+    global _cpu_group
+    _cpu_group = dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+    )
     return True
 
 
+def _check_port_free(addr: str) -> None:
+    """Raises the error of a taken port for rank 0's tcp://HOST:PORT (where the group's store listens)."""
+    from urllib.parse import urlparse
+
+    url = urlparse(addr)
+    if url.port is None:
+        return
+    with socket.socket() as probe:
+        try:
+            probe.bind((url.hostname or "", url.port))
+        except OSError as e:
+            raise RuntimeError(
+                f"tensor-parallel rank 0 could not meet its group at distributed_addr={addr!r} (port "
+                f"{url.port} is taken: {e.strerror}); use a free port, or leave distributed_addr unset "
+                "(auto) when LLM(tp=N) starts the ranks"
+            ) from e
+
+
+STARTUP_TIMEOUT_S = 1800.0  # how long the CPU group waits for the slowest rank's engine at start
+_cpu_group = None
+
+
+def cpu_group():
+    """A gloo group of the tensor-parallel ranks for host data (the lockstep's start-up exchange)."""
+    if _cpu_group is None:
+        raise RuntimeError("no tensor-parallel group: the engine runs a single rank")
+    return _cpu_group
+
+
 def destroy_process_group() -> None:
+    global _cpu_group
+    _cpu_group = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -175,6 +175,21 @@ class EngineConfig:
         ge=1,
     )
 
+    tp_broadcast_tokens: bool = setting(
+        False,
+        "Under tensor parallelism, broadcast rank 0's sampled tokens to the other ranks inside each step "
+        "(one small collective); false: every rank samples the same tokens from the same all-gathered "
+        "logits with the same seeds (checked every step).",
+    )
+    one_shot_all_reduce_max_bytes: int = setting(
+        0,
+        "Under tensor parallelism on CUDA, all-reduces up to this many bytes (a decode step's; 2097152 "
+        "covers 256 x 4096 bf16) run as one kernel over memory the ranks share (torch symmetric memory), "
+        "larger ones on NCCL; 0: NCCL always (the default until the one-shot path passes the LLM-level "
+        "GPU tests).",
+        ge=0,
+        le=1 << 30,
+    )
     host_threads: int | None = setting(
         None,
         "Intra-op threads of torch's host (CPU) work in this process (torch.set_num_threads); unset = "

@@ -14,8 +14,10 @@ from minisgl.core import Batch, Context, FatalEngineError
 from minisgl.distributed import (
     DistributedInfo,
     HeadShard,
+    close_one_shot_all_reduce,
     destroy_process_group,
     divide,
+    init_one_shot_all_reduce,
     init_process_group,
     set_tp_info,
     shard_heads,
@@ -93,6 +95,7 @@ class Engine:
             cfg.tp_info, cfg.distributed_addr, cfg.distributed_timeout, self.device
         )
         set_tp_info(cfg.tp_info)  # read by the model's construction and the layer functions' collectives
+        init_one_shot_all_reduce(cfg.one_shot_all_reduce_max_bytes, cfg.torch_dtype, self.device)
         return _available_memory(self.device)
 
     def _load_model(self) -> int:
@@ -248,6 +251,8 @@ class Engine:
         """Runs the model on a prepared batch and samples one token per request (also kept in
         `last_tokens`, by table_idx, for a pending decode batch to read)."""
         next_tokens = self.sampler.sample(self._forward(batch), args)
+        if self.config.tp_broadcast_tokens and self.config.tp_info.size > 1:
+            torch.distributed.broadcast(next_tokens, src=0)  # rank 0's tokens, on the device
         table_idx = batch.table_idx
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
@@ -328,6 +333,7 @@ class Engine:
             return
         self._closed = True
         self.graph_runner.destroy()
+        close_one_shot_all_reduce()
         if self._owns_process_group:
             destroy_process_group()
         set_tp_info(DistributedInfo())

@@ -1,12 +1,11 @@
-"""Running a tensor-parallel group from one process: rank 0 schedules, the other ranks follow.
+"""Running a tensor-parallel group from one process: every rank runs its own scheduler, in lockstep.
 
-`start_workers` spawns ranks 1..N-1; each builds its Engine (joining the process group) and then
-replays what rank 0 sends before every forward: the page-table writes since the last step and the
-batch (each request's slot and lengths, the host lists of input_ids, positions and out_loc). Rank 0's
-scheduler sees a `RankZeroEngine`, which sends that message and then runs its own forward, so every
-rank runs the same batch and takes part in the same collectives. Only rank 0's sampled tokens are used;
-the other ranks sample greedily and discard theirs. Messages travel over a gloo group (also on GPUs,
-where tensors use NCCL). A rank that died is noticed before the next step and reported by name.
+`start_workers` spawns ranks 1..N-1 (`worker_main`); each builds its Engine (joining the process group),
+connects to rank 0 (`minisgl.scheduler.lockstep`), and runs a following `Scheduler`: one step per
+message from rank 0, which sends only what arrived from outside (new requests, aborts, the finishes it
+decided) and each step's plan. Rank 0 is the `LLM`'s own process and scheduler (`TPGroup` holds its
+side: the spawned processes and the leading link). A rank that fails reports it to rank 0 before it
+exits; rank 0 raises it at its next step, naming the rank, and so it does for a spawned rank that died.
 
 Ranks can also come from a launcher (torchrun, or one process per machine with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set): rank 0 runs the LLM as usual, the others run `worker_main`
@@ -20,111 +19,105 @@ import logging
 import multiprocessing as mp
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from minisgl.core import Batch, FatalEngineError, Req
-from minisgl.engine import Engine, ForwardOutput
-from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.core import FatalEngineError
+from minisgl.engine import Engine
+from minisgl.scheduler import Scheduler
+from minisgl.scheduler.lockstep import Leader, follower_link, leader_link
 
 logger = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 30.0
+JOIN_TIMEOUT_S = 30.0  # for a rank told to stop
+BROKEN_JOIN_S = 5.0  # for a rank of a broken group (it may be stuck in a collective)
+
+# a function run on each spawned rank once its scheduler exists (tests inject faults with it)
+WorkerSetup = Callable[[int, Engine, Scheduler], None]
 
 
-def _broadcast(message: Any, group: Any) -> Any:
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _replay(engine: Engine, message: dict) -> None:
-    for table_idx, start, pages in message["writes"]:
-        engine.write_page_table(table_idx, start, pages)
-    reqs = [
-        Req(input_ids=[], table_idx=t, cached_len=c, output_len=0, uid=-1, device_len=d)
-        for t, c, d in message["reqs"]
-    ]
-    batch = Batch(reqs=reqs, phase=message["phase"])
-    input_ids, positions, out_loc = message["inputs"]
-    batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(engine.device)
-    batch.positions = torch.tensor(positions, dtype=torch.int64).to(engine.device)
-    batch.out_loc = torch.tensor(out_loc, dtype=torch.int64).to(engine.device)
-    engine.forward_batch(batch, BatchSamplingArgs(all_greedy=True, need_filter=False))
-
-
-def worker_main(rank: int, settings: dict[str, Any], config: str | None) -> None:
-    """Entry point of ranks 1..N-1: build the engine, then replay rank 0's steps until told to stop."""
+def worker_main(
+    rank: int,
+    settings: dict[str, Any],
+    config: str | None,
+    parent: int | None = None,
+    setup: WorkerSetup | None = None,
+) -> None:
+    """Entry point of ranks 1..N-1: build the engine, follow rank 0's scheduler step by step until it
+    says stop. `parent`: the pid of the process that spawned this one (its death ends the wait)."""
     os.environ.setdefault("TQDM_DISABLE", "1")  # rank 0 alone shows progress
     logging.basicConfig(level=logging.WARNING)
     from minisgl.settings import EngineSettings
 
     engine = Engine(EngineSettings.load(config, **settings).to_engine_config(rank))
-    group = dist.new_group(backend="gloo")
+    cfg = engine.config
+    link = follower_link(rank, cfg.tp_info.size, cfg.distributed_addr, parent)
     try:
-        while (message := _broadcast(None, group)) is not None:
-            _replay(engine, message)
+        hello = link.receive()
+        if hello is None:
+            return
+        shared = hello["hello"]
+        scheduler = Scheduler(
+            engine,
+            max_prefill_tokens=shared["max_prefill_tokens"],
+            overlap=shared["overlap"],
+            eos_token_ids=shared["eos_token_ids"],
+            link=link,
+        )
+        if setup is not None:
+            setup(rank, engine, scheduler)
+        while link.wait_for_step():
+            scheduler.step()
+    except BaseException as e:
+        link.send_report(e)
+        raise
     finally:
+        link.close()
         engine.shutdown()
 
 
-class RankZeroEngine:
-    """Rank 0's engine as its scheduler sees it: it tells the other ranks what to run, then runs it."""
+class TPGroup:
+    """Rank 0's view of its group: the leading link its scheduler uses and the ranks it spawned."""
 
     def __init__(self, engine: Engine, workers: list[mp.process.BaseProcess]) -> None:
-        self.engine, self.workers = engine, workers
-        self.group = dist.new_group(backend="gloo")
-        self._writes: list[tuple[int, int, list[int]]] = []
+        self.workers = workers
+        cfg = engine.config
+        self.link: Leader = leader_link(cfg.tp_info.size, cfg.distributed_addr, self._check_workers)
         self._closed = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def write_page_table(self, table_idx: int, start: int, pages: list[int]) -> None:
-        self._writes.append((table_idx, start, list(pages)))
-        self.engine.write_page_table(table_idx, start, pages)
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.workers, start=1):
             if not proc.is_alive():
-                self.shutdown(notify=False)
                 raise FatalEngineError(
                     f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}); the group was stopped"
                 )
 
-    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
-        if batch.host_inputs is None or batch.host_inputs[0] is None:
-            raise ValueError(
-                "under tensor parallelism batches must come from BatchPreparer with their tokens on the "
-                "host (no pending decode batches: overlap scheduling is off under tensor parallelism)"
-            )
-        self._check_workers()
-        message = {
-            "writes": self._writes,
-            "phase": batch.phase,
-            "reqs": [(r.table_idx, r.cached_len, r.device_len) for r in batch.reqs],
-            "inputs": batch.host_inputs,
-        }
-        self._writes = []
-        _broadcast(message, self.group)
-        return self.engine.forward_batch(batch, args)
+    def start(self, scheduler: Scheduler) -> None:
+        """Tells the followers what their schedulers must share with `scheduler` (rank 0's)."""
+        self.link.hello(
+            {
+                "max_prefill_tokens": scheduler.max_prefill_tokens,
+                "overlap": scheduler.overlap,
+                "eos_token_ids": sorted(scheduler.output.eos_token_ids),
+            }
+        )
 
-    def shutdown(self, notify: bool = True) -> None:
-        """Tells the other ranks to stop (if all still run), waits for the ones it spawned, shuts the
-        engine down. Idempotent."""
+    def shutdown(self) -> None:
+        """Tells the other ranks to stop (if the group still works) and waits for the ones it spawned
+        (killing those that do not end). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if notify and all(proc.is_alive() for proc in self.workers):
-            _broadcast(None, self.group)
+        broken = self.link._broken is not None or any(not proc.is_alive() for proc in self.workers)
+        if not broken:
+            self.link.stop()
         for proc in self.workers:
-            proc.join(JOIN_TIMEOUT_S)
+            proc.join(BROKEN_JOIN_S if broken else JOIN_TIMEOUT_S)
             if proc.is_alive():
                 proc.kill()
+                proc.join(JOIN_TIMEOUT_S)
         self.workers = []
-        self.engine.shutdown()
+        self.link.close()
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -170,13 +163,19 @@ def _is_main_test(test: ast.expr) -> bool:
     return sides == {"__name__", "'__main__'"}
 
 
-def start_workers(size: int, settings: dict[str, Any], config: str | None) -> list[mp.process.BaseProcess]:
-    """Spawns ranks 1..size-1 (daemons: they end with this process)."""
+def start_workers(
+    size: int, settings: dict[str, Any], config: str | None, setup: WorkerSetup | None = None
+) -> list[mp.process.BaseProcess]:
+    """Spawns ranks 1..size-1 (daemons: they end with this process; they also stop by themselves when
+    it is killed). `setup(rank, engine, scheduler)` runs on each once its scheduler exists."""
     check_main_guard()
     ctx = mp.get_context("spawn")
     workers = [
         ctx.Process(
-            target=worker_main, args=(rank, settings, config), daemon=True, name=f"minisgl-rank{rank}"
+            target=worker_main,
+            args=(rank, settings, config, os.getpid(), setup),
+            daemon=True,
+            name=f"minisgl-rank{rank}",
         )
         for rank in range(1, size)
     ]

@@ -26,7 +26,7 @@ class SchedulerConfig:
     )
     overlap_scheduling: bool = setting(
         True,
-        "Prepare step N+1 on the host while the device runs step N (off under tensor parallelism); "
+        "Prepare step N+1 on the host while the device runs step N (also under tensor parallelism); "
         "false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
     )
 

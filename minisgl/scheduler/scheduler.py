@@ -16,7 +16,7 @@ Each `step()` runs one forward:
   docs/failures.md). The scheduler is driven by one thread at a time (`LLM` holds a lock).
 
 Overlap scheduling (the `overlap_scheduling` setting, on by default; MINISGL_OVERLAP_SCHEDULING=0 or
-`Scheduler(overlap=False)` turns it off for ablation; always off under tensor parallelism): a step
+`Scheduler(overlap=False)` turns it off for ablation; also on under tensor parallelism): a step
 launches forward N+1 before it reads the tokens of forward N, so the host's work (scheduling, batch
 tensors, attention planning, then N's tokens: stop checks, detokenizing, metrics) runs while the GPU
 computes. Decode batches then take their input tokens from the device
@@ -34,7 +34,9 @@ launching forwards and collecting their tokens, abort.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -42,8 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.core import FATAL_ERRORS, Phase, SamplingParams, as_token_ids
+from minisgl.core import FATAL_ERRORS, Batch, FatalEngineError, Phase, SamplingParams, as_token_ids
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
+from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
 from minisgl.scheduler.stats import DeviceTimer, SchedulerMetrics, StepRecord
@@ -77,9 +81,12 @@ class Scheduler:
         model_name: str | None = None,
         overlap: bool | None = None,
         record_steps: int = 0,
+        link: Leader | Follower | None = None,
     ) -> None:
         """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off).
-        `model_name` labels the metrics (default: the model folder's name)."""
+        `model_name` labels the metrics (default: the model folder's name). `link`: under tensor
+        parallelism, this rank's side of the lockstep (`minisgl.scheduler.lockstep`): rank 0 leads,
+        the others follow (they take requests and finishes from rank 0 only)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
         self.engine = engine
@@ -87,9 +94,12 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.metrics = SchedulerMetrics(model_name or Path(engine.config.model_path).name)
-        # None: on (the overlap_scheduling setting). Under tensor parallelism the other ranks replay
-        # batches from host tokens, so there is no overlap
-        self.overlap = overlap is not False and engine.config.tp_info.size == 1
+        self.overlap = overlap is not False  # None: on (the overlap_scheduling setting)
+        self.link = link
+        self.follows = link is not None and not link.is_leader
+        self._by_uid: dict[int, RequestState] = {}  # a follower's unfinished requests
+        self._seeds = random.Random()  # seeds of sampled requests that come without one
+        self.last_token_digest = 0  # under tensor parallelism, of the tokens read last (ranks compare it)
         self.step_records: deque[StepRecord] = deque()
         self.record_steps = record_steps
         self._in_flight: _InFlight | None = None  # overlap: the forward whose tokens come next
@@ -125,11 +135,21 @@ class Scheduler:
     ) -> RequestState:
         """Queues a request; raises a ValueError or TypeError naming the problem if it could never run
         (see `check_request`), queueing nothing."""
+        if self.follows:
+            raise RuntimeError("a following rank takes its requests from rank 0 only")
         prompt = as_token_ids(prompt_ids)
         self.check_request(prompt, params, stream)
+        if params.seed is None and not params.is_greedy:
+            # drawn here, once: the tokens are a function of (seed, position), the same on every rank
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        state = self._queue(prompt, params, self.output.detokenizer(params, stream))
+        if self.link is not None:
+            self.link.added(state)
+        return state
+
+    def _queue(self, prompt: list[int], params: SamplingParams, detokenizer: Any) -> RequestState:
         # max_seq_len never exceeds the pool, so a request that passed the check can always be reserved
         need = self.prep.pages_needed(len(prompt) + params.max_tokens)
-        detokenizer = self.output.detokenizer(params, stream)
         state = RequestState(
             self._uids, prompt, params, time.perf_counter(), detokenizer, reserved_pages=need
         )
@@ -137,6 +157,20 @@ class Scheduler:
         self.waiting.append(state)
         self.metrics.waiting(len(self.waiting))
         return state
+
+    def follow_add(self, uid: int, prompt: list[int], params: SamplingParams) -> None:
+        """A following rank: queues the request rank 0 added (checked there) under the same uid."""
+        if uid != self._uids:
+            raise FatalEngineError(f"rank 0 added request {uid} where this rank expected {self._uids}")
+        self._by_uid[uid] = self._queue(prompt, params, None)
+
+    def follow_finish(self, uid: int, reason: FinishReason, error: str | None) -> None:
+        """A following rank: finishes the request as rank 0 did (no-op if it already has, in the same
+        failed step)."""
+        state = self._by_uid.get(uid)
+        if state is not None:
+            state.error = error
+            self._finish(state, reason, time.perf_counter())
 
     def abort(self, state: RequestState) -> None:
         """Finishes a request now with finish_reason 'abort', keeping its output so far: a waiting one
@@ -159,9 +193,16 @@ class Scheduler:
             state = self.waiting[0]
             if self.reserved_pages + state.reserved_pages > self.engine.num_pages:
                 break  # first come, first served: later requests wait behind it
+            leader_error = None if self.link is None else self.link.admission_error(state)
             try:
+                if leader_error is not None:  # a following rank fails it as rank 0 did
+                    raise RuntimeError(f"on rank 0: {leader_error}")
                 state.req = self.prep.add_request(state.prompt_ids, state.params)
             except Exception as e:
+                if self.follows and leader_error is None:
+                    raise FatalEngineError(
+                        f"admitting request {state.uid} failed on this rank only: {e}"
+                    ) from e
                 return self._fail([state], e, "admitting it")
             self.waiting.popleft()
             self.reserved_pages += state.reserved_pages
@@ -178,6 +219,9 @@ class Scheduler:
             self.reserved_pages -= state.reserved_pages
             self.running.remove(state)
         self.metrics.finished(state, reason, now)
+        if self.link is not None:
+            self.link.finished(state)
+            self._by_uid.pop(state.uid, None)
 
     def _kv_cache_usage(self) -> float:
         return self.prep.pages.num_used / self.engine.num_pages
@@ -196,15 +240,18 @@ class Scheduler:
         A failure after which no step can run (`FATAL_ERRORS`: a dead tensor-parallel rank, a CUDA
         error, a shut-down engine) finishes the step's requests and is raised."""
         started = time.perf_counter()
+        if self.link is not None:  # a following rank applies what rank 0 sent for this step
+            self.link.begin(self)
         updates = self._admit()
         blocked = bool(self.waiting) and not self.running  # the queue's head did not fit an empty engine
         states, chunks = self._schedule()
-        launched = self._launch(states, chunks, started, updates) if states else None
+        launched = self._launch(states, chunks, started, updates)
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             updates += self._collect(launched)
-        if not states and self._in_flight is None:  # nothing ran, nothing runs: nobody may be stuck
+        # nothing ran, nothing runs: nobody may be stuck (a following rank waits for rank 0's verdict)
+        if not states and self._in_flight is None and not self.follows:
             updates += self._fail_unschedulable(blocked)
         return updates
 
@@ -263,49 +310,113 @@ class Scheduler:
     def _launch(
         self, states: list[RequestState], chunks: list[int] | None, started: float, updates: list[Update]
     ) -> _InFlight | None:
-        """Prepares and launches the forward of `states`; if that fails, finishes them with "error"
-        (their updates go to `updates`) and returns None."""
+        """Prepares and launches the forward of `states` (under tensor parallelism, once the ranks
+        agree on it); if that fails, finishes them with "error" (their updates go to `updates`) and
+        returns None. Failures after which no step can run are raised."""
+        scheduled = time.perf_counter()
+        plan = None if self.link is None else step_plan(self, states, chunks)  # before any page is taken
+        prepared, error = None, None
+        if states:
+            try:
+                prepared = self._prepare(states, chunks)
+            except Exception as e:
+                error = e
         try:
-            return self._run(states, chunks, started)
-        except Exception as e:
+            if self.link is not None:  # every rank fails a step that failed on rank 0
+                error = self.link.agree(plan, error)
+        except Exception as e:  # a rank failed or diverged
             updates += self._fail(states, e, "running a step")
-            if isinstance(e, FATAL_ERRORS):  # no later step can run either
-                raise
+            raise
+        if error is not None:
+            updates += self._fail(states, error, "running a step")
+            if isinstance(error, FATAL_ERRORS):  # no later step can run either
+                raise error
+            return None
+        if prepared is None:
+            return None
+        batch, args = prepared
+        try:
+            return self._forward(states, batch, args, scheduled, started)
+        except Exception as e:
+            e = self._under_tp(e)
+            updates += self._fail(states, e, "running a step")
+            if isinstance(e, FATAL_ERRORS):
+                raise e
             return None
 
-    def _run(self, states: list[RequestState], chunks: list[int] | None, started: float) -> _InFlight:
-        scheduled = time.perf_counter()
+    def _under_tp(self, error: Exception) -> Exception:
+        """Under tensor parallelism a forward that failed on one rank leaves the others inside its
+        collectives: every such failure is fatal, and a rank that reported its own failure (or exited)
+        is named as the cause."""
+        if self.link is None or isinstance(error, FatalEngineError):
+            return error
+        if self.follows:  # reported to rank 0 as it is
+            fatal = FatalEngineError(f"{type(error).__name__}: {error}")
+            fatal.__cause__ = error
+            return fatal
+        try:
+            self.link.check_ranks()
+        except FatalEngineError as rank_error:
+            rank_error.__cause__ = error
+            return rank_error
+        fatal = FatalEngineError(
+            "a forward failed under tensor parallelism, so the ranks no longer run the same collectives: "
+            f"{type(error).__name__}: {error}"
+        )
+        fatal.__cause__ = error
+        return fatal
+
+    def _prepare(
+        self, states: list[RequestState], chunks: list[int] | None
+    ) -> tuple[Batch, BatchSamplingArgs]:
+        """The batch of `states` (a prefill chunk each, or one decode token each) and its sampling
+        arguments, on the device."""
         reqs = [state.req for state in states]
-        phase: Phase = "decode" if chunks is None else "prefill"
         if chunks is None:
             batch = self.prep.decode(reqs, pending=self.overlap)
         else:
             batch = self.prep.prefill(reqs, chunks)
-        produces = [not req.is_partial for req in reqs]
         args = self.prep.sampling_args(batch)
         args.suppress = self.output.suppressed(
             states, self.engine.config.model_config.vocab_size, self.engine.device
         )
+        return batch, args
+
+    def _forward(
+        self,
+        states: list[RequestState],
+        batch: Batch,
+        args: BatchSamplingArgs,
+        scheduled: float,
+        started: float,
+    ) -> _InFlight:
+        produces = [not state.req.is_partial for state in states]
         mode = self.engine.forward_mode(batch)
         num_tokens = batch.num_tokens  # before the forward marks the tokens cached
         timer = DeviceTimer() if self.record_steps and self.engine.device.type == "cuda" else None
         output = self.engine.forward_batch(batch, args)
         if timer is not None:
             timer.stop()
-        self._last_phase = phase
+        self._last_phase = batch.phase
         launch_s = time.perf_counter() - started
-        return _InFlight(states, produces, output, phase, mode, num_tokens, scheduled, launch_s, timer)
+        return _InFlight(states, produces, output, batch.phase, mode, num_tokens, scheduled, launch_s, timer)
 
     def _collect(self, launched: _InFlight) -> list[Update]:
         waiting_since = time.perf_counter()
         try:
-            launched.output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
+            if self.link is None:
+                launched.output.copy_done_event.synchronize()  # the one wait: the tokens' copy to the host
+            else:  # the same wait, watching for a rank that fails meanwhile (its peers would wait forever)
+                self.link.wait(launched.output.copy_done_event)
             tokens = launched.output.next_tokens_cpu.tolist()
         except Exception as e:  # the forward failed on the device
+            e = self._under_tp(e)
             failed = self._fail(launched.states, e, "running a step")
             if isinstance(e, FATAL_ERRORS):
-                raise
+                raise e
             return failed
+        if self.link is not None:  # checked by the following ranks
+            self.last_token_digest = token_digest(tokens)
         now = time.perf_counter()
         updates, failed = [], []
         for state, token, produces in zip(launched.states, tokens, launched.produces):
@@ -346,6 +457,8 @@ class Scheduler:
         state.req.input_ids.append(token)
         state.output_ids.append(token)
         self.metrics.token(state, now)
+        if self.follows:  # rank 0 decides when a request stops, and says so in the next step's message
+            return Update(state, [token], "", False)
         reason = self.output.check_stop(state, token)
         if reason is not None:
             self._finish(state, reason, now)

@@ -1,0 +1,680 @@
+"""The protocol layer of the OpenAI-compatible server: request bodies in, engine inputs out; engine results
+in, OpenAI-shaped JSON out. Pure functions and pydantic models, no HTTP and no engine.
+
+What the server around it does with one request (`POST /v1/chat/completions`)::
+
+    request = parse_chat_request(body, served_model)  # APIError 400 / 404 when the body is wrong
+    prompt_ids = ...  # the chat template over request.messages (plain dicts), tokenized
+    params = sampling_params(request, len(prompt_ids), max_context)  # one SamplingParams per choice
+    outputs = ...  # the engine runs them
+    return chat_response(request_id, served_model, len(prompt_ids), outputs)
+
+Streamed (`request.stream`), each choice i sends `chat_chunk(..., i, role="assistant", content="")`, then
+`chat_chunk(..., i, content=delta)` per piece of text, then `chat_chunk(..., i,
+finish_reason=openai_finish_reason(...))`; after all choices `usage_chunk(...)` if
+`request.include_usage`, and `SSE_DONE`; every object goes out through `sse`. Any `APIError` becomes the
+HTTP status `error.status` with the body `error_body(error)`, or, once a stream has begun, the event
+`sse(error_body(error))` followed by `SSE_DONE`. `/v1/completions` is the same with
+`parse_completion_request`, `completion_response` and `completion_chunk`.
+
+The request's fields onto `minisgl.core.SamplingParams`:
+
+- ``max_tokens`` (chat: ``max_completion_tokens``, or ``max_tokens``, its older name) -> ``max_tokens``.
+  Unset: the rest of the context, ``max_context - prompt_len``. The prompt and max_tokens must fit in
+  the context, else a 400 with code "context_length_exceeded".
+- ``temperature`` -> ``temperature``; unset or null: 1.0, OpenAI's default (the engine's own default is 0,
+  greedy). 0 is greedy.
+- ``top_p``, ``seed``, ``stop`` (a string or a list of strings) -> the same fields.
+- ``n`` (1 to 128) -> n SamplingParams. With a seed, choice i uses ``seed + i``: the choices differ and
+  each one is reproducible. Without a seed each choice draws a random seed of its own.
+- The engine's own fields, as extra body fields (the names vLLM and SGLang use): ``top_k``, ``min_p``,
+  ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` -> the same fields.
+- ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
+  a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
+  models without a tokenizer, whose text is empty), false otherwise.
+
+Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
+strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
+
+Parameters of OpenAI's API that minisgl does not implement (logprobs, logit_bias, penalties, echo, tools,
+...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
+asks for nothing (see ``_UNSUPPORTED``: ``presence_penalty: 0``, ``logprobs: false``, ``tools: []``...).
+Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``; chat: ``parallel_tool_calls``) is type-checked and ignored. Any other field is
+refused with a 400 (code "unknown_parameter"). A batch of several prompts is refused with a 400: one
+request per prompt (a list holding one prompt is that prompt).
+
+Finish reasons: the engine's "stop" and "length" are OpenAI's. "error" (a step failed for the request)
+and "abort" (the server shut down or the request was cancelled) have no OpenAI counterpart: they become
+an APIError, 500 "server_error" with code "generation_failed", or 503 "server_error" with code
+"request_aborted". Non-streamed, the whole response is that error; streamed (status and headers already
+sent), the error event takes the place of the choice's final chunk, and the openai client raises it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
+
+from minisgl.core import INT64_MAX, SamplingParams
+
+MAX_N = 128  # choices per request
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """A request the server refuses or cannot finish: HTTP `status` and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclass_fields(SamplingParams))
+
+
+def invalid_request(exc: Exception, aliases: Mapping[str, str] | None = None) -> APIError:
+    """A 400 from the TypeError / ValueError of SamplingParams (or of the engine's request checks): the
+    message stays, `param` is the field it starts with ("top_p must be ..."), renamed by `aliases`."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first in _SAMPLING_FIELDS else None
+    if param is not None and aliases:
+        param = aliases.get(param, param)
+    return APIError(message, param=param)
+
+
+def load_json(raw: bytes | str) -> dict[str, Any]:
+    """The request body as a dict; a 400 when it is not JSON or not a JSON object."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise APIError(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_model(requested: str, served: str) -> None:
+    """A 404 in OpenAI's "model_not_found" shape unless `requested` is the served model's name."""
+    if requested != served:
+        raise APIError(
+            f"The model `{requested}` does not exist; this server serves `{served}` (see GET /v1/models)",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+# ----------------------------------------------------------------------------------------------- requests
+
+
+def _prompt(value: Any) -> Any:
+    """One prompt: a text or a non-empty list of token ids (a list holding one of those is that one)."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+        raise PydanticCustomError(
+            "batch",
+            "a batch of {count} prompts is not supported: send one request per prompt",
+            {"count": len(value)},
+        )
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(type(t) is int for t in value):
+        if not value:
+            raise PydanticCustomError("empty", "the prompt is empty: give a text or at least one token id")
+        if min(value) < 0:
+            raise PydanticCustomError("token_id", "token ids are integers >= 0")
+        return value
+    raise PydanticCustomError("prompt_type", "the prompt must be a string or a list of integer token ids")
+
+
+def _stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise PydanticCustomError("stop_type", "give a string or a list of strings")
+
+
+def _content(value: Any) -> Any:
+    """A message's content as one string: null is "", text parts are joined with newlines."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            text = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
+                kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+                raise PydanticCustomError(
+                    "content_part",
+                    f"only text parts (type 'text' with a string 'text') are supported, got {kind}",
+                )
+            texts.append(text)
+        return "\n".join(texts)
+    return value
+
+
+class _Strict(BaseModel):
+    # strict: no coercion ("1" is no number, true no integer); forbid: no field passes unchecked
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # ignored: nothing is padded
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation. "developer" (OpenAI's newer name for system) becomes "system"."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, BeforeValidator(_content)] = ""
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def _messages(value: Any) -> Any:
+    messages = _MESSAGES.validate_python(value, strict=True)
+    if not messages:
+        raise PydanticCustomError("empty", "the conversation is empty: give at least one message")
+    return [m.as_dict() for m in messages]
+
+
+class _GenerationRequest(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: int | None = None
+    stop: Annotated[str | list[str] | None, BeforeValidator(_stop)] = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    # the engine's own sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None
+    # metadata: checked, then ignored
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """A streamed response ends with a usage chunk (`stream_options.include_usage`)."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Choices and chunks carry `token_ids`."""
+        return bool(self.return_token_ids)
+
+    def max_tokens_param(self) -> tuple[str, int | None]:
+        """(the name the client used, its value or None)."""
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`: `prompt` is a text or a list of token ids."""
+
+    prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
+
+    @property
+    def wants_token_ids(self) -> bool:
+        if self.return_token_ids is None:
+            return isinstance(self.prompt, list)
+        return self.return_token_ids
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`: `messages` are plain dicts {"role", "content"[, "name"]} with text
+    content, ready for a chat template."""
+
+    messages: Annotated[list[dict[str, str]], BeforeValidator(_messages)]
+    max_completion_tokens: int | None = None
+    parallel_tool_calls: bool | None = None  # ignored: no tools
+
+    def max_tokens_param(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+def _is_zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _is_false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _is_empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v == ""
+
+
+# parameters of OpenAI's API that minisgl does not implement -> the values that ask for nothing
+_UNSUPPORTED_BOTH: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _is_empty,
+    "presence_penalty": _is_zero,
+    "frequency_penalty": _is_zero,
+    "store": _is_false,
+}
+_UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    **_UNSUPPORTED_BOTH,
+    "logprobs": _is_none,  # an integer here; 0 asks for the chosen tokens' logprobs
+    "echo": _is_false,
+    "best_of": lambda v: v is None or (type(v) is int and v == 1),
+    "suffix": _is_empty,
+}
+_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    **_UNSUPPORTED_BOTH,
+    "logprobs": _is_false,
+    "top_logprobs": _is_zero,
+    "tools": _is_empty,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _is_empty,
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": _is_none,
+    "prediction": _is_none,
+    "reasoning_effort": _is_none,
+    "verbosity": _is_none,
+    "web_search_options": _is_none,
+}
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _param(loc: Sequence[int | str]) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    param = _param(err["loc"])
+    if err["type"] == "missing":
+        return APIError(f"missing required parameter '{param}'", param=param)
+    if err["type"] == "extra_forbidden":
+        return APIError(f"unknown parameter '{param}'; leave it out", param=param, code="unknown_parameter")
+    message = err["msg"]
+    if err["type"] in {"batch", "empty", "token_id", "prompt_type", "stop_type", "content_part"}:
+        return APIError(f"invalid '{param}': {message}", param=param)
+    return APIError(f"invalid '{param}': {message}, got {_short(err['input'])}", param=param)
+
+
+def _parse(
+    cls: type[_GenerationRequest],
+    body: Any,
+    served_model: str,
+    unsupported: Mapping[str, Callable[[Any], bool]],
+) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    known = {}
+    for name, value in body.items():
+        if name in cls.model_fields:
+            known[name] = value
+        elif name in unsupported:
+            if not unsupported[name](value):
+                raise APIError(
+                    f"parameter '{name}' is not supported by this server (got {name}={_short(value)}); "
+                    "leave it out",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        else:
+            raise APIError(f"unknown parameter '{name}'; leave it out", param=name, code="unknown_parameter")
+    try:
+        request = cls.model_validate(known)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    check_model(request.model, served_model)
+    if request.stream_options is not None and not request.stream:
+        raise APIError("stream_options is only allowed with stream: true", param="stream_options")
+    if isinstance(request, ChatCompletionRequest):
+        both = request.max_tokens, request.max_completion_tokens
+        if None not in both and both[0] != both[1]:
+            raise APIError(
+                f"max_tokens={both[0]} and max_completion_tokens={both[1]} disagree: give only "
+                "max_completion_tokens (max_tokens is its older name)",
+                param="max_tokens",
+            )
+    return request
+
+
+def parse_completion_request(body: Any, served_model: str) -> CompletionRequest:
+    """A `POST /v1/completions` body (the decoded JSON) as a checked request; APIError 400 or 404."""
+    return _parse(CompletionRequest, body, served_model, _UNSUPPORTED_COMPLETION)
+
+
+def parse_chat_request(body: Any, served_model: str) -> ChatCompletionRequest:
+    """A `POST /v1/chat/completions` body as a checked request; APIError 400 or 404."""
+    return _parse(ChatCompletionRequest, body, served_model, _UNSUPPORTED_CHAT)
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_context: int
+) -> list[SamplingParams]:
+    """One SamplingParams per choice (`n`) for a prompt of `prompt_len` tokens on a model whose context
+    holds `max_context` tokens (prompt and reply); APIError 400 when the request cannot run."""
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if prompt_len < 1:
+        raise APIError("the prompt is empty: give at least one token", param=prompt_param)
+    room = max_context - prompt_len
+    if room < 1:
+        raise APIError(
+            f"the prompt has {prompt_len} tokens and this model's context holds {max_context} tokens "
+            f"(prompt and reply together): shorten the prompt to at most {max_context - 1} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    name, max_tokens = request.max_tokens_param()
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens < 1:
+        raise APIError(f"{name} must be at least 1, got {name}={max_tokens}", param=name)
+    elif max_tokens > room:
+        raise APIError(
+            f"{name}={max_tokens} and the prompt's {prompt_len} tokens make {prompt_len + max_tokens}, "
+            f"more than this model's context of {max_context} tokens: ask for at most {room} tokens or "
+            "shorten the prompt",
+            param=name,
+            code="context_length_exceeded",
+        )
+    given = {
+        "top_p": request.top_p,
+        "seed": request.seed,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "min_tokens": request.min_tokens,
+        "ignore_eos": request.ignore_eos,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+    }
+    temperature = 1.0 if request.temperature is None else request.temperature
+    try:
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            **{key: value for key, value in given.items() if value is not None},
+        )
+    except (TypeError, ValueError) as e:
+        raise invalid_request(e, {"max_tokens": name}) from None
+    n = request.n or 1
+    if params.seed is None:
+        return [params] * n
+    if params.seed + n - 1 > INT64_MAX:
+        raise APIError(
+            f"seed={params.seed} with n={n}: choice i uses seed + i, which must stay below 2**63; "
+            f"use a seed of at most {INT64_MAX - n + 1}",
+            param="seed",
+        )
+    return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+class Generation(Protocol):
+    """One finished choice as the engine reports it (`minisgl.llm.RequestOutput` is one)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "abort" or "error"
+    error: str | None
+
+
+def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop", "length"]:
+    """The engine's finish reason as OpenAI's; "error" and "abort" raise the APIError that replaces the
+    choice (see the module docstring)."""
+    if reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    if reason == "abort":
+        raise APIError(
+            "the request was aborted before it finished (the server is shutting down); retry it",
+            status=503,
+            type="server_error",
+            code="request_aborted",
+        )
+    detail = f": {error}" if error else ""
+    raise APIError(
+        f"generation failed{detail}"
+        if reason == "error"
+        else f"generation ended with an unknown finish reason {reason!r}",
+        status=500,
+        type="server_error",
+        code="generation_failed",
+    )
+
+
+def new_request_id(kind: Literal["completion", "chat"]) -> str:
+    """A fresh response id: "cmpl-..." or "chatcmpl-..."."""
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object (the prompt counts once, the completion tokens of every choice add up)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _envelope(request_id: str, obj: str, model: str, created: int | None) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+    }
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    generations: Sequence[Generation],
+    *,
+    return_token_ids: bool = False,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The non-streamed `text_completion` object, one choice per generation (in order)."""
+    return _response(
+        "text_completion",
+        request_id,
+        model,
+        prompt_tokens,
+        generations,
+        return_token_ids,
+        created,
+        lambda gen: {"text": gen.text},
+    )
+
+
+def chat_response(
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    generations: Sequence[Generation],
+    *,
+    return_token_ids: bool = False,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The non-streamed `chat.completion` object, one assistant message per generation (in order)."""
+    return _response(
+        "chat.completion",
+        request_id,
+        model,
+        prompt_tokens,
+        generations,
+        return_token_ids,
+        created,
+        lambda gen: {"message": {"role": "assistant", "content": gen.text}},
+    )
+
+
+def _response(
+    kind: str,
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    generations: Sequence[Generation],
+    return_token_ids: bool,
+    created: int | None,
+    content: Callable[[Generation], dict[str, Any]],
+) -> dict[str, Any]:
+    """A non-streamed response object: `content(gen)` gives each choice's text or message."""
+    choices = []
+    for index, gen in enumerate(generations):
+        choice: dict[str, Any] = {
+            "index": index,
+            **content(gen),
+            "logprobs": None,
+            "finish_reason": openai_finish_reason(gen.finish_reason, gen.error),
+        }
+        if return_token_ids:
+            choice["token_ids"] = list(gen.token_ids)
+        choices.append(choice)
+    completion_tokens = sum(len(gen.token_ids) for gen in generations)
+    return {
+        **_envelope(request_id, kind, model, created),
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    *,
+    finish_reason: Literal["stop", "length"] | None = None,
+    token_ids: Sequence[int] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A streamed `text_completion` chunk: new text of choice `index` (the last one with its
+    finish_reason); `token_ids` (the new tokens) when the request wants them."""
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    index: int,
+    *,
+    role: Literal["assistant"] | None = None,
+    content: str | None = None,
+    finish_reason: Literal["stop", "length"] | None = None,
+    token_ids: Sequence[int] | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A `chat.completion.chunk` for choice `index`: the first carries ``role="assistant"`` (and
+    ``content=""``), later ones ``content``, the last an empty delta and the finish_reason."""
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return {**_envelope(request_id, "chat.completion.chunk", model, created), "choices": [choice]}
+
+
+def usage_chunk(
+    kind: Literal["completion", "chat"],
+    request_id: str,
+    model: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {
+        **_envelope(request_id, obj, model, created),
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def model_card(model: str, *, created: int | None = None, owned_by: str = "minisgl") -> dict[str, Any]:
+    """One `model` object (`GET /v1/models/{model}`)."""
+    return {
+        "id": model,
+        "object": "model",
+        "created": int(time.time()) if created is None else created,
+        "owned_by": owned_by,
+    }
+
+
+def model_list(model: str, *, created: int | None = None, owned_by: str = "minisgl") -> dict[str, Any]:
+    """The `GET /v1/models` list: the one served model."""
+    return {"object": "list", "data": [model_card(model, created=created, owned_by=owned_by)]}
+
+
+def sse(payload: Mapping[str, Any]) -> str:
+    """One server-sent event: ``data: {json}`` and a blank line (the JSON on one line)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
