@@ -60,10 +60,22 @@ def get_tp_info() -> DistributedInfo:
 
 @dataclass
 class _OneShot:
-    """The symmetric-memory buffer of this process's one-shot all-reduces."""
+    """The symmetric-memory buffers of this process's one-shot all-reduces, used in turn.
 
-    buffer: torch.Tensor
+    A one-shot all-reduce copies this rank's part into its buffer, waits until every rank has copied,
+    then reads every rank's buffer. Were there one buffer, a rank that finished could copy the next
+    all-reduce's part over data a slower peer is still reading. With two used alternately, the buffer
+    written by all-reduce n + 2 was last read in all-reduce n, which every peer finished before it
+    reached the wait of all-reduce n + 1. Every rank makes the same calls, so they agree on the turn.
+    """
+
+    buffers: tuple[torch.Tensor, torch.Tensor]
     group_name: str
+    calls: int = 0
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.buffers[0]
 
 
 _one_shot: _OneShot | None = None
@@ -81,14 +93,15 @@ def init_one_shot_all_reduce(max_bytes: int, dtype: torch.dtype, device: torch.d
         import torch.distributed._symmetric_memory as symm_mem
 
         group_name = dist.group.WORLD.group_name
-        buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group_name)
+        buffers = tuple(symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device) for _ in "ab")
+        for buffer in buffers:
+            symm_mem.rendezvous(buffer, group_name)
     except Exception as e:  # noqa: BLE001  (an old torch, no peer access: NCCL does it all)
         logger.warning(
             "one-shot all-reduce unavailable (%s: %s): NCCL for every all-reduce", type(e).__name__, e
         )
         return False
-    _one_shot = _OneShot(buffer, group_name)
+    _one_shot = _OneShot(buffers, group_name)
     logger.info("all-reduce: one-shot over symmetric memory up to %d bytes, NCCL above", max_bytes)
     return True
 
@@ -102,7 +115,8 @@ def close_one_shot_all_reduce() -> None:
 def one_shot_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the ranks, in a new tensor, by the one-shot kernel (see the module docstring)."""
     assert _one_shot is not None
-    buffer = _one_shot.buffer[: x.numel()].view(x.shape)
+    buffer = _one_shot.buffers[_one_shot.calls % 2][: x.numel()].view(x.shape)
+    _one_shot.calls += 1  # at capture time for a CUDA graph: its calls keep the turns they had
     out = torch.empty_like(x)
     torch.ops.symm_mem.one_shot_all_reduce_copy_out(buffer, x.contiguous(), "sum", _one_shot.group_name, out)
     return out
