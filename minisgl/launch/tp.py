@@ -108,7 +108,7 @@ class TPGroup:
         if self._closed:
             return
         self._closed = True
-        broken = self.link._broken is not None or any(not proc.is_alive() for proc in self.workers)
+        broken = self.link.broken or any(not proc.is_alive() for proc in self.workers)
         if not broken:
             self.link.stop()
         for proc in self.workers:

@@ -151,9 +151,14 @@ class Leader:
         """The first message: what every follower's scheduler must share with the leader's."""
         self._send([json.dumps({"hello": data}).encode()])
 
+    @property
+    def broken(self) -> bool:
+        """True once a follower failed or exited (the group cannot run steps any more)."""
+        return self._broken is not None
+
     def stop(self) -> None:
         """Tells the followers to leave their loops (they then shut down their engines)."""
-        if self._broken is None:
+        if not self.broken:
             self._send([json.dumps({"stop": True}).encode()])
 
     def wait(self, event: Any) -> None:
@@ -325,8 +330,9 @@ def connect(rank: int, size: int, distributed_addr: str) -> tuple[zmq.Context, z
     exchanged once over the engine's gloo group (plain bytes). Collective: every rank calls it."""
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
-    port = inbox.bind_to_random_port(f"tcp://{bind_host(distributed_addr)}")
-    own = f"tcp://{bind_host(distributed_addr)}:{port}".encode()
+    host = bind_host(distributed_addr)
+    port = inbox.bind_to_random_port(f"tcp://{host}")
+    own = f"tcp://{host}:{port}".encode()
     mine = torch.zeros(ADDRESS_BYTES, dtype=torch.uint8)
     mine[: len(own)] = torch.tensor(list(own), dtype=torch.uint8)
     everyone = [torch.zeros_like(mine) for _ in range(size)]
