@@ -327,12 +327,15 @@ class LLM:
                 for state in [*self.scheduler.waiting, *self.scheduler.running]:
                     self.scheduler.abort(state)
                 self._abandoned.clear()
-                if self.group is not None:
-                    self.group.shutdown()
             finally:  # the engine and its process group go in any case: a new LLM may follow
-                self.engine.shutdown()
-                if self._rendezvous_dir is not None:
-                    shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+                try:
+                    # before joining the followers: they leave the NCCL group together with rank 0
+                    self.engine.shutdown(abort=self.group is not None and self.group.stop())
+                finally:
+                    if self.group is not None:
+                        self.group.shutdown()
+                    if self._rendezvous_dir is not None:
+                        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def __enter__(self) -> LLM:
         return self

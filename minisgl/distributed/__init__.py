@@ -268,8 +268,18 @@ def cpu_group():
     return _cpu_group
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(abort: bool = False) -> None:
+    """Leaves the process group. NCCL's destroy is collective (every rank flushes and finalizes its
+    communicators together), so a rank that stops normally calls this while its peers do too; with
+    `abort` (a peer is dead or stuck) the communicators are aborted instead, which waits for no one."""
     global _cpu_group
     _cpu_group = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if abort:
+        try:
+            dist.distributed_c10d._abort_process_group()
+            return
+        except Exception as e:  # a backend without abort (gloo): its destroy waits for no peer either
+            logger.debug("process group abort failed (%s); destroying it instead", e)
+    dist.destroy_process_group()

@@ -327,15 +327,17 @@ class Engine:
                     f"request {req.uid} reaches {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
                 )
 
-    def shutdown(self) -> None:
-        """Destroys CUDA graphs, leaves the process group and releases device memory. Idempotent."""
+    def shutdown(self, abort: bool = False) -> None:
+        """Destroys CUDA graphs, leaves the process group and releases device memory. Idempotent.
+        Under tensor parallelism every rank shuts down together (NCCL's teardown is collective);
+        `abort=True` when a peer is gone: the communicators are aborted instead of finalized."""
         if self._closed:
             return
         self._closed = True
         self.graph_runner.destroy()
         close_one_shot_all_reduce()
         if self._owns_process_group:
-            destroy_process_group()
+            destroy_process_group(abort=abort)
         set_tp_info(DistributedInfo())
         self.model = self.kv_cache = self.page_table = self.last_tokens = None  # type: ignore[assignment]
         self.ctx.kv_cache = self.ctx.page_table = None  # type: ignore[assignment]

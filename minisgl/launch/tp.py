@@ -69,11 +69,14 @@ def worker_main(
         while link.wait_for_step():
             scheduler.step()
     except BaseException as e:
+        failed = True
         link.send_report(e)
         raise
+    else:
+        failed = False
     finally:
         link.close()
-        engine.shutdown()
+        engine.shutdown(abort=failed)  # rank 0 tears down with us unless this rank failed
 
 
 class TPGroup:
@@ -84,6 +87,7 @@ class TPGroup:
         cfg = engine.config
         self.link: Leader = leader_link(cfg.tp_info.size, cfg.distributed_addr, self._check_workers)
         self._closed = False
+        self._broken: bool | None = None  # decided by `stop`
 
     def _check_workers(self) -> None:
         for rank, proc in enumerate(self.workers, start=1):
@@ -102,15 +106,27 @@ class TPGroup:
             }
         )
 
+    def stop(self) -> bool:
+        """Tells the other ranks to stop if the group still works; returns whether it was broken (a rank
+        failed or exited), in which case rank 0 aborts its communicators rather than finalizing them
+        together with the others. Rank 0 shuts its engine down between `stop` and `join`: NCCL's
+        teardown is collective, so a follower leaving the group waits for rank 0 to leave it too."""
+        if self._broken is None:
+            self._broken = self.link.broken or any(not proc.is_alive() for proc in self.workers)
+            if not self._broken:
+                try:
+                    self.link.stop()
+                except Exception as e:
+                    logger.warning("could not tell the other ranks to stop: %s", e)
+                    self._broken = True
+        return self._broken
+
     def shutdown(self) -> None:
-        """Tells the other ranks to stop (if the group still works) and waits for the ones it spawned
-        (killing those that do not end). Idempotent."""
+        """`stop`, then waits for the ranks it spawned (killing those that do not end). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        broken = self.link.broken or any(not proc.is_alive() for proc in self.workers)
-        if not broken:
-            self.link.stop()
+        broken = self.stop()
         for proc in self.workers:
             proc.join(BROKEN_JOIN_S if broken else JOIN_TIMEOUT_S)
             if proc.is_alive():

@@ -174,8 +174,18 @@ class Leader:
         for peer in self.peers:
             peer.send_multipart(frames)
 
-    def check_ranks(self) -> None:
-        """Raises `FatalEngineError` naming the rank if a follower reported a failure or exited."""
+    def check_ranks(self, grace_s: float = 0.0) -> None:
+        """Raises `FatalEngineError` naming the rank if a follower reported a failure or exited; with
+        `grace_s`, keeps looking that long (a collective that failed because a peer died can fail
+        before the peer's report arrives or its exit can be seen)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            self._check_ranks_once()
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(CHECK_S)
+
+    def _check_ranks_once(self) -> None:
         if self._broken is not None:
             raise self._broken
         if self.reports.poll(0):
@@ -290,7 +300,7 @@ class Follower:
     def wait(self, event: Any) -> None:
         event.synchronize()
 
-    def check_ranks(self) -> None:
+    def check_ranks(self, grace_s: float = 0.0) -> None:
         """Only the leader watches the other ranks."""
 
     def send_report(self, error: BaseException) -> None:

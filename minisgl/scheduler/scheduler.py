@@ -54,6 +54,9 @@ from minisgl.scheduler.stats import DeviceTimer, SchedulerMetrics, StepRecord
 
 logger = logging.getLogger(__name__)
 
+# how long rank 0, after a collective failed, looks for the rank that caused it (its report or exit)
+RANK_FAILURE_GRACE_S = 2.0
+
 
 @dataclass
 class _InFlight:
@@ -355,7 +358,7 @@ class Scheduler:
             fatal.__cause__ = error
             return fatal
         try:
-            self.link.check_ranks()
+            self.link.check_ranks(grace_s=RANK_FAILURE_GRACE_S)
         except FatalEngineError as rank_error:
             rank_error.__cause__ = error
             return rank_error

@@ -119,12 +119,14 @@ def test_llm_tp2_with_overlap_graphs_and_sampling(tiny_qwen3, broadcast, one_sho
         assert llm.scheduler.overlap
         llm.scheduler.record_steps = 200
         prompts = [s[:n] for s, n in zip(_seqs(), PROMPT_LENS)] * 4
+        # lengths that differ, so the batch shrinks below cuda_graph_max_bs and graphs replay
+        lengths = [12 + i for i in range(len(prompts))]
         params = [
-            SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0 if i % 2 else 0.8)
-            for i in range(len(prompts))
+            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0 if i % 2 else 0.8)
+            for i, n in enumerate(lengths)
         ]
         outs = llm.generate(prompts, params)
-        assert [len(o.token_ids) for o in outs] == [24] * len(prompts)
+        assert [len(o.token_ids) for o in outs] == lengths
         assert all(o.finish_reason == "length" for o in outs)
         assert any(r.mode == "cuda_graph" for r in llm.scheduler.step_records)
     finally:
