@@ -106,12 +106,19 @@ class LLM:
     """An engine, a tokenizer and a scheduler in one process (rank 0 of a single-rank group)."""
 
     def __init__(
-        self, model: str | None = None, *, config: str | Path | None = None, **settings: Any
+        self,
+        model: str | None = None,
+        *,
+        config: str | Path | None = None,
+        detokenize: bool = True,
+        **settings: Any,
     ) -> None:
         """`model`: a local folder, 'smollm2-135m' (also what None means), or a hub id. `config`: a
         YAML settings file; other keyword arguments are settings of the engine and the scheduler (see
         `minisgl.settings`, docs/settings.md). `tp=N` (or `tp_size`) runs N tensor-parallel ranks: this
-        process is rank 0 and leads, N-1 spawned processes run their schedulers in lockstep."""
+        process is rank 0 and leads, N-1 spawned processes run their schedulers in lockstep.
+        `detokenize=False`: the scheduler makes no text (the server's scheduler process: its front end
+        detokenizes and applies stop strings); requests then take token ids and give token ids."""
         import transformers
 
         if "tp" in settings:
@@ -150,7 +157,7 @@ class LLM:
             max_prefill_tokens=scheduler_config.prefill_tokens(self.engine.device.type),
             overlap=scheduler_config.overlap_scheduling,
             eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
-            tokenizer=self.tokenizer,
+            tokenizer=self.tokenizer if detokenize else None,
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
         )

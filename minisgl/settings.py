@@ -49,6 +49,7 @@ from minisgl.config_fields import SettingField, check_fields, describe_type, is_
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.config import SECRET_SETTINGS, ServerConfig
 
 ENV_PREFIX = "MINISGL_"
 CONFIG_ENV_VAR = "MINISGL_CONFIG"
@@ -76,7 +77,7 @@ class LaunchConfig:
 
 
 # the configs whose setting fields make the settings, in the order the settings are listed
-CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig)
+CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig, ServerConfig)
 
 
 def setting_fields() -> dict[str, SettingField]:
@@ -158,8 +159,12 @@ class _Settings(BaseSettings):
     def to_yaml(self, with_sources: bool = False) -> str:
         """The effective settings as YAML, loadable back with :meth:`load`; optionally each line's origin."""
         # block style at the top, lists inline: one line per setting
+        values = self.model_dump(mode="json")
+        for name in SECRET_SETTINGS:  # a key is never printed: only whether one is set
+            if values.get(name) is not None:
+                values[name] = "<set>"
         text = yaml.dump(
-            self.model_dump(mode="json"),
+            values,
             Dumper=_InlineListDumper,
             sort_keys=False,
             default_flow_style=False,
@@ -211,6 +216,10 @@ class _Settings(BaseSettings):
     def to_scheduler_config(self) -> SchedulerConfig:
         """The frozen :class:`SchedulerConfig`."""
         return self.build(SchedulerConfig)
+
+    def to_server_config(self) -> ServerConfig:
+        """The frozen :class:`ServerConfig`."""
+        return self.build(ServerConfig)
 
 
 # -- the pydantic model, generated from the configs' fields -----------------------------------------
