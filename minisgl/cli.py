@@ -271,6 +271,25 @@ def bench(
 
 
 @main.command()
+@click.option("-q", "--quiet", is_flag=True, help="Log warnings only.")
+@_settings_options
+def serve(quiet: bool, **kwargs: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics) on --host (127.0.0.1) and --port until SIGINT or SIGTERM."""
+    from minisgl.server.app import serve as run_server
+
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr
+    )
+    explicit = _explicit(kwargs)
+    try:
+        EngineSettings.load(kwargs["config"], **explicit)  # bad settings fail here, before any process
+    except (SettingsError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    run_server(explicit, kwargs["config"])
+
+
+@main.command()
 @_settings_options
 def config(**kwargs: Any) -> None:
     """Print the effective settings as YAML, each with where its value came from."""
@@ -282,6 +301,135 @@ def config(**kwargs: Any) -> None:
     if kwargs["config"]:
         click.echo(f"# settings file: {Path(kwargs['config']).resolve()}")
     click.echo(settings.to_yaml(with_sources=True), nl=False)
+
+
+# -- bench-serving and chat ----------------------------------------------------------------------
+
+
+@main.command("bench-serving")
+@click.option(
+    "--base-url",
+    default="http://127.0.0.1:30000/v1",
+    show_default=True,
+    help="The server's OpenAI API root (as `minisgl-run serve` prints it).",
+)
+@click.option("--model", default=None, help="Model name to request [default: the first of GET /v1/models].")
+@click.option("--api-key", default=None, help="Bearer key [default: $MINISGL_API_KEY, else 'EMPTY'].")
+@click.option(
+    "--num-prompts", type=click.IntRange(min=1), default=None, help="Requests [default: 256, as `bench`]."
+)
+@click.option("--min-input", type=click.IntRange(min=1), default=None, help="Shortest prompt [100].")
+@click.option("--max-input", type=click.IntRange(min=1), default=None, help="Longest prompt [1024].")
+@click.option("--min-output", type=click.IntRange(min=1), default=None, help="Fewest new tokens [100].")
+@click.option("--max-output", type=click.IntRange(min=1), default=None, help="Most new tokens [1024].")
+@click.option(
+    "--vocab-size",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Wrap prompt token ids into [0, N) for models with a vocabulary of 10,000 or less.",
+)
+@click.option("--temperature", type=float, default=0.6, show_default=True, help="Sampling temperature.")
+@click.option(
+    "--request-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=float("inf"),
+    show_default=True,
+    help="Requests per second, Poisson arrivals; inf sends them all at once.",
+)
+@click.option(
+    "--max-concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Most requests in flight at once [default: unlimited].",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of the workload and of the arrival times."
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=3600.0,
+    show_default=True,
+    help="Stop after this many seconds; unfinished requests count as failed.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def bench_serving_command(
+    base_url,
+    model,
+    api_key,
+    num_prompts,
+    min_input,
+    max_input,
+    min_output,
+    max_output,
+    vocab_size,
+    temperature,
+    request_rate,
+    max_concurrency,
+    seed,
+    timeout,
+    as_json,
+) -> None:
+    """Benchmark a running OpenAI-compatible server (`minisgl-run serve`): the offline `bench` workload
+    sent as streamed /v1/completions requests; reports throughput, TTFT, ITL, TPOT and E2E latency."""
+    import openai
+
+    from minisgl.server.bench_serving import bench_serving, dumps, format_report, workload
+
+    for low, high, names in ((min_input, max_input, "input"), (min_output, max_output, "output")):
+        if low is not None and high is not None and low > high:
+            raise click.BadParameter(f"--min-{names} must not exceed --max-{names}")
+    try:
+        requests = workload(num_prompts, min_input, max_input, min_output, max_output, seed, vocab_size)
+        report = bench_serving(
+            requests,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            temperature=temperature,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            timeout=timeout,
+            progress=not as_json and sys.stderr.isatty(),
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    except (openai.APIError, RuntimeError, TimeoutError) as e:
+        raise click.ClickException(f"cannot benchmark {base_url}: {type(e).__name__}: {e}") from e
+    click.echo(dumps(report) if as_json else format_report(report))
+
+
+@main.command("chat")
+@click.option("--system", default=None, help="A system prompt that starts the conversation.")
+@_sampling_options
+@_common
+def chat_command(system: str | None, **kwargs: Any) -> None:
+    """Chat with the model in the terminal: one message per line, the reply streams. /reset clears the
+    conversation; /exit, /quit or end of input (Ctrl-D) ends; Ctrl-C stops a reply."""
+    from minisgl.chat import ChatSession, NoChatTemplate, run_chat
+
+    try:
+        params = SamplingParams(
+            temperature=kwargs["temperature"],
+            top_k=kwargs["top_k"],
+            top_p=kwargs["top_p"],
+            min_p=kwargs["min_p"],
+            seed=kwargs["seed"],
+            max_tokens=kwargs["max_tokens"],
+            stop=kwargs["stop"],
+            ignore_eos=kwargs["ignore_eos"],
+            min_tokens=kwargs["min_tokens"],
+        )
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from e
+    llm = _make_llm(kwargs)
+    try:
+        run_chat(ChatSession(llm, params, system=system))
+    except NoChatTemplate as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        llm.shutdown()
 
 
 if __name__ == "__main__":

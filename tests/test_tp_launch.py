@@ -347,4 +347,6 @@ def test_a_rank_killed_mid_stream_is_a_clear_error(text_model):
     assert codes == [-9]
     # rank 0 aborted its communicators rather than waiting for the dead rank: a new group starts
     with _text_llm(text_model, 2) as again:
-        assert len(again.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+        assert (
+            len(again.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+        )

@@ -68,7 +68,7 @@ def _scheduler_entry(*args: Any) -> None:
 class Choice:
     """One choice of one request as the front end makes it: token ids from the scheduler in, text out."""
 
-    rid: str
+    rid: int  # the scheduler process's name for it (the front end counts them)
     index: int
     params: SamplingParams  # the request's, with its stop strings
     detokenizer: IncrementalDetokenizer | None
@@ -138,7 +138,8 @@ class SchedulerClient:
         self.failed: str | None = None
         self.on_failure: Any = None  # called once when the scheduler process fails or dies
         self.ready = asyncio.Event()
-        self.choices: dict[str, tuple[Choice, asyncio.Queue]] = {}
+        self.choices: dict[int, tuple[Choice, asyncio.Queue]] = {}
+        self.rids = itertools.count()
         self._metrics: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="minisgl-serve-")  # private (0700): the sockets live here
@@ -164,7 +165,7 @@ class SchedulerClient:
         params = replace(choice.params, stop=())  # stop strings are found here
         self._send({"op": "add", "rid": choice.rid, "params": encode_params(params)}, ids_frame(prompt_ids))
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: int) -> None:
         if self.choices.pop(rid, None) is not None:
             self._send({"op": "abort", "rid": rid})
 
@@ -190,14 +191,19 @@ class SchedulerClient:
             header = json.loads(frames[0])
             op = header["op"]
             if op == "step":
-                tokens = frame_ids(frames[1])
+                served, tokens = frame_ids(frames[1]), frame_ids(frames[2])
+                counts = header["n"]
+                done = {row: (reason, error) for row, reason, error in header["done"]}
                 at = 0
-                for rid, n, finished, reason, error in header["u"]:
+                for row, rid in enumerate(served):
+                    n = 1 if counts is None else counts[row]
                     ids, at = tokens[at : at + n], at + n
                     entry = self.choices.get(rid)
                     if entry is None:
                         continue
                     choice, queue = entry
+                    finished = row in done
+                    reason, error = done.get(row, (None, None))
                     if choice.feed(ids, finished, reason, error):
                         self.abort(rid)  # a stop string: the scheduler frees its pages
                     elif finished:
@@ -437,7 +443,9 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         return _error(e, {"Retry-After": "1"} if e.status == 503 else None)
     request_id = protocol.new_request_id(kind)
     choices = [
-        Choice(f"{request_id}-{i}", i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None)
+        Choice(
+            next(state.client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None
+        )
         for i, p in enumerate(params)
     ]
     queue: asyncio.Queue = asyncio.Queue()

@@ -6,15 +6,18 @@ back in one message.
 Messages (plain data: a JSON header, token ids as raw int64 frames; nothing is unpickled):
 
 front end -> scheduler
-    {"op": "add", "rid": str, "params": {...}} + prompt ids    queue a request (stop strings stay in
+    {"op": "add", "rid": int, "params": {...}} + prompt ids    queue a request (stop strings stay in
                                                                the front end, which makes the text)
-    {"op": "abort", "rid": str}                                finish it now, freeing its pages
+    {"op": "abort", "rid": int}                                finish it now, freeing its pages
     {"op": "metrics", "id": int}                               the scheduler's Prometheus series
     {"op": "stop"}                                             shut down
 scheduler -> front end
     {"op": "ready", ...the facts the front end needs}          once, when the engine is up
-    {"op": "step", "u": [[rid, n, finished, reason, error], ...]} + the step's token ids (n per request)
-    {"op": "rejected", "rid": str, "error": str}               a request the engine cannot run
+    {"op": "step", "n": [...] or null, "done": [[row, reason, error], ...]} + rids + token ids
+                                                               one step: the rids of the requests it
+                                                               served (int64), their new tokens (n[i]
+                                                               each; null: one each), which finished
+    {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
     {"op": "metrics", "id": int, "text": str}
     {"op": "failed", "error": str}                             the engine could not start, or died
 """
@@ -113,8 +116,8 @@ def scheduler_main(
 def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
     """The loop: take every message waiting, run one step if there is work, send its tokens."""
     scheduler = llm.scheduler
-    states: dict[str, Any] = {}  # rid -> RequestState of the unfinished requests
-    rids: dict[int, str] = {}  # uid -> rid
+    states: dict[int, Any] = {}  # rid -> RequestState of the unfinished requests
+    rids: dict[int, int] = {}  # uid -> rid
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     next_parent_check = 0.0
@@ -165,16 +168,19 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
             raise
         if not updates:
             continue
-        rows, tokens = [], []
+        served, counts, tokens, done = [], [], [], []
         for update in updates:
             state = update.state
             rid = rids.get(state.uid)
             if rid is None:  # aborted meanwhile
                 continue
-            rows.append([rid, len(update.token_ids), update.finished, state.finish_reason, state.error])
-            tokens += update.token_ids
             if update.finished:
+                done.append([len(served), state.finish_reason, state.error])
                 states.pop(rid, None)
                 rids.pop(state.uid, None)
-        if rows:
-            _send(outbox, {"op": "step", "u": rows}, ids_frame(tokens))
+            served.append(rid)
+            counts.append(len(update.token_ids))
+            tokens += update.token_ids
+        if served:
+            n = None if all(c == 1 for c in counts) else counts
+            _send(outbox, {"op": "step", "n": n, "done": done}, ids_frame(served), ids_frame(tokens))
