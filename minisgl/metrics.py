@@ -68,6 +68,12 @@ FORWARD_STEPS = Counter(
     ["model_name", "phase", "mode"],
     registry=REGISTRY,
 )
+PREEMPTIONS = Counter(
+    "minisgl_preemptions",
+    "Running requests preempted when the KV pool ran out (pages freed, recomputed on re-admission).",
+    ["model_name"],
+    registry=REGISTRY,
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "minisgl_time_to_first_token_seconds",
     "From arrival to the first generated token.",

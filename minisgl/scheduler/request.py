@@ -17,7 +17,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 @dataclass(eq=False)
 class RequestState:
     """One request from arrival to finish, as the scheduler tracks it. `req` is the engine-side request
-    (its table_idx, tokens and cached length), created at admission."""
+    (its table_idx, tokens and cached length), created at admission; a preempted request loses it
+    (None again, back in the queue) and gets a new one at its re-admission, whose prompt is
+    `prompt_ids + output_ids` (the tokens so far, recomputed)."""
 
     uid: int
     prompt_ids: list[int]
@@ -25,7 +27,8 @@ class RequestState:
     arrival_time: float
     detokenizer: IncrementalDetokenizer | None = None
     req: Req | None = None
-    reserved_pages: int = 0
+    held_pages: int = 0  # KV pages the request holds now (0 while waiting)
+    num_preemptions: int = 0  # times it was preempted and requeued
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # text so far (complete once finished)
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s
@@ -40,8 +43,14 @@ class RequestState:
         return self.finish_reason is not None
 
     @property
+    def reserved_pages(self) -> int:
+        """The pages it holds (`held_pages`; the name of the time when admission reserved the worst case)."""
+        return self.held_pages
+
+    @property
     def prefilled(self) -> bool:
-        return self.req is not None and self.req.cached_len >= len(self.prompt_ids)
+        """Admitted and its prompt computed (after a preemption: the prompt and the outputs so far)."""
+        return self.req is not None and self.req.cached_len >= self.req.num_prompt_tokens
 
     @property
     def num_launched(self) -> int:

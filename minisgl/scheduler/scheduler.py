@@ -1,10 +1,20 @@
 """The offline scheduler: continuous batching with chunked prefill over one Engine.
 
 Each `step()` runs one forward:
-- Admission: waiting requests are admitted first come, first served while a table_idx is free and the
-  KV pool can *reserve* the request's worst case (prompt + max_tokens). Reserving at admission means
-  a running request never runs out of pages and nothing is ever preempted; a request that could never
-  fit (longer than max_seq_len, which never exceeds the pool) is refused when it is added.
+- Admission by need: waiting requests are admitted first come, first served while a table_idx is free
+  and the KV pool has the pages of the request's prompt, plus those that admitted requests still need
+  for the rest of their prompts, plus one page of headroom per running request (for their next decode
+  tokens); an empty engine admits the queue's head. Nothing is reserved for max_tokens: a request's
+  pages grow with its sequence, one step at a time (`BatchPreparer` allocates what each batch reaches).
+  A request that could never fit (longer than max_seq_len, which never exceeds the pool) is refused
+  when it is added.
+- Preemption: when a step cannot get the pages it needs (a decode step, or a prefill step that cannot
+  take one token), the most recently admitted running request is preempted: its pages and table_idx
+  are freed and it goes back to the *front* of the queue; re-admitted, it recomputes its prompt and its
+  output so far as one prompt and continues its output where it stopped (the tokens are kept, not
+  re-emitted; the sampler's draws are a function of seed and position, so the outputs are those of a
+  run without preemption). The decision is a function of the scheduler's state, the same on every
+  tensor-parallel rank. Counted in `preemptions` and the `minisgl_preemptions` metric.
 - Prefill and decode alternate: while admitted requests still have prompt tokens to prefill, every other
   step is a prefill step (a prefill step is never followed by another one while requests wait to
   decode), so running requests wait at most one prefill chunk, and a newly admitted request starts its
@@ -21,8 +31,10 @@ launches forward N+1 before it reads the tokens of forward N, so the host's work
 tensors, attention planning, then N's tokens: stop checks, detokenizing, metrics) runs while the GPU
 computes. Decode batches then take their input tokens from the device
 (`BatchPreparer.decode(pending=True)`). A request that stops at EOS or a stop string in step N has
-already been put in step N+1: that one token is computed and dropped (the request's reserved pages
-cover it); max_tokens is known ahead and wastes nothing.
+already been put in step N+1: that one token is computed and dropped; max_tokens is known ahead and
+wastes nothing. A request preempted while its token is in flight loses that token (dropped when the
+forward is read, recomputed after its re-admission); freeing its pages and table_idx at once is safe
+as an abort's is: the device runs the forwards in order.
 
 `Scheduler(record_steps=N)` (or setting `scheduler.record_steps = N` later) keeps a `StepRecord` of each
 of the last N forwards in `scheduler.step_records`: phase, mode, sizes, host and device times.
@@ -44,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.core import FATAL_ERRORS, Batch, FatalEngineError, Phase, SamplingParams, as_token_ids
+from minisgl.core import FATAL_ERRORS, Batch, FatalEngineError, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
 from minisgl.engine.sample import BatchSamplingArgs
 from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
@@ -63,6 +75,7 @@ class _InFlight:
     """A forward that was launched and whose tokens have not been processed yet."""
 
     states: list[RequestState]
+    reqs: list[Req]  # each state's `req` at launch: a state preempted since then has another (or None)
     produces: list[bool]  # False for a prefill chunk that leaves prompt tokens for later
     output: ForwardOutput
     phase: Phase
@@ -107,10 +120,20 @@ class Scheduler:
         self.record_steps = record_steps
         self._in_flight: _InFlight | None = None  # overlap: the forward whose tokens come next
         self.waiting: deque[RequestState] = deque()
-        self.running: list[RequestState] = []
-        self.reserved_pages = 0
+        self.running: list[RequestState] = []  # in the order of their (latest) admission
+        self.preemptions = 0  # running requests preempted so far
         self._last_phase = ""
         self._uids = 0
+
+    @property
+    def held_pages(self) -> int:
+        """KV pages held by the running requests (the pool's pages in use)."""
+        return sum(state.held_pages for state in self.running)
+
+    @property
+    def reserved_pages(self) -> int:
+        """`held_pages` (the name of the time when admission reserved each request's worst case)."""
+        return self.held_pages
 
     @property
     def record_steps(self) -> int:
@@ -151,11 +174,8 @@ class Scheduler:
         return state
 
     def _queue(self, prompt: list[int], params: SamplingParams, detokenizer: Any) -> RequestState:
-        # max_seq_len never exceeds the pool, so a request that passed the check can always be reserved
-        need = self.prep.pages_needed(len(prompt) + params.max_tokens)
-        state = RequestState(
-            self._uids, prompt, params, time.perf_counter(), detokenizer, reserved_pages=need
-        )
+        # max_seq_len never exceeds the pool, so a request that passed the check fits the pool alone
+        state = RequestState(self._uids, prompt, params, time.perf_counter(), detokenizer)
         self._uids += 1
         self.waiting.append(state)
         self.metrics.waiting(len(self.waiting))
@@ -194,13 +214,13 @@ class Scheduler:
         """Admits waiting requests while they fit; returns the updates of any that failed to."""
         while self.waiting and self.prep.table_idxs.num_free > 0:
             state = self.waiting[0]
-            if self.reserved_pages + state.reserved_pages > self.engine.num_pages:
+            if not self._fits(state):
                 break  # first come, first served: later requests wait behind it
             leader_error = None if self.link is None else self.link.admission_error(state)
             try:
                 if leader_error is not None:  # a following rank fails it as rank 0 did
                     raise RuntimeError(f"on rank 0: {leader_error}")
-                state.req = self.prep.add_request(state.prompt_ids, state.params)
+                state.req = self.prep.add_request(*self._admission_tokens(state))
             except Exception as e:
                 if self.follows and leader_error is None:
                     raise FatalEngineError(
@@ -208,9 +228,53 @@ class Scheduler:
                     ) from e
                 return self._fail([state], e, "admitting it")
             self.waiting.popleft()
-            self.reserved_pages += state.reserved_pages
             self.running.append(state)
         return []
+
+    def _fits(self, state: RequestState) -> bool:
+        """Whether the pool has the pages of `state`'s prompt (with its output so far, after a
+        preemption), the rest of the prompts of admitted requests still prefilling, and one page of
+        headroom per running request and this one. An empty engine admits anything that passed
+        `check_request` (its sequence never exceeds the pool)."""
+        need = self.prep.pages_needed(len(state.prompt_ids) + len(state.output_ids))
+        promised = sum(
+            self.prep.pages_needed(s.req.num_prompt_tokens) - s.held_pages
+            for s in self.running
+            if not s.prefilled
+        )
+        headroom = len(self.running) + 1
+        return self.prep.pages.num_free - promised >= min(need + headroom, self.engine.num_pages)
+
+    def _admission_tokens(self, state: RequestState) -> tuple[list[int], SamplingParams]:
+        """The engine request's tokens and parameters: the prompt, or after a preemption the prompt and
+        the output so far, with what is left of max_tokens and min_tokens (the seed and the positions
+        stay: the sampler draws the same tokens)."""
+        done = len(state.output_ids)
+        if done == 0:
+            return state.prompt_ids, state.params
+        params = dataclasses.replace(
+            state.params,
+            max_tokens=state.params.max_tokens - done,
+            min_tokens=max(0, state.params.min_tokens - done),
+        )
+        return state.prompt_ids + state.output_ids, params
+
+    def _preempt(self) -> bool:
+        """Preempts the most recently admitted running request (never the only one, which fits the
+        pool alone): frees its pages and table_idx, requeues it at the front to be recomputed. With
+        overlap its token in the forward in flight, if any, is dropped when that forward is read
+        (`_collect`). Returns False when there is nothing to preempt."""
+        if len(self.running) < 2:
+            return False
+        state = self.running.pop()
+        self.prep.release(state.req)
+        state.req, state.held_pages = None, 0
+        state.num_preemptions += 1
+        self.waiting.appendleft(state)
+        self.preemptions += 1
+        self.metrics.preempted()
+        logger.debug("preempted request %d (%d tokens so far)", state.uid, len(state.output_ids))
+        return True
 
     def _finish(self, state: RequestState, reason: FinishReason, now: float) -> None:
         """Ends a request whose text is complete: frees what it holds."""
@@ -219,7 +283,7 @@ class Scheduler:
             self.waiting.remove(state)
         else:
             self.prep.release(state.req)
-            self.reserved_pages -= state.reserved_pages
+            state.held_pages = 0
             self.running.remove(state)
         self.metrics.finished(state, reason, now)
         if self.link is not None:
@@ -294,21 +358,47 @@ class Scheduler:
         return updates
 
     def _schedule(self) -> tuple[list[RequestState], list[int] | None]:
-        """(requests, prefill chunk sizes) for a prefill step or (requests, None) for a decode step."""
-        prefilling = [s for s in self.running if not s.prefilled]
-        # with overlap a request's last token may already be in flight: it needs no more steps
-        decoding = [s for s in self.running if s.prefilled and s.num_launched < s.params.max_tokens]
-        if prefilling and (not decoding or self._last_phase != "prefill"):
-            budget, chosen, chunks = self.max_prefill_tokens, [], []
-            for state in prefilling:
-                if budget == 0:
-                    break
-                chunk = min(len(state.prompt_ids) - state.req.cached_len, budget)
-                chosen.append(state)
-                chunks.append(chunk)
-                budget -= chunk
-            return chosen, chunks
-        return decoding, None
+        """(requests, prefill chunk sizes) for a prefill step or (requests, None) for a decode step,
+        whose pages the pool has: preempts (`_preempt`) until it does."""
+        while True:
+            prefilling = [s for s in self.running if not s.prefilled]
+            # with overlap a request's last token may already be in flight: it needs no more steps
+            decoding = [s for s in self.running if s.prefilled and s.num_launched < s.params.max_tokens]
+            if prefilling and (not decoding or self._last_phase != "prefill"):
+                chosen, chunks = self._prefill_chunks(prefilling)
+                if chosen:
+                    return chosen, chunks
+                if not decoding:  # not one prompt token fits: make room
+                    if self._preempt():
+                        continue
+                    # alone, it always fits: unreachable, but the step then fails instead of spinning
+                    state = prefilling[0]
+                    return [state], [
+                        min(state.req.num_prompt_tokens - state.req.cached_len, self.max_prefill_tokens)
+                    ]
+                # else decode instead; the decode step makes room if it must
+            if not decoding:
+                return [], None
+            need = sum(self.prep.pages_needed(s.req.cached_len + 1) - s.held_pages for s in decoding)
+            if need <= self.prep.pages.num_free or not self._preempt():
+                return decoding, None
+
+    def _prefill_chunks(self, prefilling: list[RequestState]) -> tuple[list[RequestState], list[int]]:
+        """Prompt chunks first come, first served, up to `max_prefill_tokens` tokens in all and as many
+        as the free pages hold (the last chunk is cut to fit)."""
+        page_size, free = self.prep.page_size, self.prep.pages.num_free
+        budget, chosen, chunks = self.max_prefill_tokens, [], []
+        for state in prefilling:
+            req = state.req
+            room = (state.held_pages + free) * page_size - req.cached_len  # tokens its pages could hold
+            chunk = min(req.num_prompt_tokens - req.cached_len, budget, room)
+            if chunk <= 0:
+                break
+            chosen.append(state)
+            chunks.append(chunk)
+            budget -= chunk
+            free -= self.prep.pages_needed(req.cached_len + chunk) - state.held_pages
+        return chosen, chunks
 
     def _launch(
         self, states: list[RequestState], chunks: list[int] | None, started: float, updates: list[Update]
@@ -379,6 +469,8 @@ class Scheduler:
             batch = self.prep.decode(reqs, pending=self.overlap)
         else:
             batch = self.prep.prefill(reqs, chunks)
+        for state in states:  # the batch took the pages its tokens reach
+            state.held_pages = self.prep.pages_needed(state.req.device_len)
         args = self.prep.sampling_args(batch)
         args.suppress = self.output.suppressed(
             states, self.engine.config.model_config.vocab_size, self.engine.device
@@ -402,7 +494,10 @@ class Scheduler:
             timer.stop()
         self._last_phase = batch.phase
         launch_s = time.perf_counter() - started
-        return _InFlight(states, produces, output, batch.phase, mode, num_tokens, scheduled, launch_s, timer)
+        reqs = [state.req for state in states]
+        return _InFlight(
+            states, reqs, produces, output, batch.phase, mode, num_tokens, scheduled, launch_s, timer
+        )
 
     def _collect(self, launched: _InFlight) -> list[Update]:
         waiting_since = time.perf_counter()
@@ -414,7 +509,9 @@ class Scheduler:
             tokens = launched.output.next_tokens_cpu.tolist()
         except Exception as e:  # the forward failed on the device
             e = self._under_tp(e)
-            failed = self._fail(launched.states, e, "running a step")
+            # a request preempted since the launch lost nothing: it is recomputed anyway
+            states = [s for s, req in zip(launched.states, launched.reqs) if s.req is req]
+            failed = self._fail(states, e, "running a step")
             if isinstance(e, FATAL_ERRORS):
                 raise e
             return failed
@@ -422,9 +519,9 @@ class Scheduler:
             self.last_token_digest = token_digest(tokens)
         now = time.perf_counter()
         updates, failed = [], []
-        for state, token, produces in zip(launched.states, tokens, launched.produces):
-            # finished: stopped one step earlier (overlap), aborted or failed
-            if produces and not state.finished:
+        for state, req, token, produces in zip(launched.states, launched.reqs, tokens, launched.produces):
+            # finished (stopped one step earlier with overlap, aborted or failed) or preempted since
+            if produces and not state.finished and state.req is req:
                 try:
                     updates.append(self._process(state, token, now))
                 except Exception as e:  # this request's own output processing: it alone fails

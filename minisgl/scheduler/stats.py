@@ -61,6 +61,7 @@ class SchedulerMetrics:
         self.labels = {"model_name": model_name}
         self._ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**self.labels)
         self._itl = metrics.INTER_TOKEN_LATENCY.labels(**self.labels)
+        self._preemptions = metrics.PREEMPTIONS.labels(**self.labels)  # a sample (0) from the start
 
     def token(self, state: RequestState, now: float) -> None:
         """A request got a token at `now`: its first (time to first token) or a later one."""
@@ -93,6 +94,10 @@ class SchedulerMetrics:
         if phase == "prefill":
             metrics.PROMPT_TOKENS.labels(**self.labels).inc(num_tokens)
         metrics.GENERATION_TOKENS.labels(**self.labels).inc(num_generated)
+
+    def preempted(self) -> None:
+        """A running request was preempted (its pages freed, requeued to be recomputed)."""
+        self._preemptions.inc()
 
     def queues(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         metrics.REQUESTS_RUNNING.labels(**self.labels).set(running)
