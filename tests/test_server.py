@@ -424,3 +424,44 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_reason() -> None:
     )
     assert out.returncode == 1
     assert "num_attention_heads=9 is not divisible by the tensor-parallel size 2" in out.stderr
+
+
+def test_a_model_folder_without_tokenizer_is_served_with_token_ids(tmp_path) -> None:
+    """The dummy-weight presets' case: token-id prompts, token ids in the answers, text refused."""
+    from conftest import make_tiny_model
+
+    from minisgl.llm import LLM
+
+    folder = make_tiny_model(tmp_path, "llama")
+    prompt = [5, 17, 42, 99, 3]
+    llm = LLM(str(folder), device="cpu", dtype="float32")
+    try:
+        want = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    finally:
+        llm.shutdown()
+    srv = Server("--model", str(folder), "--device", "cpu", "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="x", timeout=120, max_retries=0)
+        [name] = [m.id for m in client.models.list()]
+        assert name == folder.name
+        got = client.completions.create(
+            model=name, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert got.choices[0].model_extra["token_ids"] == want and got.choices[0].text == ""
+        chunks = list(
+            client.completions.create(
+                model=name,
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        assert sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks if c.choices), []) == want
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            client.completions.create(model=name, prompt="text", max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        assert srv.stop() == 0
