@@ -20,6 +20,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_metrics import prometheus  # noqa: F401  (the fixture: a real Prometheus server on loopback)
 
 from minisgl.core import SamplingParams
 
@@ -465,3 +466,29 @@ def test_a_model_folder_without_tokenizer_is_served_with_token_ids(tmp_path) -> 
             client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
     finally:
         assert srv.stop() == 0
+
+
+@pytest.fixture
+def metrics_port(server: Server) -> int:
+    """The port test_metrics' `prometheus` fixture scrapes: the server's own (its /metrics)."""
+    return server.port
+
+
+def test_prometheus_scrapes_the_servers_metrics(
+    server: Server,
+    client: openai.OpenAI,
+    prometheus,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """The real Prometheus server scraping `minisgl-run serve`'s /metrics: the scheduler's token counter
+    grows by exactly the tokens the server answered with."""
+    query = 'minisgl_generation_tokens_total{job="minisgl"}'
+    start = server.metrics().get("minisgl_generation_tokens_total", 0)
+    _wait_for(lambda: (prometheus.value(query) or 0) == start, 30, "Prometheus's first scrape")
+    served = sum(
+        client.completions.create(
+            model=MODEL, prompt=p, max_tokens=5 + i, temperature=0, extra_body={"ignore_eos": True}
+        ).usage.completion_tokens
+        for i, p in enumerate(PROMPTS)
+    )
+    assert served == sum(5 + i for i in range(len(PROMPTS)))
+    _wait_for(lambda: prometheus.value(query) == start + served, 30, "Prometheus to see the tokens")
