@@ -49,7 +49,6 @@ from minisgl.config_fields import SettingField, check_fields, describe_type, is_
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.config import SECRET_SETTINGS, ServerConfig
 
 ENV_PREFIX = "MINISGL_"
 CONFIG_ENV_VAR = "MINISGL_CONFIG"
@@ -70,6 +69,44 @@ class LaunchConfig:
 
     tp_size: int = setting(
         1, "Tensor-parallel size: number of ranks, one GPU each (each rank's EngineConfig.tp_info).", ge=1
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+SECRET_SETTINGS = frozenset({"api_key"})  # never printed (`minisgl-run config`, logs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Where the OpenAI-compatible server (`minisgl-run serve`, minisgl.server) listens and how it
+    bounds its work: the launcher's settings, read by the server's front end."""
+
+    host: str = setting(
+        "127.0.0.1",
+        "Address `minisgl-run serve` binds to; 127.0.0.1 (loopback) unless told otherwise, e.g. 0.0.0.0.",
+    )
+    port: int = setting(30000, "TCP port of `minisgl-run serve` (HTTP API and /metrics).", ge=1, le=65535)
+    served_model_name: str | None = setting(
+        None, "Model name the server answers to (/v1/models, the `model` field); unset = the folder's name."
+    )
+    api_key: str | None = setting(
+        None,
+        "Require `Authorization: Bearer KEY` on /v1/* (401 otherwise); unset = no key. Never printed.",
+    )
+    max_waiting_requests: int = setting(
+        1024,
+        "Requests the server queues beyond max_running_req; past it new requests get 503 with Retry-After.",
+        ge=0,
+    )
+    shutdown_grace_s: float = setting(
+        30.0,
+        "On SIGINT/SIGTERM, seconds the server lets running requests finish before aborting them.",
+        ge=0,
+    )
+    max_request_bytes: int = setting(
+        8 << 20, "Largest request body the server reads, in bytes (413 past it).", ge=1024
     )
 
     def __post_init__(self) -> None:

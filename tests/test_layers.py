@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("settings", ("minisgl.settings",)),
     ("launch", ("minisgl.launch",)),
     ("llm", ("minisgl.llm",)),
+    ("chat", ("minisgl.chat",)),
     ("bench", ("minisgl.bench",)),
     ("server", ("minisgl.server",)),
     ("entry", ("minisgl.cli", "minisgl.__main__", "minisgl.bench.__main__")),

@@ -18,7 +18,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.settings import CONFIGS as CONFIG_CLASSES
-from minisgl.settings import EngineSettings, LaunchConfig, SettingsError, settings_markdown
+from minisgl.settings import EngineSettings, LaunchConfig, ServerConfig, SettingsError, settings_markdown
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 H200_PRESET = CONFIGS / "h200-qwen3-0.6b.yaml"
@@ -70,7 +70,8 @@ def fake_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_fields_mirror_the_configs() -> None:
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     scheduler = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | {"tp_size"}
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | {"tp_size"} | server
     assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size"]
 
 
