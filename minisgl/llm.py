@@ -160,6 +160,7 @@ class LLM:
             tokenizer=self.tokenizer if detokenize else None,
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
+            cache_type=scheduler_config.cache_type,
         )
         if self.group is not None:
             self.group.start(self.scheduler)
@@ -322,6 +323,13 @@ class LLM:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+
+    def flush_cache(self) -> int:
+        """Empties the prefix cache of every prefix no running request uses (under tensor
+        parallelism, on every rank); returns the KV pages freed (0 with cache_type 'naive')."""
+        with self._lock:
+            self._check_open()
+            return self.scheduler.clear_prefix_cache()
 
     def shutdown(self) -> None:
         """Aborts every unfinished request (a `generate` in another thread returns them with

@@ -37,7 +37,7 @@ REQUESTS_WAITING = Gauge(
 )
 KV_CACHE_USAGE = Gauge(
     "minisgl_kv_cache_usage_ratio",
-    "Share of KV cache pages in use (0 to 1).",
+    "Share of KV cache pages held by requests (0 to 1); the prefix cache's unreferenced pages are not counted.",
     ["model_name"],
     registry=REGISTRY,
 )
@@ -71,6 +71,30 @@ FORWARD_STEPS = Counter(
 PREEMPTIONS = Counter(
     "minisgl_preemptions",
     "Running requests preempted when the KV pool ran out (pages freed, recomputed on re-admission).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+PREFIX_CACHED_TOKENS = Counter(
+    "minisgl_prefix_cache_hit_tokens",
+    "Prompt tokens found in the prefix cache as their request's prefill began (not computed).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+PREFIX_LOOKUP_TOKENS = Counter(
+    "minisgl_prefix_cache_lookup_tokens",
+    "Prompt tokens looked up in the prefix cache as their request's prefill began (hit rate: hits / this).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+PREFIX_CACHE_PAGES = Gauge(
+    "minisgl_prefix_cache_pages",
+    "KV pages held by the prefix cache alone (no running request uses them; evicted when needed).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+PREFIX_EVICTED_PAGES = Counter(
+    "minisgl_prefix_cache_evicted_pages",
+    "KV pages evicted from the prefix cache to make room (least recently used first).",
     ["model_name"],
     registry=REGISTRY,
 )

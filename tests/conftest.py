@@ -168,9 +168,14 @@ def make_tiny_model_with_tokenizer(tmp_path: Path, arch: str = "llama", **overri
 
 
 def check_clean(sched) -> None:
-    """Nothing queued or running on the scheduler, no KV page held, every slot free."""
+    """Nothing queued or running on the scheduler, no KV page held by a request (the prefix cache may
+    hold pages, unreferenced), every slot free."""
     assert not sched.running and not sched.waiting
-    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
+    assert sched.prep.num_request_pages == 0 and sched.reserved_pages == 0
+    sched.prep.check_pages()
+    cache = sched.prep.cache
+    assert sched.prep.pages.num_used == (0 if cache is None else cache.num_pages)
+    assert cache is None or cache.num_referenced_pages == 0
     assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
 
 

@@ -82,7 +82,8 @@ def _run(sched: Scheduler, specs, kind: str, arrive_every: int = 0) -> list:
                 states.append(sched.add_request(prompt, _params(kind, n, i)))
             pending = pending[len(batch) :]
         sched.step()
-        assert sched.prep.pages.num_used == sched.held_pages <= sched.engine.num_pages
+        assert sched.prep.num_request_pages <= sched.held_pages <= sched.engine.num_pages
+        sched.prep.check_pages()
         steps += 1
         assert steps < 5000
     check_clean(sched)
@@ -311,7 +312,8 @@ def test_random_arrivals_and_aborts_over_small_pools(big, pools, ops, pool, over
         elif op[0] == "step":
             for _ in range(op[1]):
                 sched.step()
-                assert sched.prep.pages.num_used == sched.held_pages <= engine.num_pages
+                assert sched.prep.num_request_pages <= sched.held_pages <= engine.num_pages
+                sched.prep.check_pages()
         elif op[0] == "abort" and states:
             sched.abort(states[op[1] % len(states)])
     steps = 0

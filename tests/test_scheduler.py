@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import make_tiny_model
+from conftest import check_clean, make_tiny_model
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
@@ -29,9 +29,8 @@ def _alone(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def _check_drained(sched: Scheduler) -> None:
-    assert not sched.running and not sched.waiting and not sched.has_work()
-    assert sched.prep.pages.num_used == 0 and sched.reserved_pages == 0
-    assert sched.prep.table_idxs.num_free == sched.engine.config.max_running_req
+    assert not sched.has_work()
+    check_clean(sched)
 
 
 def _drain(sched: Scheduler) -> None:
@@ -313,7 +312,7 @@ def test_abort_frees_at_once_and_leaves_the_others_alone(tiny_llama, overlap):
     sched.abort(victim)
     assert victim.finish_reason == "abort" and victim.finished and victim not in sched.running
     assert sched.prep.table_idxs.num_free == 1 and sched.reserved_pages == keep.reserved_pages
-    assert sched.prep.pages.num_used == sched.prep.pages_needed(keep.req.cached_len)
+    assert sched.prep.num_request_pages == sched.prep.pages_needed(keep.req.cached_len)
     sched.abort(victim)  # finished already: nothing happens
     _drain(sched)
     assert victim.output_ids == kept  # with overlap, its token in the forward in flight was dropped

@@ -276,6 +276,37 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server: Server) ->
     assert server.metrics().get("minisgl_requests_finished_total,reason=abort", 0) >= 1
 
 
+def test_prefix_cache_over_http_and_flush_cache(server: Server, client: openai.OpenAI) -> None:
+    """A repeated prompt finds its prefix in the server's radix cache (same greedy text); POST
+    /flush_cache empties the cache, and the next request computes its whole prompt again."""
+    prompt = "You are a careful assistant who answers in one short sentence. " * 6 + "What is a cache?"
+
+    def run() -> tuple[str, float, float]:
+        before = server.metrics()
+        text = (
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        )
+        after = server.metrics()
+        hits = (
+            after["minisgl_prefix_cache_hit_tokens_total"] - before["minisgl_prefix_cache_hit_tokens_total"]
+        )
+        looked = (
+            after["minisgl_prefix_cache_lookup_tokens_total"]
+            - before["minisgl_prefix_cache_lookup_tokens_total"]
+        )
+        return text, hits, looked
+
+    first, _, looked = run()
+    second, hits, _ = run()
+    assert second == first and looked > 64 and hits >= looked - 16  # all but the last partial page
+    assert server.metrics()["minisgl_prefix_cache_pages"] > 0  # held by the tree alone, at rest
+    flushed = httpx.post(server.base + "/flush_cache", timeout=30)
+    assert flushed.status_code == 200 and flushed.json()["freed_pages"] > 0
+    assert server.metrics()["minisgl_prefix_cache_pages"] == 0
+    third, hits, _ = run()
+    assert third == first and hits == 0
+
+
 @pytest.mark.parametrize(
     "body,status,code_or_param",
     [
@@ -324,6 +355,11 @@ def test_api_key_full_queue_and_graceful_shutdown() -> None:
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(srv.base + "/health").status_code == 200  # open without the key
         assert httpx.get(srv.base + "/metrics").status_code == 200
+        assert httpx.post(srv.base + "/flush_cache").status_code == 401
+        assert (
+            httpx.post(srv.base + "/flush_cache", headers={"Authorization": "Bearer s3cret"}).status_code
+            == 200
+        )
         keyed = openai.OpenAI(base_url=srv.url, api_key="s3cret", timeout=600, max_retries=0)
         assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 

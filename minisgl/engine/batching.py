@@ -15,6 +15,14 @@ as they were.
     batch = prep.decode(reqs)
     ...
     prep.release(reqs)
+
+With a prefix cache (`BatchPreparer(engine, cache=RadixCache(page_size))`, the scheduler's
+`cache_type: radix`), a request can start from the longest cached prefix of its prompt
+(`match_prefix`, then `add_request(..., prefix=...)`): its page table then begins with the tree's pages
+and only the rest is computed. `cache_prefix` hands the whole pages a launched prefill chunk computed
+to the tree, and `release` hands over every whole page of the request's computed tokens instead of
+returning them to the pool; the tree references the pages a running request uses, and its unreferenced
+pages are evicted (least recently used first) when an allocation needs them. docs/prefix-cache.md.
 """
 
 from __future__ import annotations
@@ -28,16 +36,49 @@ from minisgl.core import Batch, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine.engine import Engine
 from minisgl.engine.sample import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, TableIdxAllocator
+from minisgl.kvcache.radix import Match, RadixCache, RadixNode
 
 
 class BatchPreparer:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cache: RadixCache | None = None) -> None:
+        """`cache`: a prefix cache over this engine's pages (its page_size must be the engine's)."""
         self.engine = engine
         self.page_size = engine.config.page_size
+        if cache is not None and cache.page_size != self.page_size:
+            raise ValueError(
+                f"the prefix cache's page_size {cache.page_size} is not the engine's {self.page_size}"
+            )
+        self.cache = cache
         self.pages = PageAllocator(engine.num_pages)
         self.table_idxs = TableIdxAllocator(engine.config.max_running_req)
         self._req_pages: dict[int, list[int]] = {}
+        # with a cache: each request's locked node in the tree, and the tokens its path spells
+        self._handles: dict[int, tuple[RadixNode, int]] = {}
+        self.evicted_pages = 0  # tree pages evicted so far to make room
         self._uids = itertools.count()
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get: the free ones and those the tree holds unreferenced."""
+        return self.pages.num_free + (0 if self.cache is None else self.cache.num_evictable_pages)
+
+    @property
+    def num_request_pages(self) -> int:
+        """Pages that requests hold: their own and the tree's pages they reference."""
+        return self.pages.num_used - (0 if self.cache is None else self.cache.num_evictable_pages)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> Match | None:
+        """The longest cached prefix of a prompt in whole pages, short of its last token (which must be
+        computed to sample from it), locked until `add_request` takes it over or `unlock_prefix`
+        drops it. None without a cache."""
+        if self.cache is None:
+            return None
+        return self.cache.match(token_ids[: len(token_ids) - 1], lock=True)
+
+    def unlock_prefix(self, prefix: Match | None) -> None:
+        """Drops a `match_prefix` that no request took."""
+        if prefix is not None:
+            self.cache.unlock(prefix.handle)
 
     def check_request(self, tokens: list[int], params: SamplingParams) -> None:
         """Raises a ValueError if the request can never run on this engine (`tokens`: a list of ints,
@@ -60,22 +101,76 @@ class BatchPreparer:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def add_request(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None) -> Req:
-        """Checks the prompt and takes a table_idx for it (no KV pages yet)."""
+    def add_request(
+        self,
+        token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        prefix: Match | None = None,
+    ) -> Req:
+        """Checks the prompt and takes a table_idx for it (no KV pages of its own yet). `prefix`: a
+        `match_prefix` of this prompt, whose pages start its page table and whose tokens count as
+        cached; the request takes over its lock (if this raises, the lock stays the caller's)."""
         params = sampling_params or SamplingParams()
         tokens = as_token_ids(token_ids)
         self.check_request(tokens, params)
+        if prefix is not None and prefix.num_tokens >= len(tokens):
+            raise ValueError(
+                f"a cached prefix of {prefix.num_tokens} tokens leaves nothing to compute of a "
+                f"{len(tokens)}-token prompt (match_prefix leaves its last token out)"
+            )
         table_idx = self.table_idxs.alloc()
+        pages = [] if prefix is None else list(prefix.pages)
         req = Req(
             input_ids=tokens,
             table_idx=table_idx,
-            cached_len=0,
+            cached_len=len(pages) * self.page_size,
             output_len=params.max_tokens,
             uid=next(self._uids),
             sampling_params=params,
         )
-        self._req_pages[req.uid] = []
+        self._req_pages[req.uid] = pages
+        if prefix is not None:
+            self._handles[req.uid] = (prefix.handle, prefix.num_tokens)
+            if pages:
+                self.engine.write_page_table(table_idx, 0, pages)
         return req
+
+    def rematch(self, req: Req) -> int:
+        """Before a request computes its first token: takes a longer cached prefix if the tree has one
+        now (a request admitted with it, whose prefill ran since). Returns the tokens gained."""
+        pages = self._req_pages[req.uid]
+        if self.cache is None or req.cached_len != len(pages) * self.page_size:
+            return 0
+        handle, length = self._handles[req.uid]
+        if req.cached_len != length:  # it computed tokens of its own
+            return 0
+        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens])
+        if prefix.num_tokens <= length:
+            self.cache.unlock(prefix.handle)
+            return 0
+        self.cache.unlock(handle)
+        self._handles[req.uid] = (prefix.handle, prefix.num_tokens)
+        self._req_pages[req.uid] = list(prefix.pages)
+        self.engine.write_page_table(req.table_idx, 0, prefix.pages)
+        req.cached_len = prefix.num_tokens
+        return prefix.num_tokens - length
+
+    def cache_prefix(self, req: Req) -> None:
+        """Hands the whole pages of a request's computed tokens to the tree (once a prefill chunk is
+        launched: a later forward that reads them runs after it), so that requests admitted from now
+        on can share them; the request references them from now on. Pages the tree already held for
+        the same tokens stay the request's own until it is released."""
+        if self.cache is None:
+            return
+        handle, length = self._handles[req.uid]
+        num = min(req.cached_len, len(req.input_ids)) // self.page_size
+        if num * self.page_size <= length:
+            return
+        result = self.cache.insert(
+            req.input_ids[: num * self.page_size], self._req_pages[req.uid][:num], lock=True
+        )
+        self.cache.unlock(handle)
+        self._handles[req.uid] = (result.handle, num * self.page_size)
 
     def prefill(self, reqs: Sequence[Req], chunk_size: int | Sequence[int] | None = None) -> Batch:
         """A prefill batch computing each request's uncached tokens, at most `chunk_size` per request
@@ -123,8 +218,9 @@ class BatchPreparer:
                 )
         ps = self.page_size
         wanted = [self.pages_needed(end) - len(self._req_pages[req.uid]) for req, end in zip(reqs, ends)]
-        if sum(wanted) > self.pages.num_free:
+        if sum(wanted) > self.available_pages:
             self.pages.alloc(sum(wanted))  # raises the out-of-pages error, allocating nothing
+        self._make_room(sum(wanted))
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
@@ -170,14 +266,62 @@ class BatchPreparer:
                 got.append(req)
         return got
 
+    def _make_room(self, num_pages: int) -> None:
+        """Evicts unreferenced tree pages (least recently used first) until `num_pages` are free."""
+        if self.cache is not None and num_pages > self.pages.num_free:
+            evicted = self.cache.evict(num_pages - self.pages.num_free)
+            self.pages.free(evicted)
+            self.evicted_pages += len(evicted)
+
     def release(self, reqs: Req | Sequence[Req]) -> None:
-        """Returns the requests' KV pages and table_idxs."""
+        """Returns the requests' KV pages and table_idxs. With a prefix cache, the whole pages of each
+        request's computed tokens go to the tree instead (where it already held them, its own pages
+        stay and the request's copies are freed) and the request's reference is dropped."""
         for req in [reqs] if isinstance(reqs, Req) else reqs:
             pages = self._req_pages.pop(req.uid, None)
             if pages is None:
                 continue
+            if self.cache is not None:
+                handle, _ = self._handles.pop(req.uid)
+                num = min(min(req.cached_len, len(req.input_ids)) // self.page_size, len(pages))
+                result = self.cache.insert(req.input_ids[: num * self.page_size], pages[:num])
+                self.cache.unlock(handle)
+                pages = result.duplicate_pages + pages[num:]
             self.pages.free(pages)
             self.table_idxs.free(req.table_idx)
+
+    def clear_cache(self) -> int:
+        """Evicts every unreferenced page of the prefix cache; returns how many were freed."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.clear()
+        self.pages.free(freed)
+        return len(freed)
+
+    def check_pages(self) -> None:
+        """Raises AssertionError unless every page in use is held by a request or by the tree (pages
+        shared by both are the tree's), no page is held twice, and the tree references exactly what
+        running requests use (for tests)."""
+        owned = [page for pages in self._req_pages.values() for page in pages]
+        tree = set() if self.cache is None else set(self.cache.held_pages())
+        own = [page for page in owned if page not in tree]
+        assert len(own) == len(set(own)), "a page is held by two requests"
+        used = set(own) | tree
+        assert len(used) == self.pages.num_used and all(0 <= p < self.engine.num_pages for p in used), (
+            f"{self.pages.num_used} pages in use, {len(used)} held by requests and the tree"
+        )
+        if self.cache is not None:
+            locked = {page for uid, (handle, _) in self._handles.items() for page in _path_pages(handle)}
+            assert self.cache.num_referenced_pages == len(locked), "the tree references pages no request uses"
+
+
+def _path_pages(handle: RadixNode) -> list[int]:
+    pages: list[int] = []
+    node: RadixNode | None = handle
+    while node is not None:
+        pages += node.pages
+        node = node.parent
+    return pages
 
 
 def generate(

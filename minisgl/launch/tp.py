@@ -63,6 +63,7 @@ def worker_main(
             overlap=shared["overlap"],
             eos_token_ids=shared["eos_token_ids"],
             link=link,
+            cache_type=shared["cache_type"],
         )
         if setup is not None:
             setup(rank, engine, scheduler)
@@ -103,6 +104,7 @@ class TPGroup:
                 "max_prefill_tokens": scheduler.max_prefill_tokens,
                 "overlap": scheduler.overlap,
                 "eos_token_ids": sorted(scheduler.output.eos_token_ids),
+                "cache_type": scheduler.cache_type,
             }
         )
 

@@ -13,6 +13,7 @@ from minisgl.config_fields import check_fields, setting
 
 # prompt tokens per prefill step when max_prefill_tokens is unset, by device type
 AUTO_MAX_PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
+CACHE_TYPES = ("radix", "naive")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class SchedulerConfig:
         True,
         "Prepare step N+1 on the host while the device runs step N (also under tensor parallelism); "
         "false (MINISGL_OVERLAP_SCHEDULING=0) for ablation.",
+    )
+
+    cache_type: str = setting(
+        "radix",
+        "Prefix cache: 'radix' keeps finished requests' KV pages in a radix tree and skips the prefill of "
+        "any cached prefix (whole pages); 'naive' recomputes every prompt (docs/prefix-cache.md).",
+        choices=CACHE_TYPES,
     )
 
     def __post_init__(self) -> None:

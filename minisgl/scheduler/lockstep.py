@@ -17,6 +17,9 @@ What the leader sends (`Leader`), one message per step:
   string, max_tokens), an abort, a failure. Followers never finish a request by themselves: they do it
   when told, at the same point of the same step as the leader (finishes made while the leader collected
   step k's tokens reach the followers before step k+1's admission, where the leader's took effect).
+- ``clear``: the leader cleared its prefix cache (`Scheduler.clear_prefix_cache`). Nothing else about
+  the prefix cache travels: each rank's radix tree sees the same calls in the same order, its recency
+  is a logical clock, so the ranks match, insert and evict alike (the plan's page count checks it).
 - The *plan* of the step: phase, number of requests and tokens, and the sum of the uids. A follower
   whose own schedule differs stops with an error naming the step: a lockstep bug is never silent.
 - A *verdict*: if preparing the step's batch failed on the leader, every rank fails the step's
@@ -121,6 +124,9 @@ class Leader:
 
     def finished(self, state: RequestState) -> None:
         self._events.append(["finish", state.uid, state.finish_reason, state.error])
+
+    def cleared(self) -> None:
+        self._events.append(["clear"])
 
     def begin(self, scheduler: Scheduler) -> None:
         """Marks the start of a step: what finishes from here to the plan (a request that failed at
@@ -250,6 +256,9 @@ class Follower:
     def finished(self, state: RequestState) -> None:
         pass
 
+    def cleared(self) -> None:
+        pass
+
     def begin(self, scheduler: Scheduler) -> None:
         """Applies the leader's events, in order, to this rank's scheduler."""
         header = self._header
@@ -266,6 +275,8 @@ class Follower:
                 prompt = self._prompts[offset : offset + length].tolist()
                 offset += length
                 scheduler.follow_add(uid, prompt, _params_from_data(params))
+            elif event[0] == "clear":
+                scheduler._clear_prefix_cache()
             else:
                 _, uid, reason, error = event
                 scheduler.follow_finish(uid, reason, error)

@@ -29,6 +29,7 @@ class RequestState:
     req: Req | None = None
     held_pages: int = 0  # KV pages the request holds now (0 while waiting)
     num_preemptions: int = 0  # times it was preempted and requeued
+    prefix_found: int = -1  # prompt tokens found in the prefix cache as its prefill began (-1: not yet)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # text so far (complete once finished)
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s

@@ -15,6 +15,12 @@ Each `step()` runs one forward:
   re-emitted; the sampler's draws are a function of seed and position, so the outputs are those of a
   run without preemption). The decision is a function of the scheduler's state, the same on every
   tensor-parallel rank. Counted in `preemptions` and the `minisgl_preemptions` metric.
+- Prefix cache (`cache_type`, radix by default; docs/prefix-cache.md): admission matches the longest
+  cached prefix of the prompt in whole pages (short of its last token) and the request prefills only
+  the rest; as its prefill begins it matches again (`_look_up`: a request prefilled meanwhile may have
+  cached more). Launched prefill chunks and ended requests hand their whole pages to the tree;
+  unreferenced tree pages count as available and are evicted, least recently used first, as pages are
+  needed.
 - Prefill and decode alternate: while admitted requests still have prompt tokens to prefill, every other
   step is a prefill step (a prefill step is never followed by another one while requests wait to
   decode), so running requests wait at most one prefill chunk, and a newly admitted request starts its
@@ -59,6 +65,9 @@ from typing import Any
 from minisgl.core import FATAL_ERRORS, Batch, FatalEngineError, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
 from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.kvcache import RadixCache
+from minisgl.kvcache.radix import Match
+from minisgl.scheduler.config import CACHE_TYPES
 from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
@@ -98,15 +107,23 @@ class Scheduler:
         overlap: bool | None = None,
         record_steps: int = 0,
         link: Leader | Follower | None = None,
+        cache_type: str = "radix",
     ) -> None:
         """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off).
         `model_name` labels the metrics (default: the model folder's name). `link`: under tensor
         parallelism, this rank's side of the lockstep (`minisgl.scheduler.lockstep`): rank 0 leads,
-        the others follow (they take requests and finishes from rank 0 only)."""
+        the others follow (they take requests and finishes from rank 0 only). `cache_type`: 'radix'
+        (a prefix cache over the KV pages, docs/prefix-cache.md) or 'naive' (every prompt computed)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
+        if cache_type not in CACHE_TYPES:
+            raise ValueError(f"cache_type={cache_type!r} is not valid: use one of {', '.join(CACHE_TYPES)}")
         self.engine = engine
-        self.prep = BatchPreparer(engine)
+        self.cache_type = cache_type
+        cache = RadixCache(engine.config.page_size) if cache_type == "radix" else None
+        self.prep = BatchPreparer(engine, cache)
+        self.prefix_lookup_tokens = 0  # prompt tokens of requests as their prefill began
+        self.prefix_cached_tokens = 0  # of those, the tokens found in the prefix cache
         self.max_prefill_tokens = max_prefill_tokens
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.metrics = SchedulerMetrics(model_name or Path(engine.config.model_path).name)
@@ -127,8 +144,33 @@ class Scheduler:
 
     @property
     def held_pages(self) -> int:
-        """KV pages held by the running requests (the pool's pages in use)."""
+        """The running requests' `held_pages` summed: pages in their page tables, a cached prefix
+        counted once per request that uses it (without a prefix cache: the pool's pages in use)."""
         return sum(state.held_pages for state in self.running)
+
+    @property
+    def prefix_evicted_pages(self) -> int:
+        """Pages evicted from the prefix cache so far to make room."""
+        return self.prep.evicted_pages
+
+    @property
+    def prefix_cache(self) -> RadixCache | None:
+        """The radix tree of cached prefixes (None with cache_type 'naive')."""
+        return self.prep.cache
+
+    def clear_prefix_cache(self) -> int:
+        """Evicts every cached prefix that no running request uses; returns the pages freed. Under
+        tensor parallelism rank 0's clear reaches the other ranks with the next step."""
+        if self.follows:
+            raise RuntimeError("a following rank clears its prefix cache when rank 0 says so")
+        if self.link is not None:
+            self.link.cleared()
+        return self._clear_prefix_cache()
+
+    def _clear_prefix_cache(self) -> int:
+        freed = self.prep.clear_cache()
+        self.metrics.prefix_cache(self.prep)
+        return freed
 
     @property
     def reserved_pages(self) -> int:
@@ -214,14 +256,20 @@ class Scheduler:
         """Admits waiting requests while they fit; returns the updates of any that failed to."""
         while self.waiting and self.prep.table_idxs.num_free > 0:
             state = self.waiting[0]
-            if not self._fits(state):
+            tokens, params = self._admission_tokens(state)
+            prefix = self.prep.match_prefix(tokens)
+            if not self._fits(state, prefix):
+                self.prep.unlock_prefix(prefix)
                 break  # first come, first served: later requests wait behind it
             leader_error = None if self.link is None else self.link.admission_error(state)
             try:
                 if leader_error is not None:  # a following rank fails it as rank 0 did
                     raise RuntimeError(f"on rank 0: {leader_error}")
-                state.req = self.prep.add_request(*self._admission_tokens(state))
+                state.req = self.prep.add_request(tokens, params, prefix)
+                state.held_pages = len(prefix.pages) if prefix is not None else 0
+                state.prefix_found = -1
             except Exception as e:
+                self.prep.unlock_prefix(prefix)
                 if self.follows and leader_error is None:
                     raise FatalEngineError(
                         f"admitting request {state.uid} failed on this rank only: {e}"
@@ -231,19 +279,22 @@ class Scheduler:
             self.running.append(state)
         return []
 
-    def _fits(self, state: RequestState) -> bool:
+    def _fits(self, state: RequestState, prefix: Match | None) -> bool:
         """Whether the pool has the pages of `state`'s prompt (with its output so far, after a
-        preemption), the rest of the prompts of admitted requests still prefilling, and one page of
-        headroom per running request and this one. An empty engine admits anything that passed
-        `check_request` (its sequence never exceeds the pool)."""
-        need = self.prep.pages_needed(len(state.prompt_ids) + len(state.output_ids))
+        preemption) beyond its cached `prefix`, the rest of the prompts of admitted requests still
+        prefilling, and one page of headroom per running request and this one. Pages the prefix
+        cache holds unreferenced count as available (they are evicted as needed). An empty engine
+        admits anything that passed `check_request` (its sequence never exceeds the pool)."""
+        cached = 0 if prefix is None else len(prefix.pages)
+        need = self.prep.pages_needed(len(state.prompt_ids) + len(state.output_ids)) - cached
         promised = sum(
             self.prep.pages_needed(s.req.num_prompt_tokens) - s.held_pages
             for s in self.running
             if not s.prefilled
         )
         headroom = len(self.running) + 1
-        return self.prep.pages.num_free - promised >= min(need + headroom, self.engine.num_pages)
+        available = self.prep.available_pages  # the prefix is locked: not counted in it
+        return available - promised >= min(need + headroom, self.engine.num_pages - cached)
 
     def _admission_tokens(self, state: RequestState) -> tuple[list[int], SamplingParams]:
         """The engine request's tokens and parameters: the prompt, or after a preemption the prompt and
@@ -268,7 +319,7 @@ class Scheduler:
             return False
         state = self.running.pop()
         self.prep.release(state.req)
-        state.req, state.held_pages = None, 0
+        state.req, state.held_pages, state.prefix_found = None, 0, -1
         state.num_preemptions += 1
         self.waiting.appendleft(state)
         self.preemptions += 1
@@ -291,7 +342,8 @@ class Scheduler:
             self._by_uid.pop(state.uid, None)
 
     def _kv_cache_usage(self) -> float:
-        return self.prep.pages.num_used / self.engine.num_pages
+        """The pages requests hold (the prefix cache's unreferenced pages not counted), over the pool."""
+        return self.prep.num_request_pages / self.engine.num_pages
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -380,15 +432,21 @@ class Scheduler:
             if not decoding:
                 return [], None
             need = sum(self.prep.pages_needed(s.req.cached_len + 1) - s.held_pages for s in decoding)
-            if need <= self.prep.pages.num_free or not self._preempt():
+            if need <= self.prep.available_pages or not self._preempt():
                 return decoding, None
 
     def _prefill_chunks(self, prefilling: list[RequestState]) -> tuple[list[RequestState], list[int]]:
         """Prompt chunks first come, first served, up to `max_prefill_tokens` tokens in all and as many
-        as the free pages hold (the last chunk is cut to fit)."""
-        page_size, free = self.prep.page_size, self.prep.pages.num_free
-        budget, chosen, chunks = self.max_prefill_tokens, [], []
+        as the available pages hold (the last chunk is cut to fit). A request about to start its
+        prefill first takes the longest prefix the cache holds now (`_look_up`)."""
+        page_size = self.prep.page_size
+        budget, chosen, chunks, taken = self.max_prefill_tokens, [], [], 0
         for state in prefilling:
+            if budget <= 0:
+                break
+            if state.prefix_found < 0:
+                self._look_up(state)
+            free = self.prep.available_pages - taken  # after the look-up, which may lock some
             req = state.req
             room = (state.held_pages + free) * page_size - req.cached_len  # tokens its pages could hold
             chunk = min(req.num_prompt_tokens - req.cached_len, budget, room)
@@ -397,8 +455,19 @@ class Scheduler:
             chosen.append(state)
             chunks.append(chunk)
             budget -= chunk
-            free -= self.prep.pages_needed(req.cached_len + chunk) - state.held_pages
+            taken += self.prep.pages_needed(req.cached_len + chunk) - state.held_pages
         return chosen, chunks
+
+    def _look_up(self, state: RequestState) -> None:
+        """As a request's prefill begins: a longer cached prefix than at its admission, if requests
+        prefilled since then put one in the tree; counts the prompt tokens looked up and found."""
+        if self.prep.cache is not None:
+            self.prep.rematch(state.req)
+            state.held_pages = self.prep.pages_needed(state.req.cached_len)
+        state.prefix_found = state.req.cached_len
+        self.prefix_lookup_tokens += state.req.num_prompt_tokens
+        self.prefix_cached_tokens += state.req.cached_len
+        self.metrics.prefix_lookup(state.req.num_prompt_tokens, state.req.cached_len)
 
     def _launch(
         self, states: list[RequestState], chunks: list[int] | None, started: float, updates: list[Update]
@@ -492,6 +561,9 @@ class Scheduler:
         output = self.engine.forward_batch(batch, args)
         if timer is not None:
             timer.stop()
+        if batch.phase == "prefill" and self.prep.cache is not None:  # shared from now on
+            for state in states:
+                self.prep.cache_prefix(state.req)
         self._last_phase = batch.phase
         launch_s = time.perf_counter() - started
         reqs = [state.req for state in states]
@@ -536,6 +608,7 @@ class Scheduler:
             now - launched.scheduled,
         )
         self.metrics.queues(len(self.running), len(self.waiting), self._kv_cache_usage())
+        self.metrics.prefix_cache(self.prep)
         if self.record_steps:
             device_ms = None if launched.timer is None else launched.timer.elapsed_ms()
             self.step_records.append(

@@ -9,6 +9,7 @@ copy on the stream, so reading it waits for no work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,6 +63,11 @@ class SchedulerMetrics:
         self._ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**self.labels)
         self._itl = metrics.INTER_TOKEN_LATENCY.labels(**self.labels)
         self._preemptions = metrics.PREEMPTIONS.labels(**self.labels)  # a sample (0) from the start
+        self._hit_tokens = metrics.PREFIX_CACHED_TOKENS.labels(**self.labels)
+        self._lookup_tokens = metrics.PREFIX_LOOKUP_TOKENS.labels(**self.labels)
+        self._cache_pages = metrics.PREFIX_CACHE_PAGES.labels(**self.labels)
+        self._evicted = metrics.PREFIX_EVICTED_PAGES.labels(**self.labels)
+        self._evicted_seen = 0
 
     def token(self, state: RequestState, now: float) -> None:
         """A request got a token at `now`: its first (time to first token) or a later one."""
@@ -98,6 +104,19 @@ class SchedulerMetrics:
     def preempted(self) -> None:
         """A running request was preempted (its pages freed, requeued to be recomputed)."""
         self._preemptions.inc()
+
+    def prefix_lookup(self, looked_up: int, found: int) -> None:
+        """A request's prefill began: `looked_up` prompt tokens, `found` of them in the prefix cache."""
+        self._lookup_tokens.inc(looked_up)
+        self._hit_tokens.inc(found)
+
+    def prefix_cache(self, prep: Any) -> None:
+        """The prefix cache's pages that no request uses, and the evictions since the last call
+        (`prep`: the scheduler's BatchPreparer)."""
+        self._cache_pages.set(0 if prep.cache is None else prep.cache.num_evictable_pages)
+        if prep.evicted_pages > self._evicted_seen:
+            self._evicted.inc(prep.evicted_pages - self._evicted_seen)
+            self._evicted_seen = prep.evicted_pages
 
     def queues(self, running: int, waiting: int, kv_cache_usage: float) -> None:
         metrics.REQUESTS_RUNNING.labels(**self.labels).set(running)

@@ -140,7 +140,7 @@ class SchedulerClient:
         self.ready = asyncio.Event()
         self.choices: dict[int, tuple[Choice, asyncio.Queue]] = {}
         self.rids = itertools.count()
-        self._metrics: dict[int, asyncio.Future] = {}
+        self._answers: dict[int, asyncio.Future] = {}  # `_ask` questions waiting for the scheduler
         self._ids = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="minisgl-serve-")  # private (0700): the sockets live here
         self._ctx = zmq.asyncio.Context()
@@ -170,14 +170,23 @@ class SchedulerClient:
             self._send({"op": "abort", "rid": rid})
 
     async def metrics(self) -> str:
+        """The scheduler process's Prometheus series, as text."""
+        return (await self._ask("metrics"))["text"]
+
+    async def flush_cache(self) -> int:
+        """Empties the scheduler's prefix cache; the KV pages freed."""
+        return (await self._ask("flush"))["pages"]
+
+    async def _ask(self, op: str) -> dict[str, Any]:
+        """Sends a question to the scheduler process and waits for its answer (same op and id)."""
         key = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._metrics[key] = future
-        self._send({"op": "metrics", "id": key})
+        self._answers[key] = future
+        self._send({"op": op, "id": key})
         try:
             return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
         finally:
-            self._metrics.pop(key, None)
+            self._answers.pop(key, None)
 
     def _send(self, header: dict[str, Any], *frames: bytes) -> None:
         if self.failed is None:
@@ -214,10 +223,10 @@ class SchedulerClient:
                 if entry is not None:
                     entry[0].end("rejected", header["error"])
                     entry[1].put_nowait(entry[0])
-            elif op == "metrics":
-                future = self._metrics.get(header["id"])
+            elif op in ("metrics", "flush"):  # answers to `_ask`
+                future = self._answers.get(header["id"])
                 if future is not None and not future.done():
-                    future.set_result(header["text"])
+                    future.set_result(header)
             elif op == "ready":
                 self.info = header
                 self.ready.set()
@@ -342,7 +351,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/") or request.url.path == "/flush_cache":
             key = state.server.api_key
             if key is not None:
                 given = request.headers.get("authorization", "")
@@ -373,6 +382,13 @@ def create_app(state: ServerState) -> FastAPI:
             return PlainTextResponse("# the engine is not running\n", status_code=503)
         text = await state.client.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if not state.ready or state.client.failed is not None:
+            return JSONResponse({"error": "the engine is not running"}, status_code=503)
+        pages = await state.client.flush_cache()
+        return JSONResponse({"freed_pages": pages})
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -10,6 +10,7 @@ front end -> scheduler
                                                                the front end, which makes the text)
     {"op": "abort", "rid": int}                                finish it now, freeing its pages
     {"op": "metrics", "id": int}                               the scheduler's Prometheus series
+    {"op": "flush", "id": int}                                 empty the prefix cache
     {"op": "stop"}                                             shut down
 scheduler -> front end
     {"op": "ready", ...the facts the front end needs}          once, when the engine is up
@@ -19,6 +20,7 @@ scheduler -> front end
                                                                each; null: one each), which finished
     {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
     {"op": "metrics", "id": int, "text": str}
+    {"op": "flush", "id": int, "pages": int}                   the KV pages the flush freed
     {"op": "failed", "error": str}                             the engine could not start, or died
 """
 
@@ -160,6 +162,10 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
 
                     text = generate_latest(metrics.REGISTRY).decode()
                     _send(outbox, {"op": "metrics", "id": header["id"], "text": text})
+                elif op == "flush":
+                    _send(
+                        outbox, {"op": "flush", "id": header["id"], "pages": scheduler.clear_prefix_cache()}
+                    )
         if not scheduler.has_work():
             continue
         try:
