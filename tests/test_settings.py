@@ -530,3 +530,13 @@ def test_docs_settings_table_is_generated_from_the_fields() -> None:
     )
     for name, field in EngineSettings.model_fields.items():
         assert f"| `{name}` | `MINISGL_{name.upper()}` |" in expected and field.description in expected
+
+
+@pytest.mark.parametrize("preset", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_preset_loads_and_builds_its_configs(preset: Path) -> None:
+    settings = EngineSettings.load(preset, device="cpu", dtype="float32")  # the GPU presets, here too
+    assert Path(settings.resolved_model_path(), "config.json").is_file()
+    engine_config = settings.to_engine_config(rank=0)
+    assert settings.to_scheduler_config().cache_type in ("radix", "naive")
+    if preset.name == "h200-qwen3-0.6b-prefix.yaml":  # the prefix-heavy preset: finer pages, radix
+        assert engine_config.page_size == 64 and settings.cache_type == "radix"

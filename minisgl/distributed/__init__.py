@@ -5,8 +5,8 @@ group; the layer functions and the model ask `get_tp_info()` instead of threadin
 call. With one rank every collective is a plain Python no-op, so `torch.compile(fullgraph=True)` sees
 no communication at all.
 
-On CUDA, small all-reduces (a decode step's, up to `one_shot_all_reduce_max_bytes`; off by default,
-see docs/tensor-parallel-and-moe.md) can skip NCCL: each
+On CUDA, small all-reduces (a decode step's, up to `one_shot_all_reduce_max_bytes`, 2 MiB by
+default, see docs/tensor-parallel-and-moe.md) can skip NCCL: each
 rank copies its part into a buffer that every rank of the machine can read (torch's symmetric memory,
 CUDA IPC) and sums all the parts itself in one kernel ("one-shot"). Measured inside CUDA graphs on two
 H200s: 6.0 us against NCCL's 17.8 us for a (1, 1024) bf16 tensor, 21.5 us against 38.2 us for

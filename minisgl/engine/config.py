@@ -182,11 +182,10 @@ class EngineConfig:
         "logits with the same seeds (checked every step).",
     )
     one_shot_all_reduce_max_bytes: int = setting(
-        0,
+        2 << 20,
         "Under tensor parallelism on CUDA, all-reduces up to this many bytes (a decode step's; 2097152 "
         "covers 256 x 4096 bf16) run as one kernel over memory the ranks share (torch symmetric memory), "
-        "larger ones on NCCL; 0: NCCL always (the default until the one-shot path passes the LLM-level "
-        "GPU tests).",
+        "larger ones on NCCL; 0: NCCL always. Where the memory cannot be shared, NCCL does it all.",
         ge=0,
         le=1 << 30,
     )
