@@ -1,6 +1,8 @@
 """Engine API, KV pool and page table, bad input (clear errors, engine still usable), compile-cleanliness."""
 
 import json
+import logging
+import os
 
 import pytest
 import torch
@@ -141,6 +143,35 @@ def test_host_threads(tiny_llama):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="host_threads=0"):
         EngineConfig(model_path=str(tiny_llama), device="cpu", host_threads=0)
+
+
+def test_start_phases_are_timed_and_logged(tiny_llama, caplog):
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.engine"):
+        engine = _engine(tiny_llama, num_page_override=8)
+    phases = ["communication", "model", "kv cache", "page table", "backends", "cuda graphs", "sampler"]
+    assert list(engine.start_phases) == phases and all(s >= 0 for s in engine.start_phases.values())
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start phase ")]
+    assert [line.split(":")[0].removeprefix("start phase ") for line in logged] == phases
+
+
+def test_cache_dir_points_every_compile_cache_at_one_folder(tiny_llama, tmp_path, monkeypatch):
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+        monkeypatch.delenv(variable, raising=False)  # restored after the test
+    _engine(tiny_llama, num_page_override=8, cache_dir=str(tmp_path / "caches"))
+    for variable, sub in [
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("FLASHINFER_WORKSPACE_BASE", "flashinfer"),
+    ]:
+        assert os.environ[variable] == str(tmp_path / "caches" / sub) and (tmp_path / "caches" / sub).is_dir()
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(tmp_path / "caches" / "inductor")  # what inductor itself will use
+    compiled = torch.compile(lambda x: torch.sin(x) * 3 + 1)
+    assert torch.allclose(compiled(torch.ones(5)), torch.sin(torch.ones(5)) * 3 + 1)
+    assert any(
+        path.is_file() for path in (tmp_path / "caches" / "inductor").rglob("*")
+    )  # its code went there
 
 
 def test_missing_model_path(tmp_path):

@@ -196,6 +196,13 @@ class EngineConfig:
         ge=1,
         le=4096,
     )
+    cache_dir: str | None = setting(
+        None,
+        "One folder for the compile caches: torch inductor's (DIR/inductor), Triton's (DIR/triton) and "
+        "FlashInfer's JIT kernels (DIR/flashinfer), set as the first step of the engine's start (it sets "
+        "TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE for this process); "
+        "unset = each tool's own default or environment variable.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)  # each field against its declaration above; `dtype` 'auto' becomes None

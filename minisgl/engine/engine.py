@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
-from typing import Literal, NamedTuple
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, NamedTuple, TypeVar
 
 import torch
 
@@ -53,6 +56,7 @@ class _CompletedEvent:
 
 
 ForwardMode = Literal["cuda_graph", "compiled", "eager"]
+T = TypeVar("T")
 
 
 class Engine:
@@ -63,18 +67,52 @@ class Engine:
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self._closed = False
         started = time.perf_counter()
+        # seconds of each start phase, in order (each also logged as it ends)
+        self.start_phases: dict[str, float] = {}
         # this rank's attention heads; sizes the ranks cannot split fail here, before any process group
         self.local_heads = check_tensor_parallel(config)
         self._init_host_threads()
-        available_before = self._init_communication()
-        model_bytes = self._load_model()
-        self._init_kv_cache(available_before, model_bytes)
-        self._init_page_table()
-        self._init_backends()
+        self._init_cache_dir()
+        available_before = self._phase("communication", self._init_communication)
+        model_bytes = self._phase("model", self._load_model)
+        self._phase("kv cache", lambda: self._init_kv_cache(available_before, model_bytes))
+        self._phase("page table", self._init_page_table)
+        self._phase("backends", self._init_backends)
         self.sampler = Sampler(self.device, config.model_config.vocab_size, compile=config.compile_sampler)
-        self._init_cuda_graphs()
-        self.sampler.warm_up()  # compiles the sampler on CUDA
+        self._phase("cuda graphs", self._init_cuda_graphs)
+        self._phase("sampler", self.sampler.warm_up)  # compiles the sampler on CUDA
         self._log_ready(time.perf_counter() - started, model_bytes)
+
+    def _phase(self, name: str, step: Callable[[], T]) -> T:
+        """Runs one start phase, records its seconds in `start_phases` and logs them."""
+        started = time.perf_counter()
+        result = step()
+        self.start_phases[name] = seconds = time.perf_counter() - started
+        logger.info("start phase %s: %.2f s", name, seconds)
+        return result
+
+    def _init_cache_dir(self) -> None:
+        """Points the compile caches of this process at `cache_dir` (see its setting): before anything
+        compiles or imports FlashInfer (whose JIT folder is fixed at its import)."""
+        folder = self.config.cache_dir
+        if folder is None:
+            return
+        root = Path(folder).expanduser().resolve()
+        dirs = {
+            "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+            "TRITON_CACHE_DIR": root / "triton",
+            "FLASHINFER_WORKSPACE_BASE": root / "flashinfer",
+        }
+        for variable, path in dirs.items():
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[variable] = str(path)
+        if "flashinfer" in sys.modules:
+            logger.warning(
+                "cache_dir=%s: FlashInfer was imported before this engine started, so its JIT kernels stay "
+                "in its earlier folder (set cache_dir for the first engine of the process)",
+                folder,
+            )
+        logger.info("compile caches under %s (inductor, triton, flashinfer)", root)
 
     def _init_host_threads(self) -> None:
         """Sets torch's intra-op threads for this process: `host_threads`, or where unset
