@@ -158,19 +158,24 @@ class BatchPreparer:
     def cache_prefix(self, req: Req) -> None:
         """Hands the whole pages of a request's computed tokens to the tree (once a prefill chunk is
         launched: a later forward that reads them runs after it), so that requests admitted from now
-        on can share them; the request references them from now on. Pages the tree already held for
-        the same tokens stay the request's own until it is released."""
+        on can share them; the request references them from now on. Where the tree already held some
+        of those tokens (another request computed them meanwhile), the request switches to the tree's
+        pages and its own copies are freed at once (safe as an abort's: the device runs the forwards
+        in order), so that it never holds a page nobody reads."""
         if self.cache is None:
             return
         handle, length = self._handles[req.uid]
         num = min(req.cached_len, len(req.input_ids)) // self.page_size
         if num * self.page_size <= length:
             return
-        result = self.cache.insert(
-            req.input_ids[: num * self.page_size], self._req_pages[req.uid][:num], lock=True
-        )
+        pages = self._req_pages[req.uid]
+        result = self.cache.insert(req.input_ids[: num * self.page_size], pages[:num], lock=True)
         self.cache.unlock(handle)
         self._handles[req.uid] = (result.handle, num * self.page_size)
+        if result.duplicate_pages:
+            pages[:num] = _path_pages(result.handle)
+            self.engine.write_page_table(req.table_idx, 0, pages[:num])
+            self.pages.free(result.duplicate_pages)
 
     def prefill(self, reqs: Sequence[Req], chunk_size: int | Sequence[int] | None = None) -> Batch:
         """A prefill batch computing each request's uncached tokens, at most `chunk_size` per request
@@ -316,12 +321,13 @@ class BatchPreparer:
 
 
 def _path_pages(handle: RadixNode) -> list[int]:
-    pages: list[int] = []
+    """The page ids from the root down to `handle`, in token order."""
+    nodes: list[RadixNode] = []
     node: RadixNode | None = handle
     while node is not None:
-        pages += node.pages
+        nodes.append(node)
         node = node.parent
-    return pages
+    return [page for node in reversed(nodes) for page in node.pages]
 
 
 def generate(
