@@ -194,22 +194,50 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
         llm.shutdown()
 
 
+# bench's shape options: (flag, the shape field it sets, help), each for the workloads that have the field
+_SHAPE_OPTIONS = [
+    ("--num-seqs", "num_seqs", "random: requests [256; 32 on CPU]."),
+    ("--min-input", "min_input", "random: shortest prompt [100; 16 on CPU]."),
+    ("--max-input", "max_input", "random: longest prompt [1024; 128 on CPU]."),
+    ("--groups", "groups", "shared-prefix: groups of requests sharing a system prompt [16; 4 on CPU]."),
+    ("--per-group", "per_group", "shared-prefix: requests per group [16; 4 on CPU]."),
+    ("--prefix-len", "prefix_len", "shared-prefix: tokens of each group's system prompt [2048; 512 on CPU]."),
+    ("--min-own", "min_own", "shared-prefix: fewest tokens a request adds to its prefix [128; 16 on CPU]."),
+    ("--max-own", "max_own", "shared-prefix: most tokens a request adds to its prefix [512; 64 on CPU]."),
+    ("--conversations", "conversations", "multi-turn: conversations, all in flight [64; 8 on CPU]."),
+    ("--turns", "turns", "multi-turn: turns per conversation [4; 3 on CPU]."),
+    ("--min-user", "min_user", "multi-turn: fewest new user tokens per turn [64; 16 on CPU]."),
+    ("--max-user", "max_user", "multi-turn: most new user tokens per turn [256; 64 on CPU]."),
+    (
+        "--min-output",
+        "min_output",
+        "Fewest new tokens per request [random 100, shared-prefix and multi-turn 128; on CPU 16, 8, 8].",
+    ),
+    (
+        "--max-output",
+        "max_output",
+        "Most new tokens per request [random 1024, shared-prefix 512, multi-turn 256; on CPU 128, 32, 32].",
+    ),
+]
+
+
+def _shape_options(command: Callable) -> Callable:
+    for flag, name, help_text in reversed(_SHAPE_OPTIONS):
+        command = click.option(flag, name, type=click.IntRange(min=1), default=None, help=help_text)(command)
+    return command
+
+
 @main.command()
 @click.option(
-    "--num-seqs", type=click.IntRange(min=1), default=None, help="Requests [default: 256; 32 on CPU]."
+    "--workload",
+    type=click.Choice(["random", "shared-prefix", "multi-turn"]),
+    default="random",
+    show_default=True,
+    help="random: the workload Mini-SGLang and nano-vllm publish; shared-prefix: groups of requests "
+    "sharing a system prompt; multi-turn: conversations whose turns resend the conversation so far "
+    "(docs/bench-workloads.md).",
 )
-@click.option(
-    "--min-input", type=click.IntRange(min=1), default=None, help="Shortest prompt [100; 16 on CPU]."
-)
-@click.option(
-    "--max-input", type=click.IntRange(min=1), default=None, help="Longest prompt [1024; 128 on CPU]."
-)
-@click.option(
-    "--min-output", type=click.IntRange(min=1), default=None, help="Fewest new tokens [100; 16 on CPU]."
-)
-@click.option(
-    "--max-output", type=click.IntRange(min=1), default=None, help="Most new tokens [1024; 128 on CPU]."
-)
+@_shape_options
 @click.option("--temperature", type=float, default=0.6, show_default=True, help="Sampling temperature.")
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed of the workload's random generator."
@@ -221,48 +249,45 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
 @click.option(
     "--passes", type=click.IntRange(min=1), default=2, show_default=True, help="Timed passes of the workload."
 )
+@click.option(
+    "--keep-cache",
+    is_flag=True,
+    help="Keep the prefix cache between passes (later passes find the earlier ones' prompts); by default "
+    "it is emptied before each pass, so every pass starts cold.",
+)
 @_common
-def bench(
-    num_seqs,
-    min_input,
-    max_input,
-    min_output,
-    max_output,
-    temperature,
-    seed,
-    as_json,
-    single_request,
-    passes,
-    **kwargs,
-) -> None:
-    """The offline throughput workload: random prompts, ignore_eos, timed --passes times after a warm-up."""
+def bench(workload, temperature, seed, as_json, single_request, passes, keep_cache, **kwargs) -> None:
+    """The offline throughput benchmark: a workload (--workload, random by default) timed --passes times
+    after a warm-up; tokens/s, time to first token and the prefix cache's hit rate per pass."""
+    import dataclasses
     import time
 
-    from minisgl.bench import CPU_SHAPE, WorkloadShape, dumps, format_report, run_bench
+    from minisgl.bench import default_shape, dumps, format_report, run_bench
 
+    given = {name: kwargs.pop(name) for _, name, _ in _SHAPE_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    fields = {f.name for f in dataclasses.fields(default_shape(workload, "cpu"))}
+    unknown = [flag for flag, name, _ in _SHAPE_OPTIONS if name in given and name not in fields]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: not an option of --workload {workload}")
     started = time.perf_counter()
     llm = _make_llm(kwargs)
     startup = time.perf_counter() - started
     try:
-        base = CPU_SHAPE if llm.engine.device.type == "cpu" else WorkloadShape()
-        given = dict(
-            num_seqs=num_seqs,
-            min_input=min_input,
-            max_input=max_input,
-            min_output=min_output,
-            max_output=max_output,
-        )
-        shape = WorkloadShape(
-            **{
-                **base.__dict__,
-                **{k: v for k, v in given.items() if v is not None},
-                "temperature": temperature,
-                "seed": seed,
-            }
-        )
-        if shape.min_input > shape.max_input or shape.min_output > shape.max_output:
-            raise click.BadParameter("--min-input/--min-output must not exceed --max-input/--max-output")
-        report = {"startup_seconds": startup, **run_bench(llm, shape, passes=passes, single=single_request)}
+        base = default_shape(workload, llm.engine.device.type)
+        values = {**dataclasses.asdict(base), **given, "temperature": temperature, "seed": seed}
+        for name in sorted(fields):  # each range's bounds, as the options name them
+            if name.startswith("min_") and values[name] > values["max_" + name[4:]]:
+                flag = name[4:].replace("_", "-")
+                raise click.BadParameter(f"--min-{flag} must not exceed --max-{flag}")
+        try:
+            shape = type(base)(**values)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from e
+        report = {
+            "startup_seconds": startup,
+            **run_bench(llm, shape, passes=passes, single=single_request, keep_cache=keep_cache),
+        }
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     finally:
