@@ -31,6 +31,7 @@ import torch
 from minisgl.bench.workloads import (
     MULTI_TURN_CPU_SHAPE,
     SHARED_PREFIX_CPU_SHAPE,
+    TOKEN_ID_MAX,
     MultiTurnShape,
     SharedPrefixShape,
     multi_turn_workload,
@@ -41,7 +42,6 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler import RequestState
 
-TOKEN_ID_MAX = 10000
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
@@ -115,10 +115,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def prefix_counters(llm: LLM) -> tuple[int, int]:
-    """(prompt tokens looked up in the prefix cache so far, those found cached); (0, 0) on a scheduler
-    without the counters."""
-    scheduler = llm.scheduler
-    return getattr(scheduler, "prefix_lookup_tokens", 0), getattr(scheduler, "prefix_cached_tokens", 0)
+    """(prompt tokens looked up in the prefix cache so far, those found cached)."""
+    return llm.scheduler.prefix_lookup_tokens, llm.scheduler.prefix_cached_tokens
 
 
 def _pass_result(
@@ -346,16 +344,15 @@ def run_bench(
     engine = llm.engine
     if engine.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(engine.device)
-    flush = getattr(llm, "flush_cache", None)
     results = []
     for i in range(passes):
-        if flush is not None and (i == 0 or not keep_cache):
-            flush()
+        if i == 0 or not keep_cache:
+            llm.flush_cache()
         results.append(run())
     extra: dict = {"single_request": run_single(llm)} if single else {}
     if engine.device.type == "cuda":
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-    cache_type = getattr(llm.scheduler, "cache_type", None) or getattr(llm.settings, "cache_type", None)
+    cache_type = llm.scheduler.cache_type
     return {
         **extra,
         "model": llm.model_name,
@@ -366,8 +363,7 @@ def run_bench(
         "workload": workload,
         "cache_type": cache_type,
         # "each pass": emptied before every pass; "first pass": only before the first (--keep-cache);
-        # None: this build cannot empty it
-        "cache_flushed_before": None if flush is None else "first pass" if keep_cache else "each pass",
+        "cache_flushed_before": "first pass" if keep_cache else "each pass",
         "shape": asdict(shape),
         "passes": [asdict(r) for r in results],
     }
@@ -400,8 +396,7 @@ def format_report(report: dict) -> str:
         f"model {report['model']} on {report['device']} ({report['dtype']}, attention {report['attention_backend']}, "
         f"page size {report['page_size']})",
         _describe(report),
-        f"prefix cache {report.get('cache_type')}, "
-        + ("never emptied" if flushed is None else f"emptied before {flushed}"),
+        f"prefix cache {report.get('cache_type')}, " + f"emptied before {flushed}",
         f"{'pass':>4} {'output tok':>10} {'input tok':>10} {'time s':>8} {'tok/s':>10} "
         f"{'TTFT p50':>9} {'p90':>8} {'p99':>8} {'hit':>6}",
     ]
