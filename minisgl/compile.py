@@ -28,3 +28,11 @@ def gemv_kernel_mode() -> bool:
     outside a forward too."""
     ctx = current_ctx()
     return ctx is None or (ctx.use_gemv_kernel and not ctx.batch_invariant)
+
+
+def fused_kernels_mode() -> bool:
+    """False while the forward of an engine with ``use_fused_kernels`` off runs (read by the layers that
+    have a fused Triton kernel: `norm_linear`, `silu_mul_linear`, the attention's q/k-norm + RoPE + KV
+    store); True otherwise."""
+    ctx = current_ctx()
+    return ctx is None or ctx.use_fused_kernels

@@ -271,6 +271,8 @@ class Context:
     batch_invariant: bool = False
     # one-row linear layers may run the Triton GEMV kernel (see EngineConfig.use_gemv_kernel)
     use_gemv_kernel: bool = True
+    # the fused Triton kernels may run (see EngineConfig.use_fused_kernels)
+    use_fused_kernels: bool = True
     _batch: Batch | None = field(default=None, init=False)
 
     @property

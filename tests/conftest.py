@@ -1,10 +1,17 @@
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# Without a GPU, minisgl's Triton kernels run on CPU tensors under Triton's interpreter
+# (tests/test_fused_kernels.py). Triton reads this when a kernel is decorated, at the import of
+# minisgl.kernels, so it is set here, before any test module imports minisgl.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 logging.basicConfig(level=logging.INFO)
 

@@ -7,6 +7,7 @@ a page, every slot is free, and a normal request still gives the tokens it gives
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -391,6 +392,7 @@ def test_shutdown_aborts_other_threads_calls_and_later_calls_say_so(tmp_path):
 
     def slow_step():
         started.set()
+        time.sleep(0.01)  # 400 steps take 4 s or more: the shutdown always comes before the last one
         return step()
 
     llm.scheduler.step = slow_step

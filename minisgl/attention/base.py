@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
+from minisgl.kvcache import MHAKVCachePool
 
 ATTENTION_BACKENDS = ("torch", "fi", "fa", "trtllm")
 
@@ -39,8 +40,16 @@ class BaseAttnBackend(ABC):
         """Builds `batch.attn_metadata` from the requests and the page table, without a host sync.
         `graph_bs` > 0: plan the decode batch padded to that captured CUDA-graph batch size."""
 
-    @abstractmethod
+    kv_cache: MHAKVCachePool
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
         """Stores k, v at `batch.out_loc` for `layer_id`, then returns attention output shaped like q."""
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        return self.attend(q, layer_id, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """Attention of q (T, H, D) over `layer_id`'s KV cache, where the batch's own K and V are already
+        stored (by `forward`, or by the fused q/k-norm + RoPE + KV-store kernel); shaped like q."""

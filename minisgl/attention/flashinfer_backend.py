@@ -15,22 +15,59 @@ batch size whose plan writes into fixed buffers, so a replay only needs a new pl
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-from minisgl.attention.torch_backend import store_and_plan
+from minisgl.attention.torch_backend import planned
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
     wrapper: Any  # the planned prefill or decode wrapper
+
+
+# one build thread per set of module arguments in the process: a second engine waits on the first's
+_prefill_builds: dict[tuple, threading.Thread] = {}
+_prefill_builds_lock = threading.Lock()
+
+
+def _build_prefill_kernels_ahead(dtype: torch.dtype, head_dim: int) -> threading.Thread:
+    """Starts (once per process and shape) a thread that builds, or loads from FlashInfer's cache, the FA3
+    prefill module the prefill plan will ask for, with the arguments that plan passes: q, kv and output
+    dtypes, the index dtype, head dims qk and vo, no positional encoding in the kernel, no sliding
+    window, no logits soft cap, no fp16 qk reduction. A failure is only logged: the plan then builds it."""
+    args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
+
+    def build() -> None:
+        started = time.perf_counter()
+        try:
+            from flashinfer.prefill import get_batch_prefill_module
+
+            get_batch_prefill_module("fa3", *args)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the build to the plan
+            logger.warning("building FA3 prefill kernels ahead failed (the first prefill will): %s", e)
+            return
+        logger.info(
+            "FA3 prefill kernels ready in %.1f s (built alongside the start)", time.perf_counter() - started
+        )
+
+    with _prefill_builds_lock:
+        thread = _prefill_builds.get(args)
+        if thread is None:
+            thread = _prefill_builds[args] = threading.Thread(target=build, name="fa3-jit", daemon=True)
+            thread.start()
+    return thread
 
 
 class FlashInferAttnBackend(BaseAttnBackend):
@@ -76,6 +113,16 @@ class FlashInferAttnBackend(BaseAttnBackend):
         # An event after each plan, waited on before the wrapper's next plan, orders the two. In a loop
         # that reads each step's tokens it has long completed, so the wait costs nothing.
         self._planned: dict[int, torch.cuda.Event] = {}
+        # FA3's prefill kernels are JIT-compiled (a minute and more on a fresh machine): built in a thread
+        # from here on, while the decode graphs compile and capture; the first prefill plan waits for it
+        self._prefill_build: threading.Thread | None = None
+        if prefill == "fa" and decode != "fa":
+            self._prefill_build = _build_prefill_kernels_ahead(kv_cache.dtype, head_dim)
+
+    def _wait_prefill_build(self) -> None:
+        if self._prefill_build is not None:
+            self._prefill_build.join()
+            self._prefill_build = None
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -151,6 +198,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 self._plan(wrapper, *inputs, *heads)
             batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=wrapper)
             return
+        self._wait_prefill_build()
         extend = torch.tensor([req.extend_len for req in batch.reqs], dtype=torch.int32)
         qo_indptr = torch.zeros(len(batch.reqs) + 1, dtype=torch.int32)
         qo_indptr[1:] = extend.cumsum(0)
@@ -175,9 +223,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     # -- the op ------------------------------------------------------------------------------------
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        meta = store_and_plan(self.kv_cache, k, v, layer_id, batch, FlashInferMetadata)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        meta = planned(batch, FlashInferMetadata)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return meta.wrapper.run(q, kv)

@@ -21,19 +21,10 @@ from minisgl.kvcache import MHAKVCachePool
 Metadata = TypeVar("Metadata", bound=BaseAttnMetadata)
 
 
-def store_and_plan(
-    kv_cache: MHAKVCachePool,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layer_id: int,
-    batch: Batch,
-    kind: type[Metadata],
-) -> Metadata:
-    """The first step of every backend's forward: stores k and v at `batch.out_loc` for `layer_id` and
-    returns the batch's attention plan, which must be the backend's own `kind`."""
+def planned(batch: Batch, kind: type[Metadata]) -> Metadata:
+    """The batch's attention plan, which must be the backend's own `kind`."""
     meta = batch.attn_metadata
-    assert isinstance(meta, kind), "prepare_metadata must run before forward"
-    kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    assert isinstance(meta, kind), "prepare_metadata must run before attention"
     return meta
 
 
@@ -84,13 +75,11 @@ class TorchAttnBackend(BaseAttnBackend):
             max_q=max_q,
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        meta = store_and_plan(self.kv_cache, k, v, layer_id, batch, TorchAttnMetadata)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        meta = planned(batch, TorchAttnMetadata)
         num_tokens, num_heads, head_dim = q.shape
         num_reqs, max_q = meta.page_index.shape[0], meta.max_q
-        num_kv_heads = k.shape[1]
+        num_kv_heads = self.kv_cache.num_kv_heads
         group = num_heads // num_kv_heads
         if meta.q_index is None:
             q_pad = q.reshape(num_reqs, max_q, num_heads, head_dim)

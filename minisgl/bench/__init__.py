@@ -360,6 +360,8 @@ def run_bench(
         "dtype": str(engine.dtype).removeprefix("torch."),
         "attention_backend": engine.config.attention_backend,
         "page_size": engine.config.page_size,
+        # seconds of each start phase of (rank 0's) engine, in order
+        "start_phases": {name: round(s, 2) for name, s in engine.start_phases.items()},
         "workload": workload,
         "cache_type": cache_type,
         # "each pass": emptied before every pass; "first pass": only before the first (--keep-cache);

@@ -168,6 +168,12 @@ class EngineConfig:
     use_kv_store_kernel: bool = setting(
         True, "On CUDA, store K and V with one Triton kernel; false: two index_copy_ kernels (ablation)."
     )
+    use_fused_kernels: bool = setting(
+        True,
+        "On CUDA, run the fused Triton kernels: q/k-norm, RoPE and the KV store in one kernel; for one-row "
+        "batches, the residual add and RMSNorm, and SiLU-and-multiply, as prologues of the GEMV kernel "
+        "(those also need use_gemv_kernel); false: the unfused layers (ablation).",
+    )
     tensor_core_min_group: int = setting(
         1,
         "Query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the "

@@ -202,6 +202,7 @@ class Engine:
         self.ctx = Context(
             batch_invariant=cfg.batch_invariant,
             use_gemv_kernel=cfg.use_gemv_kernel,
+            use_fused_kernels=cfg.use_fused_kernels,
             page_size=cfg.page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,

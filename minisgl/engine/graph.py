@@ -84,7 +84,10 @@ class GraphRunner:
         self.max_running_req = max_running_req
         page_size = ctx.page_size
         self.dummy_loc = ctx.kv_cache.dummy_page * page_size
-        top = sizes[-1]
+        # one row longer than the largest graph: every graph's inputs are then strict views of these, so
+        # dynamo does not equate a view's size with its base's at the first (largest) size, a guard that
+        # recompiled the forward at the second size
+        top = sizes[-1] + 1
         self.input_ids = torch.zeros(top, dtype=torch.int32, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)

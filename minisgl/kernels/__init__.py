@@ -1,2 +1,4 @@
-"""Triton kernels for the CUDA path (one-row GEMV, fused KV store). Without Triton (CPU installs)
-every caller falls back to plain torch ops."""
+"""Triton kernels for the CUDA path: the one-row GEMV (plain, or with an add + RMSNorm or a
+SiLU-and-multiply prologue; `gemv`), the fused KV store (`kv_store`), and q/k-norm + RoPE + KV store in
+one kernel (`rope_store`). Without Triton (CPU installs) every caller falls back to plain torch ops; the
+tests run the kernels on CPU tensors under Triton's interpreter."""

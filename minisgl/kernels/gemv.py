@@ -7,8 +7,14 @@ every load is in flight at once) and reduces in float32. `linear` in `minisgl.la
 a single row on CUDA in half precision when Triton is present, unless the engine turned it off
 (`use_gemv_kernel` setting, or `batch_invariant`); everything else goes to `F.linear`.
 
-Under torch.compile the kernel is the opaque custom op `minisgl::gemv`, so the decode graph traces and
-captures it like any other kernel.
+The same kernel has two prologues, so that a one-row decode step runs fewer kernels per layer:
+`add_rms_norm_gemv` (the residual add and RMSNorm before the QKV and gate/up projections) and
+`silu_mul_gemv` (SiLU-and-multiply before the down projection); `minisgl.layers.basic` calls them where
+the GEMV applies and the engine's `use_fused_kernels` is on.
+
+Under torch.compile the kernels are the opaque custom ops `minisgl::gemv`, `minisgl::add_rms_norm_gemv`
+and `minisgl::silu_mul_gemv`, so the decode graph traces and captures them like any other kernel. On a
+CPU they run under Triton's interpreter (TRITON_INTERPRET=1), as the CPU tests run them.
 """
 
 from __future__ import annotations
@@ -48,28 +54,53 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# the kernel's prologues: what it does to the row before multiplying
+PLAIN, ADD_RMS_NORM, SILU_MUL = 0, 1, 2
+
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
         x_ptr,
+        residual_ptr,
+        norm_ptr,
         w_ptr,
         b_ptr,
         y_ptr,
+        residual_out_ptr,
         N,
+        eps,
         K: tl.constexpr,
+        PROLOGUE: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         row_start = rows.to(tl.int64) * K
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
-            x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if PROLOGUE == 2:  # SILU_MUL: the row is [gate | up], 2 K wide
+                gate = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + cols, mask=col_mask, other=0.0).to(tl.float32)
+                x = gate * tl.sigmoid(gate) * up
+            else:
+                x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                if PROLOGUE == 1:  # ADD_RMS_NORM: scale by rstd after the sweep
+                    if HAS_RESIDUAL:  # the new residual, rounded as the unfused add rounds it
+                        x = x + tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                        x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+                    if pid == 0:  # one program writes the new residual stream
+                        h = x.to(residual_out_ptr.dtype.element_ty)
+                        tl.store(residual_out_ptr + cols, h, mask=col_mask)
+                    sum_sq += x * x
+                    x = x * tl.load(norm_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             w = tl.load(
                 w_ptr + row_start[:, None] + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :],
@@ -77,6 +108,8 @@ if triton is not None:
             )
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
+        if PROLOGUE == 1:
+            y = y * tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
@@ -90,16 +123,27 @@ def gemv_launch(
     block_n: int,
     block_k: int,
     num_warps: int,
+    prologue: int = PLAIN,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
     """Launches the kernel with an explicit configuration (the benchmark sweeps these)."""
     n, k = weight.shape
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
         weight,
         bias if bias is not None else weight,
         out,
+        residual_out if residual_out is not None else out,
         n,
+        eps,
         K=k,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -107,16 +151,60 @@ def gemv_launch(
     )
 
 
+def _launch(x, weight, bias, out, **prologue) -> None:
+    k = weight.shape[1]
+    block_k = min(1024, triton.next_power_of_2(k))
+    gemv_launch(x, weight, bias, out, _block_n(weight.shape[0]), block_k, 4, **prologue)
+
+
 @torch.library.custom_op("minisgl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (1, K) @ weight (N, K)^T (+ bias (N,)) -> (1, N), on the Triton kernel."""
-    n, k = weight.shape
-    out = x.new_empty(1, n)
-    block_n = _block_n(n)
-    gemv_launch(x.contiguous(), weight, bias, out, block_n, min(1024, triton.next_power_of_2(k)), 4)
+    out = x.new_empty(1, weight.shape[0])
+    _launch(x.contiguous(), weight, bias, out)
     return out
 
 
 @gemv.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(1, weight.shape[0])
+
+
+@torch.library.custom_op("minisgl::add_rms_norm_gemv", mutates_args=())
+def add_rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` and `linear` of one row in one kernel: h = x + residual (x when residual is None),
+    y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (1, N), h (1, K)).
+
+    The norm's scale is applied to the dot products, after the sweep (each program reads the whole row
+    anyway), so the normalised row is never rounded to the model's dtype as the unfused path rounds it."""
+    out = x.new_empty(1, weight.shape[0])
+    residual_out = torch.empty_like(x)
+    prologue = dict(residual=residual, norm_weight=norm_weight, residual_out=residual_out, eps=eps)
+    _launch(x.contiguous(), weight, bias, out, prologue=ADD_RMS_NORM, **prologue)
+    return out, residual_out
+
+
+@add_rms_norm_gemv.register_fake
+def _(x, residual, norm_weight, weight, bias, eps):
+    return x.new_empty(1, weight.shape[0]), torch.empty_like(x)
+
+
+@torch.library.custom_op("minisgl::silu_mul_gemv", mutates_args=())
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-multiply and `linear` of one row in one kernel: gate_up (1, 2 K) = [gate | up] ->
+    (silu(gate) * up) @ weight (N, K)^T, (1, N). The product is not rounded to the model's dtype."""
+    out = gate_up.new_empty(1, weight.shape[0])
+    _launch(gate_up.contiguous(), weight, None, out, prologue=SILU_MUL)
+    return out
+
+
+@silu_mul_gemv.register_fake
+def _(gate_up, weight):
+    return gate_up.new_empty(1, weight.shape[0])

@@ -72,8 +72,12 @@ class MHAKVCachePool(BaseKVCachePool):
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[1, layer_id]
 
+    def flat(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V caches indexed by location: two (locations, kv_heads, head_dim) views."""
+        return self._k_flat[layer_id], self._v_flat[layer_id]
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        k_flat, v_flat = self._k_flat[layer_id], self._v_flat[layer_id]
+        k_flat, v_flat = self.flat(layer_id)
         if self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both
             store_kv(k, v, out_loc, k_flat, v_flat)
         else:

@@ -1,7 +1,15 @@
 """Pure layer functions: explicit tensors in, tensors out, no hidden state."""
 
-from minisgl.layers.attention import attention
-from minisgl.layers.basic import add_rms_norm, embed, linear, lm_head, mlp, rms_norm
+from minisgl.layers.attention import attention, rope_attention
+from minisgl.layers.basic import (
+    add_rms_norm,
+    embed,
+    linear,
+    lm_head,
+    norm_linear,
+    rms_norm,
+    silu_mul_linear,
+)
 from minisgl.layers.rope import apply_rope, build_rope_cache, rope_cos_sin
 
 __all__ = [
@@ -12,7 +20,9 @@ __all__ = [
     "embed",
     "linear",
     "lm_head",
-    "mlp",
+    "norm_linear",
     "rms_norm",
+    "rope_attention",
     "rope_cos_sin",
+    "silu_mul_linear",
 ]

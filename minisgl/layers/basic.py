@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.compile import gemv_kernel_mode
+from minisgl.compile import fused_kernels_mode, gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
-from minisgl.kernels.gemv import gemv, gemv_applies
+from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, gemv_applies, silu_mul_gemv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,9 +40,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP with the gate and up projections merged into one weight of 2 * intermediate rows."""
-    gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+def _fused_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return gemv_applies(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x + residual (of x alone when residual is None), then `linear`. Returns (output, new
+    residual). One row on the GEMV kernel's path runs as one kernel (`add_rms_norm_gemv`) when the
+    engine's ``use_fused_kernels`` is on."""
+    if _fused_gemv(x, weight):
+        return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
+    if residual is None:
+        normed, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The second half of the SwiGLU MLP (gate and up projections merged into one weight of 2 *
+    intermediate rows, whose output is gate_up): silu(gate) * up, then `linear` by w_down; gate_up is [gate | up] on the last dimension. One row on
+    the GEMV kernel's path runs as one kernel (`silu_mul_gemv`) when ``use_fused_kernels`` is on."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if _fused_gemv(gate, w_down):
+        return silu_mul_gemv(gate_up, w_down)
     return linear(F.silu(gate) * up, w_down)
 
 

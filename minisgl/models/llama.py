@@ -16,18 +16,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.compile import fused_kernels_mode
 from minisgl.distributed import DistributedInfo, all_reduce, divide, get_tp_info, shard_heads
+from minisgl.kernels.rope_store import rope_store_applies
 from minisgl.layers import (
-    add_rms_norm,
     apply_rope,
     attention,
     build_rope_cache,
     embed,
     linear,
     lm_head,
-    mlp,
+    norm_linear,
     rms_norm,
+    rope_attention,
     rope_cos_sin,
+    silu_mul_linear,
 )
 from minisgl.models.config import ModelConfig
 from minisgl.models.weights import Shard
@@ -129,39 +132,54 @@ class LlamaForCausalLM(nn.Module):
         when `last_indices` is None)."""
         cfg = self.cfg
         hidden = embed(input_ids, self.embed_tokens)
-        cos_sin = rope_cos_sin(positions, self.cos_sin, hidden.dtype)
-        residual = hidden
+        # the fused q/k-norm + RoPE + KV-store kernel reads cos and sin itself; the unfused path looks the
+        # rows up once per forward
+        fused_rope = fused_kernels_mode() and rope_store_applies(hidden, cfg.head_dim)
+        rope = positions if fused_rope else rope_cos_sin(positions, self.cos_sin, hidden.dtype)
+        residual = None  # the first layer's input norm has no residual to add
         for layer_id, layer in enumerate(self.layers):
-            if layer_id == 0:
-                x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x, residual = add_rms_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            hidden = self._attention(layer, layer_id, x, cos_sin)
-            x, residual = add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            hidden = self._mlp(layer, x)
+            qkv, residual = norm_linear(
+                hidden, residual, layer.input_norm, cfg.rms_norm_eps, layer.qkv_proj, layer.qkv_bias
+            )
+            hidden = self._attention(layer, layer_id, qkv, rope, fused_rope)
+            hidden, residual = self._mlp(layer, hidden, residual)
         hidden = residual + hidden
         if last_indices is not None:
             hidden = hidden[last_indices]
         hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head, cfg.vocab_size)
 
-    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(mlp(x, layer.gate_up_proj, layer.down_proj))  # row-parallel down
+    def _mlp(
+        self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm (of hidden + residual) and the MLP: (MLP output, new residual)."""
+        gate_up, residual = norm_linear(
+            hidden, residual, layer.post_norm, self.cfg.rms_norm_eps, layer.gate_up_proj
+        )
+        return all_reduce(silu_mul_linear(gate_up, layer.down_proj)), residual  # row-parallel down
 
     def _attention(
-        self, layer: DecoderLayer, layer_id: int, x: torch.Tensor, cos_sin: torch.Tensor
+        self, layer: DecoderLayer, layer_id: int, qkv: torch.Tensor, rope: torch.Tensor, fused_rope: bool
     ) -> torch.Tensor:
+        """Attention from the QKV projection's output. `rope`: the positions (fused kernel) or the cos and
+        sin rows of `rope_cos_sin` (unfused)."""
         cfg, heads = self.cfg, layer.heads  # this rank's heads
-        num_tokens = x.shape[0]
+        num_tokens = qkv.shape[0]
         q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
-        q, k, v = linear(x, layer.qkv_proj, layer.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, heads.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, k, cos_sin)
-        out = attention(q, k, v.contiguous(), layer_id)
+        if fused_rope:
+            out = rope_attention(
+                qkv, rope, self.cos_sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, layer_id,
+                heads.num_heads, heads.num_kv_heads, cfg.head_dim,
+            )  # fmt: skip
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(num_tokens, heads.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, heads.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, k, rope)
+            out = attention(q, k, v.contiguous(), layer_id)
         out = all_reduce(linear(out.reshape(num_tokens, q_size), layer.o_proj))  # row-parallel o_proj
         return out if layer.o_bias is None else out + layer.o_bias

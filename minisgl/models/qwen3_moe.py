@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide
-from minisgl.layers import linear
+from minisgl.layers import add_rms_norm, linear
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
 from minisgl.models.weights import Shard
@@ -70,13 +70,16 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             for i in range(cfg.num_layers)
         )
 
-    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP. Both are
         row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced."""
         if not isinstance(layer, SparseDecoderLayer):
-            return super()._mlp(layer, x)
+            return super()._mlp(layer, hidden, residual)
+        x, residual = add_rms_norm(hidden, residual, layer.post_norm, self.cfg.rms_norm_eps)
         router_logits = linear(x, layer.gate)  # replicated router: every rank picks the same experts
         out = moe(
             x, router_logits, layer.w13, layer.w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
         )
-        return all_reduce(out)
+        return all_reduce(out), residual

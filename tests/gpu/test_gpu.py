@@ -116,7 +116,7 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
     graphs.graph_runner.can_run_compiled = lambda batch: False  # no padded prefill: plain has none
     assert graphs.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
     g = torch.Generator().manual_seed(2)
-    for bs in (1, 3, 4, 7, 16, 17, 30):
+    for bs in (1, 2, 3, 4, 7, 8, 16, 17, 30):  # every captured graph replays, padded or not
         prompts = [
             torch.randint(3, 512, (int(torch.randint(1, 90, (1,), generator=g)),), generator=g).tolist()
             for _ in range(bs)
@@ -130,6 +130,23 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
             assert replayed == (e is graphs and bs <= 16)
             logits.append(step_logits)
         assert torch.equal(logits[0], logits[1]), f"bs={bs}"
+
+
+def test_fused_kernels_match_unfused_on_gpu(tiny_qwen3):
+    """The fused kernels (q/k-norm + RoPE + KV store; for one row, add + RMSNorm and SiLU-and-multiply
+    in the GEMV) against the unfused layers: a batch (compiled prefill, graph replays) and one request
+    (the one-row graph), teacher-forced, within bf16; the fused path is what the engines run."""
+    seqs = _seqs(512)
+    for lens, rows in ((PROMPT_LENS, slice(None)), (PROMPT_LENS[3:4], slice(3, 4))):
+        logits = []
+        for fused in (True, False):
+            engine = _engine(
+                tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_max_bs=8, use_fused_kernels=fused
+            )
+            assert engine.ctx.use_fused_kernels is fused
+            logits.append(_tf(engine, seqs[rows], lens))
+            engine.shutdown()
+        assert rel_err(logits[0], logits[1]) < BF16_TOL
 
 
 def test_seeded_sampling_batch_invariant_on_gpu(tiny_qwen3):

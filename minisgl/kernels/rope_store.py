@@ -1,0 +1,157 @@
+"""q/k RMSNorm, rotary embedding and the KV store in one Triton kernel.
+
+After the fused QKV projection, the unfused path runs a norm and a RoPE kernel for q, the same for k
+(inductor fuses each pair), then the KV-store kernel: three to five launches per layer, each a few
+microseconds at decode sizes. Here one program per (token, head) reads the head's row of the QKV output,
+normalises it (Qwen3's per-head q/k norm, when the model has one), rotates it (the rotate-half layout,
+cos and sin read from the model's float32 table at the token's position) and writes a query head to
+the output, or a key head and its value head to the KV cache at the token's slot.
+
+Numerics follow the reference (`rms_norm` then `apply_rope` in `minisgl.layers`): the norm in float32,
+rounded to the model's dtype before and after its weight; the rotation in float32 (the reference rounds
+cos and sin to the model's dtype first), rounded once at the store.
+
+`qk_norm_rope_store` runs on CUDA tensors, and on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1, as the CPU tests run it). The attention layer calls it where
+`rope_store_applies` (see `minisgl.layers.attention.rope_attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the unfused path serves
+    triton = None
+
+
+def rope_store_applies(qkv: torch.Tensor, head_dim: int) -> bool:
+    """True when the fused kernel can run on this QKV projection output: Triton, CUDA, half precision,
+    a contiguous (T, q + 2 kv) matrix, an even head_dim."""
+    return (
+        triton is not None
+        and qkv.is_cuda
+        and qkv.dim() == 2
+        and qkv.dtype in (torch.bfloat16, torch.float16)
+        and qkv.is_contiguous()
+        and head_dim % 2 == 0
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+        qkv_ptr,
+        q_norm_ptr,
+        k_norm_ptr,
+        cos_sin_ptr,
+        positions_ptr,
+        loc_ptr,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        qkv_row_stride,
+        cos_sin_row_stride,
+        eps,
+        H: tl.constexpr,
+        KVH: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        d = tl.arange(0, BLOCK)
+        mask = d < half
+        dtype = q_out_ptr.dtype.element_ty
+        row = qkv_ptr + t * qkv_row_stride
+        is_q = h < H
+        head = tl.where(is_q, h, h - H)
+        src = row + tl.where(is_q, h * D, H * D + head * D)
+        x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + d, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            qw1 = tl.load(q_norm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+            qw2 = tl.load(q_norm_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
+            kw1 = tl.load(k_norm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+            kw2 = tl.load(k_norm_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
+            w1 = tl.where(is_q, qw1, kw1)
+            w2 = tl.where(is_q, qw2, kw2)
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        pos = tl.load(positions_ptr + t).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + d, mask=mask, other=0.0)
+        sin = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + half + d, mask=mask, other=0.0)
+        o1 = (x1 * cos - x2 * sin).to(dtype)
+        o2 = (x2 * cos + x1 * sin).to(dtype)
+        if is_q:
+            dst = q_out_ptr + (t * H + h) * D
+            tl.store(dst + d, o1, mask=mask)
+            tl.store(dst + half + d, o2, mask=mask)
+        else:
+            loc = tl.load(loc_ptr + t).to(tl.int64)
+            slot = (loc * KVH + head) * D
+            tl.store(k_cache_ptr + slot + d, o1, mask=mask)
+            tl.store(k_cache_ptr + slot + half + d, o2, mask=mask)
+            v_src = row + (H + KVH) * D + head * D
+            v1 = tl.load(v_src + d, mask=mask, other=0.0)
+            v2 = tl.load(v_src + half + d, mask=mask, other=0.0)
+            tl.store(v_cache_ptr + slot + d, v1, mask=mask)
+            tl.store(v_cache_ptr + slot + half + d, v2, mask=mask)
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    out_loc: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """The queries (T, num_heads, head_dim), normed and rotated; the keys, normed and rotated, and the
+    values go to `k_cache[out_loc[t]]` and `v_cache[out_loc[t]]`.
+
+    qkv: (T, (num_heads + 2 num_kv_heads) head_dim), contiguous, q then k then v heads; positions and
+    out_loc: (T,) integers; cos_sin: (positions, head_dim) float32, cos in the first half and sin in the
+    second (`minisgl.layers.build_rope_cache`); q_norm and k_norm: (head_dim,) weights, both or neither;
+    k_cache, v_cache: (slots, num_kv_heads, head_dim), contiguous.
+    """
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    tokens = qkv.shape[0]
+    q = qkv.new_empty(tokens, num_heads, head_dim)
+    if tokens == 0:
+        return q
+    has_norm = q_norm is not None
+    _qk_norm_rope_store_kernel[(tokens, num_heads + num_kv_heads)](
+        qkv,
+        q_norm if has_norm else qkv,
+        k_norm if has_norm else qkv,
+        cos_sin,
+        positions,
+        out_loc,
+        q,
+        k_cache,
+        v_cache,
+        qkv.stride(0),
+        cos_sin.stride(0),
+        eps,
+        H=num_heads,
+        KVH=num_kv_heads,
+        D=head_dim,
+        BLOCK=triton.next_power_of_2(head_dim // 2),
+        HAS_NORM=has_norm,
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+    return q
