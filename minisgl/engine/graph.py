@@ -137,10 +137,11 @@ class GraphRunner:
         bar.close()
         logger.info("CUDA graphs: captured %d batch sizes (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
-    @torch.inference_mode()
     def _warm_up_compiled(self) -> None:
         """Compiles the prefill path at start (two dummy requests of 3 and 2 tokens on the dummy page),
-        so the first real prefill does not pay for it."""
+        so the first real prefill does not pay for it. The inputs are made outside inference mode, as the
+        batch preparer makes a real prefill's: an inference tensor has other dispatch keys, and dynamo's
+        guard on them would compile the forward again at the first real prefill."""
         lens = (3, 2)
         reqs = [
             Req(input_ids=[0] * n, table_idx=self.max_running_req, cached_len=0, output_len=1, uid=-1)
@@ -152,7 +153,7 @@ class GraphRunner:
         batch.positions = positions.to(self.device)
         batch.out_loc = (self.dummy_loc + positions % self.ctx.page_size).to(self.device)
         self.ctx.attn_backend.prepare_metadata(batch)
-        with self.ctx.forward_batch(batch):
+        with torch.inference_mode(), self.ctx.forward_batch(batch):
             self.run_compiled(batch)
 
     def can_run_compiled(self, batch: Batch) -> bool:

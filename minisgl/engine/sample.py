@@ -296,10 +296,12 @@ class Sampler:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         return self._compiled(logits, args.floats, args.ints, args.need_filter)
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Compiles the sampled paths (with and without filters, one row and several) at start, so the
         first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU, or
-        ``compile`` off)."""
+        ``compile`` off). In inference mode, as `Engine.forward_batch` samples: dynamo guards on the grad
+        mode, and a warm-up outside it compiled every path again at the first requests."""
         if self._compiled is None:
             return
         for batch_size in (1, 2):

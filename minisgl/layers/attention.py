@@ -6,7 +6,7 @@ running batch from the engine's context. In eager mode the backend is called dir
 
 `rope_attention` starts one step earlier, from the QKV projection's output: the fused Triton kernel of
 `minisgl.kernels.rope_store` applies the q/k norms and RoPE and stores K and V, then the backend attends
-(`minisgl::rope_attention` under torch.compile).
+(the custom op `minisgl::rope_attention`, in eager mode too).
 """
 
 from __future__ import annotations
@@ -36,50 +36,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) 
     return ctx.attn_backend.forward(q, k, v, layer_id, ctx.batch)
 
 
-def _rope_attention(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    layer_id: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    ctx = get_global_ctx()
-    batch = ctx.batch
-    k_cache, v_cache = ctx.kv_cache.flat(layer_id)
-    q = qk_norm_rope_store(
-        qkv, positions, cos_sin, q_norm, k_norm, eps, batch.out_loc, k_cache, v_cache, num_heads,
-        num_kv_heads, head_dim,
-    )  # fmt: skip
-    return ctx.attn_backend.attend(q, layer_id, batch)
-
-
 @torch.library.custom_op("minisgl::rope_attention", mutates_args=())
-def _rope_attention_op(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    layer_id: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    args = (qkv, positions, cos_sin, q_norm, k_norm, eps, layer_id, num_heads, num_kv_heads, head_dim)
-    return _rope_attention(*args).contiguous()
-
-
-@_rope_attention_op.register_fake
-def _(qkv, positions, cos_sin, q_norm, k_norm, eps, layer_id, num_heads, num_kv_heads, head_dim):
-    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
-
-
 def rope_attention(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -94,8 +51,18 @@ def rope_attention(
 ) -> torch.Tensor:
     """Attention from the QKV projection's output (T, (num_heads + 2 num_kv_heads) head_dim): the q/k
     norms (Qwen3's, when given), RoPE at `positions` (cos and sin from the float32 table `cos_sin`) and the
-    KV store run as one fused kernel (`qk_norm_rope_store`), then the backend attends. (T, H, D) out."""
-    args = (qkv, positions, cos_sin, q_norm, k_norm, eps, layer_id, num_heads, num_kv_heads, head_dim)
-    if torch.compiler.is_compiling():
-        return _rope_attention_op(*args)
-    return _rope_attention(*args)
+    KV store run as one fused kernel (`qk_norm_rope_store`), then the backend attends. (T, H, D) out.
+    One custom op in eager mode too (it only runs where the Triton kernel does)."""
+    ctx = get_global_ctx()
+    batch = ctx.batch
+    k_cache, v_cache = ctx.kv_cache.flat(layer_id)
+    q = qk_norm_rope_store(
+        qkv, positions, cos_sin, q_norm, k_norm, eps, batch.out_loc, k_cache, v_cache, num_heads,
+        num_kv_heads, head_dim,
+    )  # fmt: skip
+    return ctx.attn_backend.attend(q, layer_id, batch).contiguous()
+
+
+@rope_attention.register_fake
+def _(qkv, positions, cos_sin, q_norm, k_norm, eps, layer_id, num_heads, num_kv_heads, head_dim):
+    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)

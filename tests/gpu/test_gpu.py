@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from conftest import GPU_SHAPE, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, check_clean, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
@@ -178,9 +178,7 @@ def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
         requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
         while sched.has_work():
             sched.step()
-        assert (
-            sched.prep.pages.num_used == 0 and sched.prep.table_idxs.num_free == engine.config.max_running_req
-        )
+        check_clean(sched)  # the prefix cache may keep pages, unreferenced
         results.append([(r.output_ids, r.finish_reason) for r in requests])
     assert results[0] == results[1]
 
