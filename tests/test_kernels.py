@@ -34,6 +34,7 @@ ABLATION_OFF = dict(
     compile_prefill=False,
     use_gemv_kernel=False,
     use_kv_store_kernel=False,
+    use_fused_kernels=False,
     tensor_core_min_group=4,
 )
 
@@ -55,18 +56,23 @@ def tiny_llama(tmp_path_factory):
 def test_ablation_switches_reach_the_components(
     tiny_llama, monkeypatch, overrides, kv_kernel, gemv_setting, compiled_prefill, gemv_in_forward
 ):
-    """The settings of the ablation block go to the KV pool, the context and the graph runner (which
-    `batch_invariant` overrides); `linear` sees the GEMV switch while that engine's forward runs."""
+    """The settings of the ablation block go to the KV pool, the context (the GEMV and fused-kernel
+    switches) and the graph runner (which `batch_invariant` overrides); `linear` sees the GEMV switch
+    while that engine's forward runs, and `fused_kernels_mode` the fused one."""
     import minisgl.models.llama as llama
 
     seen, real = [], llama.linear
+    fused_seen, real_mode = [], llama.fused_kernels_mode
     monkeypatch.setattr(llama, "linear", lambda *a: seen.append(gemv_kernel_mode()) or real(*a))
+    monkeypatch.setattr(llama, "fused_kernels_mode", lambda: fused_seen.append(real_mode()) or fused_seen[-1])
     engine = Engine(EngineConfig(model_path=str(tiny_llama), device="cpu", dtype=torch.float32, **overrides))
     assert engine.kv_cache.use_kernel is kv_kernel
     assert engine.ctx.use_gemv_kernel is gemv_setting
+    assert engine.ctx.use_fused_kernels is ("use_fused_kernels" not in overrides)
     assert engine.graph_runner.compile_prefill is compiled_prefill
     assert not engine.sampler.compiled  # CPU: eager whatever compile_sampler says
     generate(engine, [[5, 6, 7]], SamplingParams(max_tokens=2))
     assert seen and set(seen) == {gemv_in_forward}
+    assert fused_seen and set(fused_seen) == {"use_fused_kernels" not in overrides}
     engine.shutdown()
     assert gemv_kernel_mode()  # outside a forward
