@@ -65,9 +65,10 @@ def norm_linear(
 
 
 def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The second half of the SwiGLU MLP (gate and up projections merged into one weight of 2 *
-    intermediate rows, whose output is gate_up): silu(gate) * up, then `linear` by w_down; gate_up is [gate | up] on the last dimension. One row on
-    the GEMV kernel's path runs as one kernel (`silu_mul_gemv`) when ``use_fused_kernels`` is on."""
+    """The second half of the SwiGLU MLP, whose gate and up projections are one weight of 2 *
+    intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`.
+    One row on the GEMV kernel's path runs as one kernel (`silu_mul_gemv`) when ``use_fused_kernels``
+    is on."""
     gate, up = gate_up.chunk(2, dim=-1)
     if _fused_gemv(gate, w_down):
         return silu_mul_gemv(gate_up, w_down)
