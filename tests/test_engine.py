@@ -282,3 +282,57 @@ def test_batch_invariant_flag_reaches_the_forward(tiny_llama, monkeypatch):
         assert seen and set(seen) == {use_gemv and not batch_invariant}
         seen.clear()
     assert gemv_kernel_mode()  # outside a forward: no engine forbids it
+
+
+def test_sampler_warm_up_compiles_in_the_mode_forward_batch_samples_in(tiny_llama):
+    """The compiled sampler's guards include the grad mode: its warm-up must run in inference mode, as
+    `Engine.forward_batch` samples, or every path compiles again at the first requests. (On a CPU the
+    sampler runs eagerly; the compiled function is replaced by a recorder.)"""
+    engine = _engine(tiny_llama)
+    sampler, modes = engine.sampler, []
+
+    def recorder(logits, floats, ints, need_filter):
+        modes.append((torch.is_inference_mode_enabled(), logits.is_inference()))
+        return torch.zeros(logits.shape[0], dtype=torch.int32)
+
+    sampler._compiled = recorder
+    sampler.warm_up()
+    assert len(modes) == 4 and set(modes) == {(True, True)}  # rows 1 and 2, with and without filters
+    prep = BatchPreparer(engine)
+    req = prep.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.7))
+    batch = prep.prefill([req])
+    engine.forward_batch(batch, prep.sampling_args(batch))
+    assert modes[-1] == (True, True)  # what a real step's sampling looks like
+    prep.release([req])
+    engine.shutdown()
+
+
+def test_prefill_warm_up_inputs_are_made_as_a_real_prefill_makes_them(tiny_llama, monkeypatch):
+    """dynamo guards on the inputs' dispatch keys: the compiled prefill's warm-up must pass inputs made
+    outside inference mode, as the batch preparer makes a real prefill's, and run in inference mode, as
+    `forward_batch` does, or the first real prefill compiles the forward again."""
+    from minisgl.engine.graph import GraphRunner
+
+    engine = _engine(tiny_llama)
+    seen = []
+    runner = GraphRunner.__new__(GraphRunner)  # a CPU engine has no graphs: only the warm-up is run
+    runner.ctx, runner.device, runner.max_running_req = (
+        engine.ctx,
+        engine.device,
+        engine.config.max_running_req,
+    )
+    runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
+
+    def run_compiled(batch):
+        inputs = (batch.input_ids, batch.positions)
+        seen.append((torch.is_inference_mode_enabled(), [t.is_inference() for t in inputs]))
+
+    monkeypatch.setattr(runner, "run_compiled", run_compiled)
+    runner._warm_up_compiled()
+    prep = BatchPreparer(engine)
+    req = prep.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    batch = prep.prefill([req])
+    real = [t.is_inference() for t in (batch.input_ids, batch.positions)]
+    prep.release([req])
+    engine.shutdown()
+    assert seen == [(True, real)] and real == [False, False]
