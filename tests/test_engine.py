@@ -148,7 +148,10 @@ def test_host_threads(tiny_llama):
 def test_start_phases_are_timed_and_logged(tiny_llama, caplog):
     with caplog.at_level(logging.INFO, logger="minisgl.engine.engine"):
         engine = _engine(tiny_llama, num_page_override=8)
-    phases = ["communication", "model", "kv cache", "page table", "backends", "cuda graphs", "sampler"]
+    phases = [
+        "communication", "model", "kv cache", "page table", "backends", "cuda graphs", "sampler",
+        "prefill warm-up",
+    ]  # fmt: skip
     assert list(engine.start_phases) == phases and all(s >= 0 for s in engine.start_phases.values())
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start phase ")]
     assert [line.split(":")[0].removeprefix("start phase ") for line in logged] == phases
@@ -285,54 +288,107 @@ def test_batch_invariant_flag_reaches_the_forward(tiny_llama, monkeypatch):
 
 
 def test_sampler_warm_up_compiles_in_the_mode_forward_batch_samples_in(tiny_llama):
-    """The compiled sampler's guards include the grad mode: its warm-up must run in inference mode, as
+    """The compiled sampler's guards include the grad mode and the inputs' dispatch keys: its warm-up
+    must run in inference mode with inference-mode logits and normal argument tensors, as
     `Engine.forward_batch` samples, or every path compiles again at the first requests. (On a CPU the
     sampler runs eagerly; the compiled function is replaced by a recorder.)"""
     engine = _engine(tiny_llama)
     sampler, modes = engine.sampler, []
 
     def recorder(logits, floats, ints, need_filter):
-        modes.append((torch.is_inference_mode_enabled(), logits.is_inference()))
+        modes.append((torch.is_inference_mode_enabled(), logits.is_inference(), floats.is_inference()))
         return torch.zeros(logits.shape[0], dtype=torch.int32)
 
     sampler._compiled = recorder
     sampler.warm_up()
-    assert len(modes) == 4 and set(modes) == {(True, True)}  # rows 1 and 2, with and without filters
+    assert len(modes) == 2 and set(modes) == {(True, True, False)}  # with and without filters
     prep = BatchPreparer(engine)
     req = prep.add_request([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.7))
     batch = prep.prefill([req])
     engine.forward_batch(batch, prep.sampling_args(batch))
-    assert modes[-1] == (True, True)  # what a real step's sampling looks like
+    assert modes[-1] == (True, True, False)  # what a real step's sampling looks like
+    # arguments made inside inference mode are normal tensors too
+    with torch.inference_mode():
+        args = BatchSamplingArgs.from_reqs([req], engine.device)
+    assert not args.floats.is_inference() and not args.ints.is_inference()
     prep.release([req])
     engine.shutdown()
 
 
-def test_prefill_warm_up_inputs_are_made_as_a_real_prefill_makes_them(tiny_llama, monkeypatch):
-    """dynamo guards on the inputs' dispatch keys: the compiled prefill's warm-up must pass inputs made
-    outside inference mode, as the batch preparer makes a real prefill's, and run in inference mode, as
-    `forward_batch` does, or the first real prefill compiles the forward again."""
+def _graph_runner(engine, forward):
+    """The compile half of a GraphRunner on a CPU engine (which has no graphs): `forward` as its
+    compiled function."""
     from minisgl.engine.graph import GraphRunner
 
+    runner = GraphRunner.__new__(GraphRunner)
+    runner.model, runner.ctx, runner.device = engine.model, engine.ctx, engine.device
+    runner.max_running_req = engine.config.max_running_req
+    runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
+    runner.rows = torch.arange(engine.config.max_running_req + 1)
+    runner.batch_sizes, runner.compile_prefill = [1], True
+    runner.forward = forward
+    return runner
+
+
+def test_compiled_forward_passes_normal_tensors_marked_unbacked(tiny_llama):
+    """dynamo guards on the inputs' dispatch keys: `compiled_forward` copies inference tensors (a
+    prefill's `last_indices` is planned in inference mode) to normal ones, as the graphs' static buffers
+    are, marks their token dimension unbacked, and gives a decode batch every row as `last_indices`.
+    The prefill warm-up runs a prefill through it, in inference mode."""
     engine = _engine(tiny_llama)
     seen = []
-    runner = GraphRunner.__new__(GraphRunner)  # a CPU engine has no graphs: only the warm-up is run
-    runner.ctx, runner.device, runner.max_running_req = (
-        engine.ctx,
-        engine.device,
-        engine.config.max_running_req,
-    )
-    runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
 
-    def run_compiled(batch):
-        inputs = (batch.input_ids, batch.positions)
-        seen.append((torch.is_inference_mode_enabled(), [t.is_inference() for t in inputs]))
+    def forward(input_ids, positions, last_indices):
+        inputs = (input_ids, positions, last_indices)
+        seen.append(
+            (
+                torch.is_inference_mode_enabled(),
+                [t.is_inference() for t in inputs],
+                [getattr(t, "_dynamo_unbacked_indices", None) for t in inputs],
+                last_indices.tolist(),
+            )
+        )
 
-    monkeypatch.setattr(runner, "run_compiled", run_compiled)
-    runner._warm_up_compiled()
-    prep = BatchPreparer(engine)
-    req = prep.add_request([5, 6, 7], SamplingParams(max_tokens=2))
-    batch = prep.prefill([req])
-    real = [t.is_inference() for t in (batch.input_ids, batch.positions)]
-    prep.release([req])
+    runner = _graph_runner(engine, forward)
+    ids = torch.tensor([5, 6, 7])
+    with torch.inference_mode():
+        runner.compiled_forward(ids, torch.arange(3), torch.tensor([2]))
+        runner.compiled_forward(ids, torch.arange(3))
+    assert seen == [(True, [False] * 3, [{0}] * 3, [2]), (True, [False] * 3, [{0}] * 3, [0, 1, 2])]
+    seen.clear()
+    runner.warm_up_prefill()
+    assert seen == [(True, [False] * 3, [{0}] * 3, [2, 4])]  # requests of 3 and 2 tokens
     engine.shutdown()
-    assert seen == [(True, real)] and real == [False, False]
+
+
+def test_compiled_forward_is_one_graph_for_every_token_count(tiny_llama):
+    """The forward compiled through `compiled_forward` (inductor's CPU backend): one graph for prefills
+    and decode batches of 1, 2 and 3 rows, each equal to the eager forward."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    engine = _engine(tiny_llama)
+    counter = CompileCounterWithBackend("inductor")
+    runner = _graph_runner(
+        engine, torch.compile(engine.model.forward, fullgraph=True, dynamic=False, backend=counter)
+    )
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(p, SamplingParams(max_tokens=3)) for p in PROMPTS[:3]]
+
+    def run(batch):
+        with torch.inference_mode(), engine.ctx.forward_batch(batch):
+            engine.attn_backend.prepare_metadata(batch)
+            args = (batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+            assert rel_err(runner.compiled_forward(*args), engine.model(*args)) < 1e-5
+        for req in batch.reqs:
+            req.complete_one()
+
+    run(prep.prefill(reqs[:1]))
+    run(prep.prefill(reqs[1:]))
+    for rows in (1, 3, 2):
+        for req in reqs[:rows]:
+            req.input_ids.append(7)
+        run(prep.decode(reqs[:rows]))
+    assert counter.frame_count == 1
+    prep.release(reqs)
+    engine.shutdown()

@@ -1,6 +1,6 @@
 """The fused Triton kernels against the unfused torch reference: q/k-norm + RoPE + KV store
-(`minisgl.kernels.rope_store`), and the GEMV kernel's add + RMSNorm and SiLU-and-multiply prologues
-(`minisgl.kernels.gemv`).
+(`minisgl.kernels.rope_store`), the GEMV kernel's add + RMSNorm and SiLU-and-multiply prologues
+(`minisgl.kernels.gemv`), and the row kernels and row-count dispatching ops of `minisgl.kernels.linear`.
 
 On a CUDA machine the kernels run compiled on the GPU; without one they run on CPU tensors under
 Triton's interpreter (conftest sets TRITON_INTERPRET=1), so CI checks them too. The last tests run a
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels import gemv as G
+from minisgl.kernels import linear as L
 from minisgl.kernels import rope_store as R
 from minisgl.layers import add_rms_norm, apply_rope, build_rope_cache, rms_norm, rope_cos_sin
 from minisgl.layers.rope import RopeConfig
@@ -191,6 +192,79 @@ def test_plain_gemv_matches_linear(rows_per_program):
     assert rel_err(G.gemv(x, w, bias).cpu(), F.linear(x, w, bias).cpu()) < TOL[torch.float32]
 
 
+# -- the row kernels and the ops that pick kernels by row count --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first-layer"])
+@pytest.mark.parametrize("rows, k", [(3, 64), (5, 1500)], ids=["pow2", "ragged"])
+def test_add_rms_norm_rows_matches_unfused(rows, k, with_residual, dtype):
+    g = _gen(rows * k)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE)
+    normed, new_residual = L.add_rms_norm_rows(x, residual, norm_w, 1e-6)
+    if with_residual:
+        ref, ref_residual = add_rms_norm(x, residual, norm_w, 1e-6)
+    else:
+        ref, ref_residual = rms_norm(x, norm_w, 1e-6), x
+    assert normed.shape == (rows, k) and normed.dtype == dtype
+    # the same roundings as the unfused layers: float32 equal to a few ulps; bf16 as close as the
+    # interpreter allows (it truncates to bf16 where a GPU rounds), and the residual bit-equal on a GPU
+    assert rel_err(normed.cpu(), ref.cpu()) < (1e-6 if dtype == torch.float32 else TOL[dtype])
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(new_residual, ref_residual)
+    else:
+        assert rel_err(new_residual.cpu(), ref_residual.cpu()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k", [(2, 48), (4, 1500)], ids=["one-block", "two-blocks"])
+def test_silu_mul_rows_matches_unfused(rows, k, dtype):
+    gate_up = torch.randn(rows, 2 * k, generator=_gen(k)).to(dtype).to(DEVICE)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    out = L.silu_mul_rows(gate_up)
+    assert out.shape == (rows, k) and out.dtype == dtype
+    assert rel_err(out.float().cpu(), (F.silu(gate) * up).cpu()) < TOL[dtype]
+
+
+def test_row_kernels_take_no_rows():
+    x = torch.zeros(0, 8, device=DEVICE)
+    normed, residual = L.add_rms_norm_rows(x, x, torch.ones(8, device=DEVICE), 1e-6)
+    assert normed.shape == residual.shape == (0, 8)
+    assert L.silu_mul_rows(torch.zeros(0, 16, device=DEVICE)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_ops_pick_kernels_by_row_count(monkeypatch, rows):
+    """One row runs the GEMV kernels, more rows the row kernels and F.linear; both agree with the
+    unfused layers (float32)."""
+    calls = []
+    for name in ("gemv", "add_rms_norm_gemv", "silu_mul_gemv", "add_rms_norm_rows", "silu_mul_rows"):
+        fn = getattr(L, name)
+        monkeypatch.setattr(L, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    g = _gen(rows)
+    n, k = 40, 96
+    x, residual = (torch.randn(rows, k, generator=g).to(DEVICE) for _ in range(2))
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(DEVICE)
+    w, w_down = _weights(n, k, torch.float32, g), _weights(k, n // 2, torch.float32, g)
+    bias = torch.randn(n, generator=g).to(DEVICE)
+
+    y = torch.ops.minisgl.linear(x, w, bias)
+    y2, h = torch.ops.minisgl.norm_linear(x, residual, norm_w, w, bias, 1e-6)
+    y3 = torch.ops.minisgl.silu_mul_linear(y2, w_down)
+
+    normed, ref_h = add_rms_norm(x, residual, norm_w, 1e-6)
+    ref2 = F.linear(normed, w, bias)
+    gate, up = ref2.chunk(2, dim=-1)
+    assert rel_err(y.cpu(), F.linear(x, w, bias).cpu()) < TOL[torch.float32]
+    assert rel_err(y2.cpu(), ref2.cpu()) < TOL[torch.float32]
+    assert rel_err(h.cpu(), ref_h.cpu()) < TOL[torch.float32]
+    assert rel_err(y3.cpu(), F.linear(F.silu(gate) * up, w_down).cpu()) < TOL[torch.float32]
+    one_row = ["gemv", "add_rms_norm_gemv", "silu_mul_gemv"]
+    assert calls == (one_row if rows == 1 else ["add_rms_norm_rows", "silu_mul_rows"])
+
+
 # -- the whole model through the fused path -------------------------------------------------------------
 
 
@@ -205,7 +279,7 @@ def _open_gates(monkeypatch):
     # (`minisgl.layers.attention` as an attribute is the function the package exports)
     attention_layer = importlib.import_module("minisgl.layers.attention")
 
-    calls = {"rope_store": 0, "add_rms_norm_gemv": 0, "silu_mul_gemv": 0}
+    calls = {name: 0 for name in ("rope_store", *FUSED_GEMV_KERNELS)}
 
     def counted(name, fn):
         def run(*args, **kwargs):
@@ -216,16 +290,18 @@ def _open_gates(monkeypatch):
 
     monkeypatch.setattr(llama, "rope_store_applies", lambda qkv, head_dim: head_dim % 2 == 0)
     monkeypatch.setattr(
-        basic,
-        "gemv_applies",
-        lambda x, w: x.dim() == 2 and x.shape[0] == 1 and w.shape[1] == x.shape[1] and w.is_contiguous(),
+        basic, "gemv_fits", lambda x, w: x.dim() == 2 and w.shape[1] == x.shape[1] and w.is_contiguous()
     )
     monkeypatch.setattr(
         attention_layer, "qk_norm_rope_store", counted("rope_store", attention_layer.qk_norm_rope_store)
     )
-    for name in ("add_rms_norm_gemv", "silu_mul_gemv"):
-        monkeypatch.setattr(basic, name, counted(name, getattr(basic, name)))
+    for name in FUSED_GEMV_KERNELS:
+        monkeypatch.setattr(L, name, counted(name, getattr(L, name)))
     return calls
+
+
+# the kernels that the ops of `minisgl.kernels.linear` pick from, for one row and for more
+FUSED_GEMV_KERNELS = ("add_rms_norm_gemv", "silu_mul_gemv", "add_rms_norm_rows", "silu_mul_rows")
 
 
 SEQ_LENS = [[9], [6, 11]]  # one request (one-row decode: the fused GEMVs), then a batch
@@ -240,8 +316,9 @@ SEQ_LENS = [[9], [6, 11]]  # one request (one-row decode: the fused GEMVs), then
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3_moe"])
 def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, monkeypatch, arch):
     """Teacher-forced logits of a tiny model with the fused kernels equal the unfused path's (float32)
-    and transformers'. One request decodes one row a step (all three fused kernels), a batch of two
-    runs the fused RoPE kernel with plain GEMMs."""
+    and transformers'. One request decodes one row a step (the GEMV kernels and their prologues); its
+    prefill, and every step of a batch of two, run the row kernels with plain GEMMs; every forward runs
+    the fused RoPE kernel."""
     folder = make_tiny_model(tmp_path, arch)
     steps = 2
     g = _gen(3)
@@ -267,7 +344,10 @@ def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, 
         assert calls["rope_store"] == layers * forwards
         one_row_steps = steps if len(lens) == 1 else 0
         dense_layers = 1 if arch == "qwen3_moe" else 3  # the MoE model's layer 1 alone is dense
-        assert calls["add_rms_norm_gemv"] == (layers + dense_layers) * one_row_steps
+        norms = layers + dense_layers  # norm_linear calls per forward
+        assert calls["add_rms_norm_gemv"] == norms * one_row_steps
         assert calls["silu_mul_gemv"] == dense_layers * one_row_steps
+        assert calls["add_rms_norm_rows"] == norms * (forwards - one_row_steps)
+        assert calls["silu_mul_rows"] == dense_layers * (forwards - one_row_steps)
         assert rel_err(fused, unfused) < 1e-5
         assert rel_err(fused, reference_logits(folder, seqs, lens, steps)) < 1e-4

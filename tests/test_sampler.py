@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Req, SamplingParams
@@ -21,6 +22,7 @@ from minisgl.engine.sample import (
     Sampler,
     blocked_cumsum,
     draw,
+    mark_batch_unbacked,
     sample_rows,
     token_weights,
 )
@@ -332,11 +334,14 @@ def test_sampler_runs_eagerly_on_cpu() -> None:
 
 
 def test_compiled_sampler_equals_eager() -> None:
-    """`torch.compile` of the sampling function (what runs on CUDA, dynamic batch dimension) gives the
+    """`torch.compile` of the sampling function (what runs on CUDA, batch dimension unbacked) gives the
     tokens the eager function gives, on batches of 1 and several, with and without filters, on the CPU
-    backend of inductor (integer weights: no rounding depends on how the compiler orders the sums)."""
+    backend of inductor (integer weights: no rounding depends on how the compiler orders the sums); one
+    graph per `need_filter`, for every batch size."""
     raise_recompile_limit()
-    compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False, backend=counter)
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
@@ -345,10 +350,10 @@ def test_compiled_sampler_equals_eager() -> None:
         reqs[0] = make_req(0, SamplingParams(temperature=0.8, top_p=0.9 if need_filter else 1.0, seed=1))
         args = BatchSamplingArgs.from_reqs(reqs, CPU)
         logits = torch.randn(batch_size, vocab, generator=gen) * 4
-        for tensor, dim in ((logits, 0), (args.floats, 1), (args.ints, 1)):
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        mark_batch_unbacked(logits, args.floats, args.ints)
         want = sample_rows(logits, args.floats, args.ints, need_filter)
         assert torch.equal(compiled(logits, args.floats, args.ints, need_filter), want), (
             batch_size,
             need_filter,
         )
+    assert counter.frame_count == 2  # one graph per need_filter value

@@ -113,8 +113,14 @@ def close_one_shot_all_reduce() -> None:
 
 @torch.library.custom_op("minisgl::one_shot_all_reduce", mutates_args=())
 def one_shot_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks, in a new tensor, by the one-shot kernel (see the module docstring)."""
+    """The sum of x over the ranks, in a new tensor: by the one-shot kernel when x fits its buffer (see
+    the module docstring), else by NCCL on a copy. The size is checked here, when the op runs, so that
+    a compiled graph whose token count is symbolic serves decode steps and prefills alike."""
     assert _one_shot is not None
+    if x.numel() > _one_shot.buffer.numel():
+        out = x.clone()
+        dist.all_reduce(out)
+        return out
     buffer = _one_shot.buffers[_one_shot.calls % 2][: x.numel()].view(x.shape)
     _one_shot.calls += 1  # at capture time for a CUDA graph: its calls keep the turns they had
     out = torch.empty_like(x)
@@ -129,16 +135,11 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums x over the tensor-parallel ranks; returns the sum (x itself, summed in place, unless the
-    one-shot kernel took it). No-op for a single rank."""
+    one-shot op took it). No-op for a single rank."""
     if _current.size == 1:
         return x
     one_shot = _one_shot
-    if (
-        one_shot is not None
-        and x.device == one_shot.buffer.device
-        and x.dtype == one_shot.buffer.dtype
-        and x.numel() <= one_shot.buffer.numel()
-    ):
+    if one_shot is not None and x.device == one_shot.buffer.device and x.dtype == one_shot.buffer.dtype:
         return torch.ops.minisgl.one_shot_all_reduce(x)
     dist.all_reduce(x)
     return x

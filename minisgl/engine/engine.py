@@ -62,7 +62,8 @@ T = TypeVar("T")
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         """Builds the engine in the documented order (after setting this process's host threads):
-        communication, model, KV cache, page table, attention and MoE backends, sampler, CUDA graphs."""
+        communication, model, KV cache, page table, attention and MoE backends, sampler, CUDA graphs;
+        then the sampler's and the prefill's warm-ups."""
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self._closed = False
@@ -81,6 +82,8 @@ class Engine:
         self.sampler = Sampler(self.device, config.model_config.vocab_size, compile=config.compile_sampler)
         self._phase("cuda graphs", self._init_cuda_graphs)
         self._phase("sampler", self.sampler.warm_up)  # compiles the sampler on CUDA
+        # last: it waits for the attention backend's prefill kernels, built in a thread meanwhile
+        self._phase("prefill warm-up", self.graph_runner.warm_up_prefill)
         self._log_ready(time.perf_counter() - started, model_bytes)
 
     def _phase(self, name: str, step: Callable[[], T]) -> T:

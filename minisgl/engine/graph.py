@@ -1,11 +1,14 @@
 """CUDA graphs of the compiled decode forward, one per batch size.
 
-The model's forward is compiled once with torch.compile (fullgraph, dynamic batch dimension; attention
-is an opaque custom op), then captured into one CUDA graph per batch size in `batch_sizes`, all in one
-memory pool, from the largest down. A decode batch is padded with the dummy request (page-table row
-`max_running_req`, one token on the dummy page) up to the next captured size and replayed; larger
-batches and prefill run the same compiled forward without a graph (`run_compiled`; faster than eager
-prefill, see docs/performance.md and `python -m perf.gpu.prefill`), as the documentation allows, unless
+The model's forward is compiled once with torch.compile (fullgraph; attention and the kernels that
+depend on the row count are opaque custom ops), for every token count: the token dimension of its
+inputs is unbacked (`mark_unbacked`), so dynamo neither specializes a graph on one token nor guards on
+the count, and decode always passes `last_indices` (every row), as prefill does. The one compiled graph
+is captured into one CUDA graph per batch size in `batch_sizes`, all in one memory pool, from the
+largest down. A decode batch is padded with the dummy request (page-table row `max_running_req`, one
+token on the dummy page) up to the next captured size and replayed; larger batches and prefill run the
+same compiled forward without a graph (`run_compiled`; faster than eager prefill, see
+docs/performance.md and `python -m perf.gpu.prefill`), as the documentation allows, unless
 `compile_prefill` is off (ablation) or the engine is batch-invariant.
 """
 
@@ -15,12 +18,21 @@ import bisect
 import logging
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 from tqdm import tqdm
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Context, Req
 
 logger = logging.getLogger(__name__)
+
+
+def _normal_tensor(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it outside inference mode when t is an inference tensor."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -91,15 +103,14 @@ class GraphRunner:
         self.input_ids = torch.zeros(top, dtype=torch.int32, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)
+        # every row's index: a decode batch's `last_indices` (a graph's slice, or a batch above the graphs)
+        self.rows = torch.arange(max(top, max_running_req + 1), dtype=torch.int64, device=device)
         backend.init_graph_wrappers(sizes, -(-max_seq_len // page_size))
-        # one engine compiles the forward twice (a batch of 1 is specialized, every other size shares one
-        # dynamic graph); further engines in the process add their own entries
+        # one engine compiles the forward once; further engines in the process add their own entries
         raise_recompile_limit()
-        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
         self._capture(sizes)
         self.batch_sizes = sizes
-        if self.compile_prefill:
-            self._warm_up_compiled()
 
     def _dummy_batch(self, bs: int) -> Batch:
         reqs = [
@@ -126,22 +137,43 @@ class GraphRunner:
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile (first size only) and warm up off the capture
-                        self.forward(batch.input_ids, batch.positions, None)
+                        self.compiled_forward(batch.input_ids, batch.positions)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.forward(batch.input_ids, batch.positions, None)
+                    logits = self.compiled_forward(batch.input_ids, batch.positions)
             self.graphs[bs] = (graph, logits)
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
             bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
         bar.close()
         logger.info("CUDA graphs: captured %d batch sizes (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
-    def _warm_up_compiled(self) -> None:
-        """Compiles the prefill path at start (two dummy requests of 3 and 2 tokens on the dummy page),
-        so the first real prefill does not pay for it. The inputs are made outside inference mode, as the
-        batch preparer makes a real prefill's: an inference tensor has other dispatch keys, and dynamo's
-        guard on them would compile the forward again at the first real prefill."""
+    def compiled_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The model's forward, compiled; logits of every row when `last_indices` is None (it is then
+        the slice of `rows`, so the compiled graph always gets a tensor).
+
+        Every call marks the token dimension of the inputs unbacked, so the one graph compiled at the
+        first call serves every later one (any token count, decode or prefill), and a recompile (a new
+        engine in the process) is just as general. An input made in inference mode (a prefill's
+        `last_indices`, planned inside the engine's forward) is copied to a normal tensor first, as the
+        graph's static buffers are: dynamo guards on the dispatch keys, which differ between the two."""
+        if last_indices is None:
+            last_indices = self.rows[: input_ids.shape[0]]
+        inputs = [_normal_tensor(t) for t in (input_ids, positions, last_indices)]
+        for tensor in inputs:
+            mark_unbacked(tensor, 0)
+        return self.forward(*inputs)
+
+    def warm_up_prefill(self) -> None:
+        """Runs a prefill through the compiled forward at start (two dummy requests of 3 and 2 tokens on
+        the dummy page), so the first real prefill finds its kernels ready: the attention backend's
+        prefill kernels (the FA3 module's JIT build, begun in a thread when the backend was made, is
+        joined here) and the compiled graph's. The inputs are made as the batch preparer makes a real
+        prefill's. Nothing to do without graphs or with `compile_prefill` off."""
+        if not (self.batch_sizes and self.compile_prefill):
+            return
         lens = (3, 2)
         reqs = [
             Req(input_ids=[0] * n, table_idx=self.max_running_req, cached_len=0, output_len=1, uid=-1)
@@ -157,19 +189,14 @@ class GraphRunner:
             self.run_compiled(batch)
 
     def can_run_compiled(self, batch: Batch) -> bool:
-        """Prefill and decode batches above the largest graph of two or more tokens (a single token
-        would make dynamo specialize a graph on size 1) run the compiled forward, when `compile_prefill`
-        (off in a batch-invariant engine: the compiled graph's kernels depend on the token count, see
-        docs/performance.md and `python -m perf.gpu.ablation`)."""
-        return bool(self.batch_sizes) and batch.input_ids.shape[0] >= 2 and self.compile_prefill
+        """Prefill and decode batches above the largest graph run the compiled forward, when
+        `compile_prefill` (off in a batch-invariant engine: the compiled graph's kernels depend on the
+        token count, see docs/performance.md and `python -m perf.gpu.ablation`)."""
+        return bool(self.batch_sizes) and self.compile_prefill
 
     def run_compiled(self, batch: Batch) -> torch.Tensor:
-        """The compiled forward without a graph (attention planned). A prefill's `last_indices` gets
-        its last row repeated, so it never has one row (same reason), and the extra logits row is cut."""
-        last = batch.attn_metadata.last_indices
-        if last is None:
-            return self.forward(batch.input_ids, batch.positions, None)
-        return self.forward(batch.input_ids, batch.positions, torch.cat([last, last[-1:]]))[:-1]
+        """The compiled forward without a graph (attention planned)."""
+        return self.compiled_forward(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
 
     @property
     def enabled(self) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.decorators import mark_unbacked
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Req, SamplingParams
@@ -151,6 +152,14 @@ def keep_mask(
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
+def mark_batch_unbacked(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+    """Marks the batch dimension of `sample_rows`' arguments unbacked before a compiled call: dynamo
+    then compiles one graph for every batch size, one row included (a dynamic but backed size would get
+    a graph of its own at 1)."""
+    for tensor, dim in ((logits, 0), (floats, 1), (ints, 1)):
+        mark_unbacked(tensor, dim)
+
+
 def sample_rows(
     logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, need_filter: bool
 ) -> torch.Tensor:
@@ -222,26 +231,29 @@ class BatchSamplingArgs:
         rng = rng if rng is not None else _default_rng
         need_filter = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params)
         pin = device.type == "cuda"
-        floats = torch.tensor(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-            dtype=torch.float32,
-            pin_memory=pin,
-        )
-        ints = torch.tensor(
-            [
-                [min(p.top_k, TOP_K_ALL) if p.top_k > 0 else TOP_K_ALL for p in params],
-                [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
-                [req.device_len for req in reqs],
-            ],
-            dtype=torch.int64,
-            pin_memory=pin,
-        )
-        return cls(
-            all_greedy=False,
-            need_filter=need_filter,
-            floats=floats.to(device, non_blocking=True),
-            ints=ints.to(device, non_blocking=True),
-        )
+        # normal tensors, also when made in inference mode (the sampler's warm-up): the compiled sampler's
+        # guards include the dispatch keys, which differ
+        with torch.inference_mode(False):
+            floats = torch.tensor(
+                [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+                dtype=torch.float32,
+                pin_memory=pin,
+            )
+            ints = torch.tensor(
+                [
+                    [min(p.top_k, TOP_K_ALL) if p.top_k > 0 else TOP_K_ALL for p in params],
+                    [p.seed if p.seed is not None else rng.getrandbits(63) for p in params],
+                    [req.device_len for req in reqs],
+                ],
+                dtype=torch.int64,
+                pin_memory=pin,
+            )
+            return cls(
+                all_greedy=False,
+                need_filter=need_filter,
+                floats=floats.to(device, non_blocking=True),
+                ints=ints.to(device, non_blocking=True),
+            )
 
 
 class Sampler:
@@ -257,7 +269,7 @@ class Sampler:
         self._rng = random.Random()
         self._compiled = None
         if device.type == "cuda" and compile:
-            # one graph per need_filter value and batch kind (1, or dynamic), per vocabulary
+            # one graph per need_filter value (for every batch size: `mark_batch_unbacked`), per vocabulary
             raise_recompile_limit()
             self._compiled = torch.compile(sample_rows, fullgraph=True, dynamic=False)
 
@@ -291,33 +303,31 @@ class Sampler:
         assert args.floats is not None and args.ints is not None
         if self._compiled is None:
             return sample_rows(logits, args.floats, args.ints, args.need_filter)
-        # one graph for every batch size above 1 (a batch of 1 gets its own)
-        for tensor, dim in ((logits, 0), (args.floats, 1), (args.ints, 1)):
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        mark_batch_unbacked(logits, args.floats, args.ints)
         return self._compiled(logits, args.floats, args.ints, args.need_filter)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compiles the sampled paths (with and without filters, one row and several) at start, so the
-        first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU, or
-        ``compile`` off). In inference mode, as `Engine.forward_batch` samples: dynamo guards on the grad
-        mode, and a warm-up outside it compiled every path again at the first requests."""
+        """Compiles the sampled paths (with and without filters; one graph serves every batch size) at
+        start, so the first requests do not pay for it. Nothing to do when the sampler runs eagerly (CPU,
+        or ``compile`` off). In inference mode, as `Engine.forward_batch` samples: dynamo guards on the
+        grad mode, and a warm-up outside it compiled every path again at the first requests. (The
+        arguments' tensors are normal tensors whatever the mode, see `BatchSamplingArgs.from_reqs`.)"""
         if self._compiled is None:
             return
-        for batch_size in (1, 2):
-            logits = torch.zeros(batch_size, self.vocab_size, device=self.device)
-            reqs = [
-                Req(
-                    input_ids=[0],
-                    table_idx=0,
-                    cached_len=0,
-                    output_len=1,
-                    uid=-1,
-                    sampling_params=SamplingParams(temperature=1.0, top_k=top_k, seed=0),
-                )
-                for top_k in (-1, 5)[:batch_size]
-            ]
-            for need_filter in (False, True):
-                args = BatchSamplingArgs.from_reqs(reqs, self.device)
-                args.need_filter = need_filter
-                self.sample(logits, args)
+        logits = torch.zeros(2, self.vocab_size, device=self.device)
+        reqs = [
+            Req(
+                input_ids=[0],
+                table_idx=0,
+                cached_len=0,
+                output_len=1,
+                uid=-1,
+                sampling_params=SamplingParams(temperature=1.0, top_k=top_k, seed=0),
+            )
+            for top_k in (-1, 5)
+        ]
+        for need_filter in (False, True):
+            args = BatchSamplingArgs.from_reqs(reqs, self.device)
+            args.need_filter = need_filter
+            self.sample(logits, args)

@@ -3,18 +3,16 @@
 Decoding one request multiplies one row by every weight matrix of the model. cuBLAS's kernels for that
 shape read small matrices well below HBM bandwidth (see docs/performance.md, `python -m perf.gpu.gemv`);
 this kernel gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so
-every load is in flight at once) and reduces in float32. `linear` in `minisgl.layers.basic` calls it for
-a single row on CUDA in half precision when Triton is present, unless the engine turned it off
-(`use_gemv_kernel` setting, or `batch_invariant`); everything else goes to `F.linear`.
+every load is in flight at once) and reduces in float32.
 
 The same kernel has two prologues, so that a one-row decode step runs fewer kernels per layer:
 `add_rms_norm_gemv` (the residual add and RMSNorm before the QKV and gate/up projections) and
-`silu_mul_gemv` (SiLU-and-multiply before the down projection); `minisgl.layers.basic` calls them where
-the GEMV applies and the engine's `use_fused_kernels` is on.
+`silu_mul_gemv` (SiLU-and-multiply before the down projection).
 
-Under torch.compile the kernels are the opaque custom ops `minisgl::gemv`, `minisgl::add_rms_norm_gemv`
-and `minisgl::silu_mul_gemv`, so the decode graph traces and captures them like any other kernel. On a
-CPU they run under Triton's interpreter (TRITON_INTERPRET=1), as the CPU tests run them.
+The model does not call these functions itself: the custom ops of `minisgl.kernels.linear` call them
+when a batch has one row (they pick the kernels by row count when they run, so one compiled graph
+serves every batch size). On a CPU they run under Triton's interpreter (TRITON_INTERPRET=1), as the
+CPU tests run them.
 """
 
 from __future__ import annotations
@@ -38,13 +36,14 @@ def _block_n(n: int) -> int:
     return 2 if n >= 4096 else 1
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when `linear(x, weight)` should run on the kernel: one row, CUDA, bf16/fp16, contiguous."""
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when the kernel can multiply a row of x by `weight`: CUDA, bf16/fp16, a contiguous weight
+    of at most `MAX_K` columns. Says nothing of x's row count, so that a compiled graph whose batch
+    dimension is symbolic can ask it (the ops of `minisgl.kernels.linear` check the rows when they run)."""
     return (
         triton is not None
         and x.is_cuda
         and x.dim() == 2
-        and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -52,6 +51,11 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[1] <= MAX_K
         and weight.is_contiguous()
     )
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when x is one row that the kernel can multiply by `weight` (`gemv_fits`)."""
+    return gemv_fits(x, weight) and x.shape[0] == 1
 
 
 # the kernel's prologues: what it does to the row before multiplying
@@ -157,7 +161,6 @@ def _launch(x, weight, bias, out, **prologue) -> None:
     gemv_launch(x, weight, bias, out, _block_n(weight.shape[0]), block_k, 4, **prologue)
 
 
-@torch.library.custom_op("minisgl::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (1, K) @ weight (N, K)^T (+ bias (N,)) -> (1, N), on the Triton kernel."""
     out = x.new_empty(1, weight.shape[0])
@@ -165,12 +168,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-@gemv.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return x.new_empty(1, weight.shape[0])
-
-
-@torch.library.custom_op("minisgl::add_rms_norm_gemv", mutates_args=())
 def add_rms_norm_gemv(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -191,20 +188,9 @@ def add_rms_norm_gemv(
     return out, residual_out
 
 
-@add_rms_norm_gemv.register_fake
-def _(x, residual, norm_weight, weight, bias, eps):
-    return x.new_empty(1, weight.shape[0]), torch.empty_like(x)
-
-
-@torch.library.custom_op("minisgl::silu_mul_gemv", mutates_args=())
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU-and-multiply and `linear` of one row in one kernel: gate_up (1, 2 K) = [gate | up] ->
     (silu(gate) * up) @ weight (N, K)^T, (1, N). The product is not rounded to the model's dtype."""
     out = gate_up.new_empty(1, weight.shape[0])
     _launch(gate_up.contiguous(), weight, None, out, prologue=SILU_MUL)
     return out
-
-
-@silu_mul_gemv.register_fake
-def _(gate_up, weight):
-    return gate_up.new_empty(1, weight.shape[0])

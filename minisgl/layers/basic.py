@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from minisgl.compile import fused_kernels_mode, gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
-from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, gemv_applies, silu_mul_gemv
+from minisgl.kernels.gemv import gemv_fits
+from minisgl.kernels.linear import linear_op, norm_linear_op, silu_mul_linear_op
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,16 +33,17 @@ def add_rms_norm(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias); a single half-precision row on CUDA runs on the Triton GEMV kernel (not
-    in an engine with ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must get the
-    bits it gets inside a batch)."""
-    if gemv_applies(x, weight) and gemv_kernel_mode():
-        return gemv(x, weight, bias)
+    """x @ weight^T (+ bias). Half precision on CUDA goes through the op `minisgl::linear`, which runs
+    a single row on the Triton GEMV kernel and more on cuBLAS (not in an engine with
+    ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must get the bits it gets inside
+    a batch; those run `F.linear`)."""
+    if gemv_fits(x, weight) and gemv_kernel_mode():
+        return linear_op(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _fused_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return gemv_applies(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
+    return gemv_fits(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
 
 
 def norm_linear(
@@ -53,10 +55,10 @@ def norm_linear(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x + residual (of x alone when residual is None), then `linear`. Returns (output, new
-    residual). One row on the GEMV kernel's path runs as one kernel (`add_rms_norm_gemv`) when the
-    engine's ``use_fused_kernels`` is on."""
+    residual). On the GEMV kernel's path with the engine's ``use_fused_kernels`` on, the op
+    `minisgl::norm_linear` runs one row as one kernel and more as a Triton add + RMSNorm and cuBLAS."""
     if _fused_gemv(x, weight):
-        return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
+        return norm_linear_op(x, residual, norm_weight, weight, bias, eps)
     if residual is None:
         normed, residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -67,11 +69,11 @@ def norm_linear(
 def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """The second half of the SwiGLU MLP, whose gate and up projections are one weight of 2 *
     intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`.
-    One row on the GEMV kernel's path runs as one kernel (`silu_mul_gemv`) when ``use_fused_kernels``
-    is on."""
+    On the GEMV kernel's path with ``use_fused_kernels`` on, the op `minisgl::silu_mul_linear` runs one
+    row as one kernel and more as a Triton SiLU-and-multiply and cuBLAS."""
     gate, up = gate_up.chunk(2, dim=-1)
     if _fused_gemv(gate, w_down):
-        return silu_mul_gemv(gate_up, w_down)
+        return silu_mul_linear_op(gate_up, w_down)
     return linear(F.silu(gate) * up, w_down)
 
 

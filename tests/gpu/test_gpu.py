@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from conftest import GPU_SHAPE, check_clean, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
@@ -67,10 +68,14 @@ def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
 
 @pytest.mark.parametrize("backend", ["fi", "fa,fi"])
 def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
-    """With graphs on, prefill runs the compiled forward (several requests, and one, whose last index
-    is padded to two) and decode replays graphs: against the eager torch backend."""
+    """With graphs on, prefill runs the compiled forward (several requests, and one) and decode replays
+    graphs (of 1 to 5 rows): against the eager torch backend. The forward compiled once for all of it:
+    one entry in dynamo's cache of the model's forward."""
     seqs = _seqs(512)
-    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
+    ref_engine = _engine(tiny_qwen3, attention_backend="torch", page_size=16)
+    ref = _tf(ref_engine, seqs, PROMPT_LENS)
+    code = type(ref_engine.model).forward.__code__
+    entries = len(_debug_get_cache_entry_list(code))
     engine = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=8)
     assert engine.graph_runner.enabled
     calls = []
@@ -79,6 +84,7 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
     assert rel_err(_tf(engine, seqs, PROMPT_LENS), ref) < BF16_TOL
     assert rel_err(_tf(engine, seqs[3:4], PROMPT_LENS[3:4]), ref[3:4]) < BF16_TOL
     assert calls == [len(PROMPT_LENS), 1]  # the two prefills; every decode step replayed a graph
+    assert len(_debug_get_cache_entry_list(code)) == entries + 1
 
 
 def test_transformers_logits_within_bf16(tiny_qwen3):
@@ -112,7 +118,7 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
     )
     plain = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=0)
     # both run the same compiled function outside graphs (prefill, uncaptured sizes): only the graph differs
-    plain.model.forward = graphs.model.forward = graphs.graph_runner.forward
+    plain.model.forward = graphs.model.forward = graphs.graph_runner.compiled_forward
     graphs.graph_runner.can_run_compiled = lambda batch: False  # no padded prefill: plain has none
     assert graphs.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
     g = torch.Generator().manual_seed(2)

@@ -1,0 +1,172 @@
+"""The model's projections as custom ops that pick their kernels by row count when they run.
+
+A decode step of one request runs the one-row GEMV kernels of `minisgl.kernels.gemv`, with the residual
+add + RMSNorm or the SiLU-and-multiply folded into the GEMV's prologue; more rows run cuBLAS, after one
+Triton kernel for the add + RMSNorm (`add_rms_norm_rows`) or the SiLU-and-multiply
+(`silu_mul_rows`). Before, the choice was made in Python while dynamo traced the forward, so a batch of
+one needed a graph of its own: the forward compiled twice for decode and a third time for prefill.
+Made inside the ops, the choice leaves the traced graph the same for every row count, and the engine
+compiles the forward once (see `minisgl.engine.graph`). A CUDA graph captured at a batch size holds the
+kernels that size took.
+
+    torch.ops.minisgl.linear(x, weight, bias)                           -> y
+    torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps) -> (y, new residual)
+    torch.ops.minisgl.silu_mul_linear(gate_up, weight)                  -> y
+
+`minisgl.layers.basic` calls them where `gemv_fits` (CUDA, half precision, Triton) and the engine's
+settings allow (`use_gemv_kernel`, `use_fused_kernels`, not `batch_invariant`). Numerics of the row
+kernels follow the unfused layers: `add_rms_norm_rows` rounds the new residual and the normalised row to
+the model's dtype where `add_rms_norm` does; `silu_mul_rows` computes in float32 and rounds once, as
+inductor's fused kernel for `F.silu(gate) * up` does. On a CPU the kernels run under Triton's
+interpreter (TRITON_INTERPRET=1), as the CPU tests run them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the layers never call these ops
+    triton = None
+
+
+def _row_warps(width: int) -> int:
+    return 4 if width <= 4096 else 8 if width <= 8192 else 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_rows_kernel(
+        x_ptr,
+        residual_ptr,
+        norm_ptr,
+        out_ptr,
+        residual_out_ptr,
+        x_row_stride,
+        residual_row_stride,
+        eps,
+        K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < K
+        dtype = out_ptr.dtype.element_ty
+        h = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+            h = (h + r.to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(residual_out_ptr + row * K + cols, h.to(dtype), mask=mask)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+        w = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+        tl.store(out_ptr + row * K + cols, y, mask=mask)
+
+    @triton.jit
+    def _silu_mul_rows_kernel(gate_up_ptr, out_ptr, row_stride, K, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < K
+        src = gate_up_ptr + row * row_stride
+        gate = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(src + K + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up
+        tl.store(out_ptr + row * K + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_rows(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` (x + residual, then RMSNorm) of every row of x (T, K), one program per row.
+    Returns (normalised, new residual), both new (T, K) tensors; without a residual the new residual is
+    a copy of x (as `add_rms_norm_gemv` returns one)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    rows, k = x.shape
+    out, residual_out = x.new_empty(rows, k), x.new_empty(rows, k)
+    if rows:
+        _add_rms_norm_rows_kernel[(rows,)](
+            x,
+            residual if residual is not None else x,
+            norm_weight,
+            out,
+            residual_out,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            eps,
+            K=k,
+            BLOCK=triton.next_power_of_2(k),
+            HAS_RESIDUAL=residual is not None,
+            num_warps=_row_warps(k),
+        )
+    return out, residual_out
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of every row of gate_up (T, 2 K) = [gate | up] -> (T, K), in float32, rounded once."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, k = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, k)
+    if rows:
+        block = min(1024, triton.next_power_of_2(k))
+        _silu_mul_rows_kernel[(rows, triton.cdiv(k, block))](gate_up, out, gate_up.stride(0), k, BLOCK=block)
+    return out
+
+
+@torch.library.custom_op("minisgl::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (T, K) @ weight (N, K)^T (+ bias) -> (T, N): the GEMV kernel for one row, cuBLAS for more."""
+    if x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@linear_op.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("minisgl::norm_linear", mutates_args=())
+def norm_linear_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of h = x + residual (x when residual is None), then the projection: (y (T, N), h (T, K)).
+    One row: one kernel (`add_rms_norm_gemv`); more: `add_rms_norm_rows`, then cuBLAS."""
+    if x.shape[0] == 1:
+        return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
+    normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), h
+
+
+@norm_linear_op.register_fake
+def _(x, residual, norm_weight, weight, bias, eps):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("minisgl::silu_mul_linear", mutates_args=())
+def silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up (T, 2 K) = [gate | up], then the projection: (T, N). One row: one
+    kernel (`silu_mul_gemv`); more: `silu_mul_rows`, then cuBLAS."""
+    if gate_up.shape[0] == 1:
+        return silu_mul_gemv(gate_up, weight)
+    return F.linear(silu_mul_rows(gate_up), weight)
+
+
+@silu_mul_linear_op.register_fake
+def _(gate_up, weight):
+    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
