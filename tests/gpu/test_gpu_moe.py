@@ -172,7 +172,7 @@ def test_engine_fused_captures_graphs_and_matches_torch(tiny_qwen3_moe):
     assert isinstance(ref.moe_backend, TorchMoeBackend) and not ref.graph_runner.enabled
     plain = _engine(tiny_qwen3_moe, moe_backend="fused", cuda_graph_max_bs=0)
     # the same compiled forward everywhere (the weights are equal): only the MoE backend and graphs differ
-    ref.model.forward = plain.model.forward = fused.graph_runner.forward
+    ref.model.forward = plain.model.forward = fused.graph_runner.compiled_forward
 
     # graph replay against the same fused code without a graph: the same tokens. (Against the torch
     # backend tokens may part at a near-tie of this random model, bf16 sums in another order: seen at
@@ -208,7 +208,7 @@ def test_engine_qwen3_30b_a3b_shapes_dummy_weights(tmp_path):
     fused = _engine(folder, moe_backend="auto", cuda_graph_bs=(1, 4, 8), cuda_graph_max_bs=8, **common)
     assert isinstance(fused.moe_backend, FusedMoeBackend) and fused.graph_runner.enabled
     ref = _engine(folder, moe_backend="torch", cuda_graph_max_bs=0, **common)
-    ref.model.forward = fused.graph_runner.forward
+    ref.model.forward = fused.graph_runner.compiled_forward
     g = torch.Generator().manual_seed(3)
     lens, steps = [7, 1, 40, 19], 4
     seqs = [torch.randint(3, raw["vocab_size"], (n + steps,), generator=g).tolist() for n in lens]
