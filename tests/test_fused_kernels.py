@@ -307,19 +307,30 @@ FUSED_GEMV_KERNELS = ("add_rms_norm_gemv", "silu_mul_gemv", "add_rms_norm_rows",
 SEQ_LENS = [[9], [6, 11]]  # one request (one-row decode: the fused GEMVs), then a batch
 
 
+# odd shapes: no power of two in the hidden size, the head_dim or the intermediate size, 2 and 3 query
+# heads per KV head (the masks of every kernel)
+ODD_SHAPES = {
+    "qwen3-odd": ("qwen3", dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=3, head_dim=20,
+                                intermediate_size=100)),
+    "llama-odd": ("llama", dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
+                                intermediate_size=136)),
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs the kernels on CPU tensors, under Triton's interpreter (a CPU machine); the GPU tests "
     "run the fused path on the GPU (tests/gpu/test_gpu.py)",
 )
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3_moe", *ODD_SHAPES])
 def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, monkeypatch, arch):
     """Teacher-forced logits of a tiny model with the fused kernels equal the unfused path's (float32)
     and transformers'. One request decodes one row a step (the GEMV kernels and their prologues); its
     prefill, and every step of a batch of two, run the row kernels with plain GEMMs; every forward runs
     the fused RoPE kernel."""
-    folder = make_tiny_model(tmp_path, arch)
+    arch, overrides = ODD_SHAPES.get(arch, (arch, {}))
+    folder = make_tiny_model(tmp_path, arch, **overrides)
     steps = 2
     g = _gen(3)
     for lens in SEQ_LENS:
