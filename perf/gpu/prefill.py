@@ -1,5 +1,5 @@
-"""Prefill on the GPU, eager against torch.compile (the decode graphs' compiled forward, dynamic in the
-token count), on the H200 preset (Qwen3-0.6B dummy weights).
+"""Prefill on the GPU, eager against torch.compile (the engine's compiled forward, one graph for every
+token count, `GraphRunner.compiled_forward`), on the H200 preset (Qwen3-0.6B dummy weights).
 
     python -m perf.gpu.prefill [--config configs/h200-qwen3-0.6b.yaml]
 
@@ -29,8 +29,11 @@ def main() -> None:
     args = parser.parse_args()
     settings = EngineSettings.load(args.config, cuda_graph_bs=[1], cuda_graph_max_bs=1)
     engine = Engine(settings.to_engine_config())
-    compiled = getattr(engine.graph_runner, "forward", None) or torch.compile(
-        engine.model.forward, fullgraph=True, dynamic=True
+    runner = engine.graph_runner
+    compiled = (
+        runner.compiled_forward
+        if runner.enabled
+        else torch.compile(engine.model.forward, fullgraph=True, dynamic=True)
     )
     vocab = engine.config.model_config.vocab_size
     prep = BatchPreparer(engine)
