@@ -355,6 +355,9 @@ def test_compiled_forward_passes_normal_tensors_marked_unbacked(tiny_llama):
         runner.compiled_forward(ids, torch.arange(3), torch.tensor([2]))
         runner.compiled_forward(ids, torch.arange(3))
     assert seen == [(True, [False] * 3, [{0}] * 3, [2]), (True, [False] * 3, [{0}] * 3, [0, 1, 2])]
+    too_many = len(runner.rows) + 1
+    with pytest.raises(ValueError, match=f"{too_many} tokens without last_indices"):
+        runner.compiled_forward(torch.zeros(too_many, dtype=torch.int64), torch.arange(too_many))
     seen.clear()
     runner.warm_up_prefill()
     assert seen == [(True, [False] * 3, [{0}] * 3, [2, 4])]  # requests of 3 and 2 tokens

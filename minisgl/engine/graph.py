@@ -160,6 +160,11 @@ class GraphRunner:
         `last_indices`, planned inside the engine's forward) is copied to a normal tensor first, as the
         graph's static buffers are: dynamo guards on the dispatch keys, which differ between the two."""
         if last_indices is None:
+            if input_ids.shape[0] > self.rows.shape[0]:
+                raise ValueError(
+                    f"{input_ids.shape[0]} tokens without last_indices: every row's logits are given for at "
+                    f"most {self.rows.shape[0]} tokens; pass last_indices"
+                )
             last_indices = self.rows[: input_ids.shape[0]]
         inputs = [_normal_tensor(t) for t in (input_ids, positions, last_indices)]
         for tensor in inputs:
