@@ -36,3 +36,10 @@ def fused_kernels_mode() -> bool:
     store); True otherwise."""
     ctx = current_ctx()
     return ctx is None or ctx.use_fused_kernels
+
+
+def pdl_mode() -> bool:
+    """True while the forward of an engine with ``use_pdl`` runs (read by the Triton kernels of a decode
+    step, see `minisgl.kernels.pdl`); False otherwise, outside a forward too."""
+    ctx = current_ctx()
+    return ctx is not None and ctx.use_pdl

@@ -273,6 +273,8 @@ class Context:
     use_gemv_kernel: bool = True
     # the fused Triton kernels may run (see EngineConfig.use_fused_kernels)
     use_fused_kernels: bool = True
+    # the decode step's Triton kernels launch with programmatic dependent launch (EngineConfig.use_pdl)
+    use_pdl: bool = False
     _batch: Batch | None = field(default=None, init=False)
 
     @property

@@ -57,10 +57,12 @@ def create_attention_backend(
     num_kv_heads: int,
     head_dim: int,
     tensor_core_min_group: int = 1,
+    split_kv_max_bs: int | None = None,
+    triton_decode_max_bs: int = 0,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
-    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`; `tensor_core_min_group` goes to
-    FlashInfer (see `FlashInferAttnBackend`)."""
+    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`; `tensor_core_min_group`,
+    `split_kv_max_bs` and `triton_decode_max_bs` go to `FlashInferAttnBackend`."""
     prefill, decode = resolve_attention_backend(name, device)
     if prefill == "torch":
         return TorchAttnBackend(kv_cache, page_table, device)
@@ -78,4 +80,6 @@ def create_attention_backend(
         prefill,
         decode,
         tensor_core_min_group=tensor_core_min_group,
+        split_kv_max_bs=split_kv_max_bs,
+        triton_decode_max_bs=triton_decode_max_bs,
     )

@@ -7,6 +7,21 @@ one query token per request).
 kernel below that. The two kernels are compared in docs/performance.md (`python -m perf.gpu.attention`);
 the tensor-core kernel is the one the end-to-end benchmark measures, so it is the default.
 
+Under a CUDA graph FlashInfer's tensor-core decode always splits each request's KV into chunks over more
+blocks than the batch needs, then merges the chunks' outputs in a second kernel (its plan cannot know the
+next replay's lengths, so it sizes the grid for the whole GPU). That pays at small batches, where a block
+per request and KV head would leave most of the GPU idle, and not at large ones, whose blocks fill it
+anyway: graphs of batches above `split_kv_max_bs` (the setting `decode_split_kv_max_bs`) are planned with
+`disable_split_kv`, one block per request and KV head and no merge kernel. Whether a graph splits is fixed
+when it is captured (the merge kernel is in it or not); each replay's plan keeps to it. Unset by default
+(every graph splits): measured, not splitting saves about 1 us a layer at short contexts and costs up to
+2.7x at long ones (docs/performance.md, Attention).
+
+At small batches FlashInfer's decode kernels take 10 to 13 us a layer under a graph whatever the
+context; decode batches up to `triton_decode_max_bs` (the setting `decode_triton_max_bs`; a graph's size,
+padding included) attend with minisgl's Triton split-KV kernel instead (`minisgl.kernels.decode_attention`),
+which reads each request's page-table row and length from two small device buffers: no FlashInfer plan.
+
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
 table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
@@ -26,6 +41,7 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.attention.torch_backend import planned
 from minisgl.core import Batch
+from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
@@ -34,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
-    wrapper: Any  # the planned prefill or decode wrapper
+    wrapper: Any  # the planned prefill or decode wrapper; None: the Triton decode kernel
+    rows: torch.Tensor | None = None  # Triton decode: each request's page-table row (device)
+    lens: torch.Tensor | None = None  # and its token count (device, int32)
 
 
 # one build thread per set of module arguments in the process: a second engine waits on the first's
@@ -83,14 +101,30 @@ class FlashInferAttnBackend(BaseAttnBackend):
         decode: str,
         decode_tensor_cores: bool | None = None,
         tensor_core_min_group: int = 1,
+        split_kv_max_bs: int | None = None,
+        triton_decode_max_bs: int = 0,
     ) -> None:
         """`decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
-        `tensor_core_min_group` query heads (an integer >= 1)."""
+        `tensor_core_min_group` query heads (an integer >= 1). `split_kv_max_bs`: the largest captured
+        batch whose tensor-core decode splits the KV (None: every batch, FlashInfer's own behaviour).
+        `triton_decode_max_bs`: the largest decode batch (padded) that runs the Triton kernel (0: none)."""
         if not isinstance(tensor_core_min_group, int) or tensor_core_min_group < 1:
             got = f"tensor_core_min_group={tensor_core_min_group!r}"
             raise ValueError(
                 f"tensor_core_min_group must be an integer >= 1 (1: always tensor cores), got {got}"
             )
+        if split_kv_max_bs is not None and (not isinstance(split_kv_max_bs, int) or split_kv_max_bs < 0):
+            raise ValueError(
+                f"split_kv_max_bs must be None (always split) or an integer >= 0 (0: never split), "
+                f"got split_kv_max_bs={split_kv_max_bs!r}"
+            )
+        self.split_kv_max_bs = split_kv_max_bs
+        if not isinstance(triton_decode_max_bs, int) or triton_decode_max_bs < 0:
+            raise ValueError(
+                f"triton_decode_max_bs must be an integer >= 0 (0: FlashInfer always), "
+                f"got triton_decode_max_bs={triton_decode_max_bs!r}"
+            )
+        self.triton_decode_max_bs = triton_decode_max_bs
         import flashinfer
 
         self.flashinfer = flashinfer
@@ -188,12 +222,17 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        if batch.is_decode and (graph_bs or len(batch.reqs)) <= self.triton_decode_max_bs:
+            self._prepare_triton_decode(batch, graph_bs)
+            return
         if batch.is_decode:
             wrapper = self._graph_wrappers[graph_bs] if graph_bs else self.decode_wrapper
             inputs = self._plan_inputs(batch, pad_to=graph_bs)
             if self.names[1] == "fa":
                 qo_indptr = torch.arange(len(inputs[0]), dtype=torch.int32)
                 self._plan(wrapper, qo_indptr, *inputs, *heads, causal=True)
+            elif graph_bs and not self.graph_splits_kv(graph_bs):
+                self._plan(wrapper, *inputs, *heads, disable_split_kv=True)
             else:
                 self._plan(wrapper, *inputs, *heads)
             batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=wrapper)
@@ -206,7 +245,32 @@ class FlashInferAttnBackend(BaseAttnBackend):
         last_indices = (qo_indptr[1:].long() - 1).to(self.device, non_blocking=True)
         batch.attn_metadata = FlashInferMetadata(last_indices=last_indices, wrapper=self.prefill_wrapper)
 
+    def _prepare_triton_decode(self, batch: Batch, graph_bs: int) -> None:
+        """Rows and lengths for the Triton decode kernel, padded to `graph_bs` with the dummy request
+        (the page table's last row, one token) and written into the graphs' buffers; fresh tensors
+        without a graph."""
+        pad = max(graph_bs - len(batch.reqs), 0)
+        dummy_row = self.page_table.shape[0] - 1
+        rows = torch.tensor([req.table_idx for req in batch.reqs] + [dummy_row] * pad, dtype=torch.int32)
+        lens = torch.tensor([req.device_len for req in batch.reqs] + [1] * pad, dtype=torch.int32)
+        if graph_bs:
+            bs = len(rows)
+            self._graph_buffers["rows"][:bs].copy_(rows, non_blocking=True)
+            self._graph_buffers["lens"][:bs].copy_(lens, non_blocking=True)
+            rows, lens = self._graph_buffers["rows"][:bs], self._graph_buffers["lens"][:bs]
+        else:
+            rows, lens = rows.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
+        batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=None, rows=rows, lens=lens)
+
     # -- CUDA graphs ---------------------------------------------------------------------------------
+
+    def graph_splits_kv(self, bs: int) -> bool:
+        """Whether the decode graph of batch size `bs` splits the KV and merges (see the module's doc):
+        FlashInfer's `fa` and CUDA-core decode always do under a graph; tensor-core decode up to
+        `split_kv_max_bs`."""
+        if self.names[1] == "fa" or not self.decode_tensor_cores or self.split_kv_max_bs is None:
+            return True
+        return bs <= self.split_kv_max_bs
 
     def init_graph_wrappers(self, batch_sizes: list[int], max_pages_per_req: int) -> None:
         """One decode wrapper per captured batch size, over shared fixed buffers."""
@@ -216,14 +280,20 @@ class FlashInferAttnBackend(BaseAttnBackend):
             "indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
             "indices": torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device),
             "last": torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            "rows": torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            "lens": torch.ones(max_bs, dtype=torch.int32, device=self.device),
         }
         self._graph_buffers = buffers
         for bs in batch_sizes:
-            self._graph_wrappers[bs] = self._decode_wrapper(bs)
+            if bs > self.triton_decode_max_bs:  # the smaller graphs run the Triton kernel
+                self._graph_wrappers[bs] = self._decode_wrapper(bs)
 
     # -- the op ------------------------------------------------------------------------------------
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         meta = planned(batch, FlashInferMetadata)
+        if meta.wrapper is None:
+            k, v = self.kv_cache.flat(layer_id)
+            return decode_attention(q, k, v, self.page_table, meta.rows, meta.lens)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return meta.wrapper.run(q, kv)

@@ -174,11 +174,32 @@ class EngineConfig:
         "batches, the residual add and RMSNorm, and SiLU-and-multiply, as prologues of the GEMV kernel "
         "(those also need use_gemv_kernel); false: the unfused layers (ablation).",
     )
+    use_pdl: bool = setting(
+        True,
+        "On CUDA (compute capability 9 and up), launch the decode step's Triton kernels (GEMV, q/k-norm + "
+        "RoPE + KV store, Triton decode attention) with programmatic dependent launch: each starts while "
+        "the one before finishes, the GEMV kernels reading their weights before they wait; false: plain "
+        "launches (ablation).",
+    )
     tensor_core_min_group: int = setting(
         1,
         "Query heads per KV head from which `fi` decode uses FlashInfer's tensor-core kernel, below it the "
         "CUDA-core one.",
         ge=1,
+    )
+    decode_split_kv_max_bs: int | None = setting(
+        None,
+        "The largest CUDA-graph batch whose `fi` tensor-core decode splits each request's KV over several "
+        "blocks and merges them (FlashInfer's split-KV: fills the GPU at small batches); larger graphs run "
+        "one block per request and KV head, with no merge kernel. Unset: every graph splits; 0: none.",
+        ge=0,
+    )
+    decode_triton_max_bs: int = setting(
+        8,
+        "The largest decode batch (a CUDA graph's size) whose attention runs minisgl's Triton split-KV "
+        "kernel instead of FlashInfer's (`fi` and `fa` backends); 0: FlashInfer always. batch_invariant "
+        "implies 0.",
+        ge=0,
     )
 
     tp_broadcast_tokens: bool = setting(

@@ -198,6 +198,9 @@ class Engine:
             num_kv_heads=self.local_heads.num_kv_heads,
             head_dim=model_config.head_dim,
             tensor_core_min_group=cfg.tensor_core_min_group,
+            split_kv_max_bs=cfg.decode_split_kv_max_bs,
+            # its split count follows the batch size, so a request's logits would depend on its batch
+            triton_decode_max_bs=0 if cfg.batch_invariant else cfg.decode_triton_max_bs,
         )
         self.moe_backend = (
             create_moe_backend(cfg.moe_backend, self.device, self.dtype) if model_config.num_experts else None
@@ -206,6 +209,7 @@ class Engine:
             batch_invariant=cfg.batch_invariant,
             use_gemv_kernel=cfg.use_gemv_kernel,
             use_fused_kernels=cfg.use_fused_kernels,
+            use_pdl=cfg.use_pdl,
             page_size=cfg.page_size,
             kv_cache=self.kv_cache,
             page_table=self.page_table,

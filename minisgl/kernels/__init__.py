@@ -1,5 +1,7 @@
 """Triton kernels for the CUDA path: the one-row GEMV (plain, or with an add + RMSNorm or a
 SiLU-and-multiply prologue; `gemv`), the projections as custom ops that pick the GEMV kernels or the row
-kernels and cuBLAS by row count when they run (`linear`), the fused KV store (`kv_store`), and q/k-norm
-+ RoPE + KV store in one kernel (`rope_store`). Without Triton (CPU installs) every caller falls back to
-plain torch ops; the tests run the kernels on CPU tensors under Triton's interpreter."""
+kernels and cuBLAS by row count when they run (`linear`), the fused KV store (`kv_store`), q/k-norm +
+RoPE + KV store in one kernel (`rope_store`), split-KV decode attention for small batches
+(`decode_attention`), and programmatic dependent launch of the decode step's kernels (`pdl`). Without
+Triton (CPU installs) every caller falls back to plain torch ops; the tests run the kernels on CPU
+tensors under Triton's interpreter."""

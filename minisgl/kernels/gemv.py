@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels.pdl import launch_options, pdl_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -80,8 +82,11 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
+        if USE_PDL:  # see minisgl.kernels.pdl: the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         row_start = rows.to(tl.int64) * K
@@ -90,6 +95,14 @@ if triton is not None:
         for k0 in tl.static_range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
+            w = tl.load(
+                w_ptr + row_start[:, None] + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            if USE_PDL:
+                if k0 == 0:  # the first block of weights is in flight: now wait for the input row
+                    tl.extra.cuda.gdc_wait()
             if PROLOGUE == 2:  # SILU_MUL: the row is [gate | up], 2 K wide
                 gate = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 up = tl.load(x_ptr + K + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -105,11 +118,6 @@ if triton is not None:
                         tl.store(residual_out_ptr + cols, h, mask=col_mask)
                     sum_sq += x * x
                     x = x * tl.load(norm_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            w = tl.load(
-                w_ptr + row_start[:, None] + cols[None, :],
-                mask=row_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         if PROLOGUE == 1:
@@ -132,8 +140,10 @@ def gemv_launch(
     norm_weight: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     eps: float = 0.0,
+    pdl: bool = False,
 ) -> None:
-    """Launches the kernel with an explicit configuration (the benchmark sweeps these)."""
+    """Launches the kernel with an explicit configuration (the benchmark sweeps these); `pdl`: with
+    programmatic dependent launch (`minisgl.kernels.pdl`)."""
     n, k = weight.shape
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -152,13 +162,15 @@ def gemv_launch(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
+        **launch_options(pdl),
     )
 
 
 def _launch(x, weight, bias, out, **prologue) -> None:
     k = weight.shape[1]
     block_k = min(1024, triton.next_power_of_2(k))
-    gemv_launch(x, weight, bias, out, _block_n(weight.shape[0]), block_k, 4, **prologue)
+    pdl = pdl_enabled(x)
+    gemv_launch(x, weight, bias, out, _block_n(weight.shape[0]), block_k, 4, pdl=pdl, **prologue)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

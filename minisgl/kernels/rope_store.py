@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels.pdl import launch_options, pdl_enabled
+
 try:
     import triton
     import triton.language as tl
@@ -61,7 +63,11 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        if USE_PDL:  # see minisgl.kernels.pdl: everything read here may come from the kernel before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -153,5 +159,6 @@ def qk_norm_rope_store(
         BLOCK=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
         num_warps=1 if head_dim <= 128 else 2,
+        **launch_options(pdl_enabled(qkv)),
     )
     return q

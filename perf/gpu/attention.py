@@ -1,14 +1,20 @@
 """Decode attention kernels side by side on the GPU: FlashInfer's CUDA-core and tensor-core decode
 (`fi`) and FA3 run as a one-token prefill (`fa`), for Qwen3-0.6B's heads (16 query, 8 KV, dim 128).
 
-    python -m perf.gpu.attention
+    python -m perf.gpu.attention            # eager calls: plan host time and kernel device time
+    python -m perf.gpu.attention --graphs   # CUDA graphs: FlashInfer split-KV or not, Triton
 
-Prints, per batch size and context length, the host time of planning and the device time of one
-layer's attention (calls back to back). A plain script, not a test.
+Without `--graphs`: per batch size and context length, the host time of planning and the device time
+of one layer's attention (calls back to back). With `--graphs`: one layer's decode captured in a CUDA
+graph as the engine captures it (a graph wrapper over fixed buffers, planned before each replay), with
+FlashInfer's split-KV (chunks and a merge kernel) and without (`disable_split_kv`), the CUDA-core
+kernel's graph, and minisgl's Triton split-KV kernel (`minisgl.kernels.decode_attention`) at two block
+sizes; device time per replay. A plain script, not a test.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -19,17 +25,25 @@ from minisgl.core import Batch, Req
 from minisgl.kvcache import MHAKVCachePool
 
 HEADS, KV_HEADS, DIM, PAGE = 16, 8, 128, 256
+MAX_BS, MAX_CTX = 256, 2048
 
 
-def main() -> None:
-    device = torch.device("cuda")
-    max_bs, max_ctx = 256, 1536
-    pages_per_req = max_ctx // PAGE
-    pool = MHAKVCachePool(1, max_bs * pages_per_req + 1, PAGE, KV_HEADS, DIM, torch.bfloat16, device)
+def _pool_and_table(device: torch.device) -> tuple[MHAKVCachePool, torch.Tensor]:
+    pages_per_req = MAX_CTX // PAGE
+    pool = MHAKVCachePool(1, MAX_BS * pages_per_req + 1, PAGE, KV_HEADS, DIM, torch.bfloat16, device)
     pool.k_cache(0).normal_()
     pool.v_cache(0).normal_()
-    table = torch.arange(max_bs * max_ctx, dtype=torch.int32, device=device).view(max_bs, max_ctx)
-    table = torch.cat([table, torch.zeros(1, max_ctx, dtype=torch.int32, device=device)])
+    table = torch.arange(MAX_BS * MAX_CTX, dtype=torch.int32, device=device).view(MAX_BS, MAX_CTX)
+    table = torch.cat([table, torch.zeros(1, MAX_CTX, dtype=torch.int32, device=device)])
+    return pool, table
+
+
+def _batch(bs: int, ctx: int) -> Batch:
+    return Batch(reqs=[Req([0] * ctx, i, ctx - 1, 1, i) for i in range(bs)], phase="decode")
+
+
+def eager(device: torch.device) -> None:
+    pool, table = _pool_and_table(device)
     variants = {
         "fi/cuda-core": dict(decode="fi", decode_tensor_cores=False),
         "fi/tensor-core": dict(decode="fi", decode_tensor_cores=True),
@@ -44,8 +58,7 @@ def main() -> None:
         for ctx in (256, 600, 1500):
             cells = []
             for backend in backends.values():
-                reqs = [Req([0] * ctx, i, ctx - 1, 1, i) for i in range(bs)]
-                batch = Batch(reqs=reqs, phase="decode")
+                batch = _batch(bs, ctx)
                 plans = []
                 for _ in range(20):
                     torch.cuda.synchronize()
@@ -65,6 +78,86 @@ def main() -> None:
                 end.synchronize()
                 cells.append(f"{statistics.median(plans):>13.3f}/{start.elapsed_time(end) / 50:<14.4f}")
             print(f"{bs:>4} {ctx:>5} " + " ".join(cells), flush=True)
+
+
+def graphs(device: torch.device, sizes: list[int], contexts: list[int], replays: int = 200) -> None:
+    """Per (batch, context): microseconds per replay of a graph of one layer's decode, for each variant;
+    the outputs are compared with the first variant's (max abs difference) to show they agree."""
+    from minisgl.kernels.decode_attention import decode_attention
+
+    pool, table = _pool_and_table(device)
+    kv = (pool.k_cache(0), pool.v_cache(0))
+    flat = pool.flat(0)
+    # name: (backend settings, Triton block size or None for the backend's own attend)
+    variants = {
+        "tc split": (dict(decode_tensor_cores=True), None),
+        "tc no-split": (dict(decode_tensor_cores=True, split_kv_max_bs=0), None),
+        "cuda-core": (dict(decode_tensor_cores=False), None),
+        "triton n64": (dict(triton_decode_max_bs=MAX_BS), 64),
+        "triton n32": (dict(triton_decode_max_bs=MAX_BS), 32),
+    }
+    backends = {}
+    for name, (kw, _) in variants.items():
+        backend = FlashInferAttnBackend(
+            pool, table, device, HEADS, KV_HEADS, DIM, prefill="fi", decode="fi", **kw
+        )
+        backend.init_graph_wrappers(sizes, MAX_CTX // PAGE)
+        backends[name] = backend
+    print(f"{'bs':>4} {'ctx':>5} " + " ".join(f"{n + ' us':>14}" for n in variants) + f" {'max |diff|':>11}")
+    for bs in sizes:
+        q = torch.randn(bs, HEADS, DIM, dtype=torch.bfloat16, device=device)
+        captured = {}
+        for name, backend in backends.items():
+            batch = _batch(bs, 1)
+            backend.prepare_metadata(batch, graph_bs=bs)  # capture on one-token requests
+            meta, block_n = batch.attn_metadata, variants[name][1]
+
+            def run(meta=meta, block_n=block_n, q=q):
+                if block_n is None:
+                    return meta.wrapper.run(q, kv)
+                return decode_attention(q, *flat, table, meta.rows, meta.lens, block_n=block_n)
+
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out = run()
+            captured[name] = (graph, out)
+        for ctx in contexts:
+            cells, outs = [], []
+            for name, backend in backends.items():
+                graph, out = captured[name]
+                backend.prepare_metadata(_batch(bs, ctx), graph_bs=bs)
+                for _ in range(3):
+                    graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                cells.append(f"{start.elapsed_time(end) / replays * 1e3:>14.2f}")
+                outs.append(out.float().clone())
+            diff = max((o - outs[0]).abs().max().item() for o in outs[1:])
+            print(f"{bs:>4} {ctx:>5} " + " ".join(cells) + f" {diff:>11.2e}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs: split-KV against not")
+    parser.add_argument("--sizes", default="1,2,4,8,16,24,32,48,64,96,128,192,256")
+    parser.add_argument("--contexts", default="160,640,1152,2048")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    if args.graphs:
+        graphs(device, [int(s) for s in args.sizes.split(",")], [int(c) for c in args.contexts.split(",")])
+    else:
+        eager(device)
 
 
 if __name__ == "__main__":

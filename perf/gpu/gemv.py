@@ -117,6 +117,39 @@ def main() -> None:
     t_gemv = graph_us(chain(G.gemv))
     print(f"\nstep GEMMs (112 + LM head): cuBLAS {t_ref:.1f} us, gemv {t_gemv:.1f} us")
 
+    # the same GEMVs, each reading the one before's output (no copies between), with and without
+    # programmatic dependent launch (minisgl.kernels.pdl)
+    outs = {name: torch.empty(1, n, dtype=dt, device=dev) for name, n, _ in [*SHAPES, LM_HEAD]}
+
+    def dependent_chain(pdl: bool):
+        def launch(x, name, i):
+            w = weights[name][i]
+            G.gemv_launch(
+                x,
+                w,
+                None,
+                outs[name],
+                G._block_n(w.shape[0]),
+                min(1024, triton_next_pow2(w.shape[1])),
+                4,
+                pdl=pdl,
+            )
+            return outs[name]
+
+        def run():
+            h = x1
+            for i in range(LAYERS):
+                qkv = launch(h, "qkv", i)
+                a = launch(qkv[:, :2048], "o", i)
+                g = launch(a, "gate_up", i)
+                h = launch(g[:, :3072], "down", i)
+            return launch(h, "lm_head", 0)
+
+        return run
+
+    plain, pdl = graph_us(dependent_chain(False)), graph_us(dependent_chain(True))
+    print(f"dependent GEMV chain (112 + LM head): plain launches {plain:.1f} us, PDL {pdl:.1f} us")
+
 
 def triton_next_pow2(k: int) -> int:
     return 1 << (k - 1).bit_length()

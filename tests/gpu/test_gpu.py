@@ -49,13 +49,16 @@ def _seqs(vocab: int, lens=PROMPT_LENS):
     return [torch.randint(3, vocab, (n + STEPS,), generator=g).tolist() for n in lens]
 
 
-# "fi/cc": `fi` with FlashInfer's CUDA-core decode kernel instead of the tensor-core one
-@pytest.mark.parametrize("backend", ["fi", "fi/cc", "fa,fi", "fa"])
+# "fi/cc": `fi` with FlashInfer's CUDA-core decode kernel instead of the tensor-core one; "+triton": the
+# Triton decode kernel for these decode batches (of 5), FlashInfer for prefill
+@pytest.mark.parametrize("backend", ["fi", "fi/cc", "fa,fi", "fa", "fa,fi+triton"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
 def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
-    extra = {}
+    extra = {"decode_triton_max_bs": 0}  # FlashInfer's decode kernels, which small batches skip by default
     if backend == "fi/cc":
-        backend, extra = "fi", {"tensor_core_min_group": 1000}
+        backend, extra["tensor_core_min_group"] = "fi", 1000
+    if backend.endswith("+triton"):
+        backend, extra["decode_triton_max_bs"] = backend.removesuffix("+triton"), 8
     seqs = _seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
     got = _tf(
@@ -86,6 +89,54 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
     assert rel_err(_tf(engine, seqs[3:4], PROMPT_LENS[3:4]), ref[3:4]) < BF16_TOL
     assert calls == [len(PROMPT_LENS), 1]  # the two prefills; every decode step replayed a graph
     assert len(_debug_get_cache_entry_list(code)) == 1
+
+
+def test_decode_graphs_without_split_kv_match_torch_backend(tiny_qwen3):
+    """`decode_split_kv_max_bs=2`: the graphs of 1 and 2 rows split the KV and merge, those of 4 and 8
+    run one block per request and KV head; each replays batches of its size against the torch backend."""
+    seqs = _seqs(512)
+    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
+    engine = _engine(
+        tiny_qwen3,
+        attention_backend="fi",
+        page_size=16,
+        cuda_graph_bs=(1, 2, 4, 8),
+        decode_split_kv_max_bs=2,
+        decode_triton_max_bs=0,  # FlashInfer's kernels at every size
+    )
+    backend = engine.attn_backend
+    assert [backend.graph_splits_kv(bs) for bs in (1, 2, 4, 8)] == [True, True, False, False]
+    calls = []
+    run = engine.graph_runner.run_compiled
+    engine.graph_runner.run_compiled = lambda batch: calls.append(len(batch.reqs)) or run(batch)
+    for rows in (slice(3, 4), slice(0, 2), slice(0, 3), slice(0, 5)):  # graphs 1, 2, 4, 8
+        got = _tf(engine, seqs[rows], PROMPT_LENS[rows])
+        assert rel_err(got, ref[rows]) < BF16_TOL, rows
+    assert calls == [1, 2, 3, 5]  # the prefills only: every decode step replayed a graph
+
+
+@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_triton_decode_matches_torch_backend(tiny_qwen3, backend, graphs):
+    """`decode_triton_max_bs=4`: decode batches of up to 4 (graphs 1, 2 and 4, or eager batches of 1 to 3)
+    attend with the Triton split-KV kernel, larger ones with FlashInfer's; each against the torch backend."""
+    seqs = _seqs(512)
+    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
+    graph_kw = dict(cuda_graph_bs=(1, 2, 4, 8)) if graphs else dict(cuda_graph_max_bs=0)
+    engine = _engine(tiny_qwen3, attention_backend=backend, page_size=16, decode_triton_max_bs=4, **graph_kw)
+    attn = engine.attn_backend
+    assert attn.triton_decode_max_bs == 4 and sorted(attn._graph_wrappers) == ([8] if graphs else [])
+    seen = []
+    real = attn.attend
+    attn.attend = lambda q, layer_id, batch: (
+        seen.append(batch.attn_metadata.wrapper is None) or real(q, layer_id, batch)
+    )
+    for rows in (slice(3, 4), slice(0, 2), slice(0, 3), slice(0, 5)):
+        seen.clear()
+        got = _tf(engine, seqs[rows], PROMPT_LENS[rows])
+        assert rel_err(got, ref[rows]) < BF16_TOL, rows
+        if not graphs:  # eager: every layer's call is seen (graph replays call nothing)
+            assert (True in seen) == (rows.stop - rows.start <= 4), rows
 
 
 def test_transformers_logits_within_bf16(tiny_qwen3):

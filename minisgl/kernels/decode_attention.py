@@ -1,0 +1,231 @@
+"""Decode attention for small batches in Triton: split-KV ("flash decoding") over the token-level page
+table, then a merge of the splits.
+
+At a small batch FlashInfer's decode kernels under a CUDA graph take 10 to 13 us a layer whatever the
+context (their grid is sized for the whole GPU, and the tensor-core kernel adds a merge kernel;
+`python -m perf.gpu.attention --graphs`), far above the few microseconds the KV reads need. Here:
+
+- `_split_kernel`: one program per (request, KV head, split). Split s of a request of n tokens covers
+  tokens [s * chunk, (s + 1) * chunk), chunk = ceil(n / splits) rounded up to the block; a program past
+  the end writes an empty part. Each block of `BLOCK_N` tokens gathers their locations from the page
+  table row (`table[row, t]`, as the engine's page table maps positions to KV locations), loads K and V
+  of its KV head and runs the online softmax for all query heads of the group at once (`tl.dot`, the
+  group padded to 16 rows). It writes the part's normalised output and its log-sum-exp, or, with one
+  split, the output itself.
+- `_merge_kernel`: one program per (request, query head) weighs the parts by their log-sum-exp.
+
+The number of splits depends only on the batch size and the head counts (about two programs per SM), so
+a CUDA graph captured at one batch size replays the same grid. Each request's row of the page table and
+its length are read on the device: nothing is planned on the host. `decode_attention` is called by the
+FlashInfer backend (see its module) for decode batches up to the `decode_triton_max_bs` setting; the
+tests run it on CPU tensors under Triton's interpreter against a torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from minisgl.kernels.pdl import launch_options, pdl_enabled
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the backends that call this need CUDA anyway
+    triton = None
+
+BLOCK_N = 64
+# Triton's interpreter (CPU tests) computes `tl.dot` of bfloat16 operands wrongly: there the operands go
+# to float32 first; compiled for a GPU they stay in their dtype (tensor cores)
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per (request, KV head): about two programs per SM, a power of two from 1 to 64."""
+    want = max(1, (2 * num_sms) // max(1, batch_size * num_kv_heads))
+    return min(64, 1 << (want.bit_length() - 1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        rows_ptr,
+        lens_ptr,
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        sm_scale,
+        stride_qt,
+        stride_qh,
+        stride_kvt,
+        stride_kvh,
+        stride_table,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(lens_ptr + b)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+        start = s * chunk
+        end = tl.minimum(start + chunk, n)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = h * GROUP + g
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            q = q.to(tl.float32)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < end
+            loc = tl.load(table_ptr + row * stride_table + t, mask=tmask, other=0).to(tl.int64)
+            offs = loc[:, None] * stride_kvt + h * stride_kvh + d[None, :]
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + offs, mask=kvmask, other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+            scores = tl.where(tmask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + offs, mask=kvmask, other=0.0)
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        safe = tl.where(denom > 0, denom, 1.0)
+        out = acc / safe[:, None]
+        if SPLITS == 1:
+            tl.store(
+                out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=gmask[:, None] & dmask[None, :],
+            )
+        else:
+            part = (b * NUM_HEADS + heads) * SPLITS + s
+            tl.store(part_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=gmask[:, None])
+            lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
+            tl.store(lse_ptr + part, lse, mask=gmask)
+
+    @triton.jit
+    def _merge_kernel(
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SPLITS: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        b = tl.program_id(0)
+        hq = tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        base = (b * NUM_HEADS + hq) * SPLITS
+        lse = tl.load(lse_ptr + base + s)
+        w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds tokens: the max is finite
+        part = tl.load(part_ptr + (base + s)[:, None] * BLOCK_D + d[None, :])
+        out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+        tl.store(
+            out_ptr + b * stride_ot + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
+        )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    sm_scale: float | None = None,
+    splits: int | None = None,
+    block_n: int = BLOCK_N,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per request over its first `lens[i]` tokens.
+
+    q: (B, H, D); k, v: (locations, KVH, D), H a multiple of KVH, each head's D dense; table: (rows,
+    positions) int32 KV locations (the engine's page table); rows, lens: (B,) integer tensors (each
+    request's table row, and its token count, at least 1). Returns (B, H, D) in q's dtype. `splits`
+    (a power of two) overrides `num_splits`; `pdl`: programmatic dependent launch
+    (`minisgl.kernels.pdl`; None: `pdl_enabled`)."""
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_heads % num_kv_heads or q.stride(2) != 1 or k.stride(2) != 1 or k.stride() != v.stride():
+        raise ValueError(
+            f"decode_attention needs query heads a multiple of KV heads and dense head dims; got q "
+            f"{tuple(q.shape)} (strides {q.stride()}), k {tuple(k.shape)} (strides {k.stride()}), "
+            f"v strides {v.stride()}"
+        )
+    if splits is None:
+        splits = num_splits(bs, num_kv_heads, _sm_count(q.device))
+    group = num_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(q)
+    if splits > 1:
+        part = torch.empty(bs * num_heads * splits, block_d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bs * num_heads * splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # not written
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    options = launch_options(pdl_enabled(q) if pdl is None else pdl)
+    _split_kernel[(bs, num_kv_heads, splits)](
+        q, k, v, table, rows, lens, part, lse, out, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits, DOT_F32=_DOT_F32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **options,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(bs, num_heads)](
+            part, lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, **options,
+        )  # fmt: skip
+    return out

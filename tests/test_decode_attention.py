@@ -1,0 +1,117 @@
+"""The Triton split-KV decode attention kernel (`minisgl.kernels.decode_attention`) against a torch
+reference in float32: requests of different lengths scattered over a token-level page table, every
+split count the kernel may pick (one split writes the output directly; several are merged), head groups
+of 1 to 8 (Qwen3-30B-A3B's is 8), head dims that are and are not powers of two, splits that run past a
+request's end.
+
+On a CUDA machine the kernel runs compiled on the GPU (also inside a captured CUDA graph, replayed with
+new lengths); without one it runs on CPU tensors under Triton's interpreter (conftest sets
+TRITON_INTERPRET=1), so CI checks it too."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minisgl.kernels import decode_attention as DA
+
+pytestmark = pytest.mark.skipif(DA.triton is None, reason="needs triton (its interpreter on a CPU)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _case(lens, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """q, the flat K and V caches, a page table whose rows hold each request's scattered locations (one
+    spare row), and the rows and lengths of the requests (taking table rows in reverse order)."""
+    g = torch.Generator().manual_seed(seed)
+    bs, width = len(lens), max(lens) + 5
+    locations = (bs + 1) * width + 7
+    k = torch.randn(locations, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(locations, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(bs, num_heads, head_dim, generator=g).to(dtype)
+    table = torch.randperm(locations, generator=g)[: (bs + 1) * width].view(bs + 1, width).to(torch.int32)
+    rows = torch.arange(bs, 0, -1)  # requests use rows bs..1
+    return [t.to(DEVICE) for t in (q, k, v, table, rows, torch.tensor(lens, dtype=torch.int32))]
+
+
+def _reference(q, k, v, table, rows, lens):
+    out = []
+    group = q.shape[1] // k.shape[1]
+    for i in range(q.shape[0]):
+        loc = table[rows[i], : lens[i]].long()
+        ki = k[loc].float().repeat_interleave(group, dim=1)  # (n, H, D)
+        vi = v[loc].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), ki) / math.sqrt(q.shape[2])
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vi))
+    return torch.stack(out)
+
+
+def _check(lens, num_heads, num_kv_heads, head_dim, dtype, splits, seed=0, block_n=DA.BLOCK_N):
+    case = _case(lens, num_heads, num_kv_heads, head_dim, dtype, seed)
+    got = DA.decode_attention(*case, splits=splits, block_n=block_n)
+    want = _reference(*case)
+    assert got.shape == want.shape and got.dtype == dtype
+    err = (got.float() - want).abs().max().item()
+    assert err < TOL[dtype], (lens, splits, err)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_matches_reference(splits, group):
+    # 1 token; one block; a block and one; several blocks; splits past the end of the short ones
+    lens = [1, 64, 65, 300]
+    _check(lens, 2 * group, 2, 32, torch.float32, splits=splits)
+
+
+def test_head_dim_not_a_power_of_two_and_bf16():
+    _check([3, 130], num_heads=4, num_kv_heads=2, head_dim=20, dtype=torch.float32, splits=4)
+    _check([5, 200], num_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.bfloat16, splits=2)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+    splits=st.sampled_from([1, 2, 4, 16]),
+    block_n=st.sampled_from([16, 32]),
+    seed=st.integers(0, 1000),
+)
+def test_any_lengths_and_splits(lens, splits, block_n, seed):
+    _check(lens, 4, 2, 16, torch.float32, splits=splits, seed=seed, block_n=block_n)
+
+
+def test_num_splits_fills_the_gpu_with_powers_of_two():
+    assert DA.num_splits(1, 8, 132) == 32  # 264 programs wanted: 8 heads x 32 splits
+    assert DA.num_splits(4, 8, 132) == 8
+    assert DA.num_splits(16, 8, 132) == 2
+    assert DA.num_splits(64, 8, 132) == 1
+    assert DA.num_splits(1, 1, 1000) == 64  # at most 64
+    assert all(s & (s - 1) == 0 for s in (DA.num_splits(b, h, 132) for b in range(1, 300) for h in (1, 2, 8)))
+
+
+def test_rejects_heads_that_do_not_group():
+    q, k, v, table, rows, lens = _case([4], 3, 2, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"multiple of KV heads.*\(1, 3, 16\)"):
+        DA.decode_attention(q, k, v, table, rows, lens, splits=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_graph_replays_new_lengths():
+    """Captured once on one-token requests, replayed after new rows and lengths are written into the
+    same buffers: each replay equals the reference (the engine's decode graphs do this every step)."""
+    q, k, v, table, rows, lens = _case([200, 40, 7], 16, 8, 128, torch.bfloat16, 3)
+    n = torch.ones_like(lens)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        DA.decode_attention(q, k, v, table, rows, n)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = DA.decode_attention(q, k, v, table, rows, n)
+    for new in ([200, 40, 7], [1, 180, 33]):
+        n.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        err = (out.float() - _reference(q, k, v, table, rows, n.cpu())).abs().max().item()
+        assert err < TOL[torch.bfloat16], (new, err)
