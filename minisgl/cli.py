@@ -99,6 +99,27 @@ def _common(command: Callable) -> Callable:
     return _settings_options(command)
 
 
+SAMPLING_OPTIONS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+)
+
+
+def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """The sampling options of `generate` and `chat` as SamplingParams (a usage error if invalid)."""
+    try:
+        return SamplingParams(**{name: kwargs[name] for name in SAMPLING_OPTIONS})
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from e
+
+
 def _make_llm(kwargs: dict[str, Any]):
     from minisgl.launch import launched_rank, worker_main
     from minisgl.llm import LLM, resolve_model
@@ -156,20 +177,7 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise click.UsageError('give a prompt: minisgl-run generate "The capital of France is"')
-    try:
-        params = SamplingParams(
-            temperature=kwargs["temperature"],
-            top_k=kwargs["top_k"],
-            top_p=kwargs["top_p"],
-            min_p=kwargs["min_p"],
-            seed=kwargs["seed"],
-            max_tokens=kwargs["max_tokens"],
-            stop=kwargs["stop"],
-            ignore_eos=kwargs["ignore_eos"],
-            min_tokens=kwargs["min_tokens"],
-        )
-    except (TypeError, ValueError) as e:
-        raise click.BadParameter(str(e)) from e
+    params = _sampling_params(kwargs)
     from minisgl.llm import RequestError
 
     llm = _make_llm(kwargs)
@@ -331,6 +339,14 @@ def config(**kwargs: Any) -> None:
 # -- bench-serving and chat ----------------------------------------------------------------------
 
 
+def _option(flag: str, kind: Any, default: Any, help: str) -> Any:
+    """A bench-serving option of type `kind`; its default shown unless it is None (unset)."""
+    return click.option(flag, type=kind, default=default, show_default=default is not None, help=help)
+
+
+POSITIVE = click.FloatRange(min=0, min_open=True)
+
+
 @main.command("bench-serving")
 @click.option(
     "--base-url",
@@ -354,28 +370,54 @@ def config(**kwargs: Any) -> None:
     help="Wrap prompt token ids into [0, N) for models with a vocabulary of 10,000 or less.",
 )
 @click.option("--temperature", type=float, default=0.6, show_default=True, help="Sampling temperature.")
-@click.option(
+@_option(
     "--request-rate",
-    type=click.FloatRange(min=0, min_open=True),
-    default=float("inf"),
-    show_default=True,
-    help="Requests per second, Poisson arrivals; inf sends them all at once.",
+    POSITIVE,
+    float("inf"),
+    "Requests per second, Poisson arrivals; inf sends them all at once.",
 )
-@click.option(
-    "--max-concurrency",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Most requests in flight at once [default: unlimited].",
+@_option(
+    "--max-concurrency", click.IntRange(min=1), None, "Most requests in flight at once [default: unlimited]."
 )
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seed of the workload and of the arrival times."
 )
+@_option("--timeout", POSITIVE, 3600.0, "Stop after this many seconds; unfinished requests count as failed.")
+@_option(
+    "--endpoint",
+    click.Choice(["completions", "chat"]),
+    "completions",
+    "POST /completions, or /chat/completions (one user message per prompt; needs --tokenizer).",
+)
+@_option(
+    "--prompt-format",
+    click.Choice(["ids", "text"]),
+    "ids",
+    "Completions: send the prompts as token ids, or decoded to text (needs --tokenizer).",
+)
 @click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=3600.0,
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="A tokenizer folder (transformers) that decodes the prompts to text, once, for chat and text.",
+)
+@click.option(
+    "--stream/--no-stream", default=True, show_default=True, help="Streamed requests (TTFT, ITL) or not."
+)
+@click.option(
+    "--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Choices per request."
+)
+@click.option(
+    "--return-token-ids/--no-return-token-ids",
+    default=True,
     show_default=True,
-    help="Stop after this many seconds; unfinished requests count as failed.",
+    help="Ask for the token ids of each chunk (minisgl's return_token_ids; other servers may refuse it).",
+)
+@_option(
+    "--client-processes",
+    click.IntRange(min=1),
+    None,
+    "Client processes the requests are spread over [default: a quarter of the CPUs, 1 to 8].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench_serving_command(
@@ -393,19 +435,30 @@ def bench_serving_command(
     max_concurrency,
     seed,
     timeout,
+    endpoint,
+    prompt_format,
+    tokenizer,
+    stream,
+    n,
+    return_token_ids,
+    client_processes,
     as_json,
 ) -> None:
     """Benchmark a running OpenAI-compatible server (`minisgl-run serve`): the offline `bench` workload
-    sent as streamed /v1/completions requests; reports throughput, TTFT, ITL, TPOT and E2E latency."""
-    import openai
+    sent as streamed /v1/completions (or chat) requests; reports throughput, TTFT, ITL, TPOT and E2E."""
+    from minisgl.server.bench_serving import bench_serving, dumps, format_report, with_texts, workload
 
-    from minisgl.server.bench_serving import bench_serving, dumps, format_report, workload
+    if (endpoint == "chat" or prompt_format == "text") and tokenizer is None:
+        what = "--endpoint chat" if endpoint == "chat" else "--prompt-format text"
+        raise click.BadParameter(f"{what} needs --tokenizer PATH (to decode the prompts to text)")
 
     for low, high, names in ((min_input, max_input, "input"), (min_output, max_output, "output")):
         if low is not None and high is not None and low > high:
             raise click.BadParameter(f"--min-{names} must not exceed --max-{names}")
     try:
         requests = workload(num_prompts, min_input, max_input, min_output, max_output, seed, vocab_size)
+        if tokenizer is not None and (endpoint == "chat" or prompt_format == "text"):
+            requests = with_texts(requests, tokenizer)
         report = bench_serving(
             requests,
             base_url=base_url,
@@ -416,11 +469,17 @@ def bench_serving_command(
             max_concurrency=max_concurrency,
             seed=seed,
             timeout=timeout,
+            endpoint=endpoint,
+            prompt_format=prompt_format,
+            stream=stream,
+            n=n,
+            return_token_ids=return_token_ids,
+            client_processes=client_processes,
             progress=not as_json and sys.stderr.isatty(),
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from e
-    except (openai.APIError, RuntimeError, TimeoutError) as e:
+    except (RuntimeError, TimeoutError, OSError) as e:
         raise click.ClickException(f"cannot benchmark {base_url}: {type(e).__name__}: {e}") from e
     click.echo(dumps(report) if as_json else format_report(report))
 
@@ -434,20 +493,7 @@ def chat_command(system: str | None, **kwargs: Any) -> None:
     conversation; /exit, /quit or end of input (Ctrl-D) ends; Ctrl-C stops a reply."""
     from minisgl.chat import ChatSession, NoChatTemplate, run_chat
 
-    try:
-        params = SamplingParams(
-            temperature=kwargs["temperature"],
-            top_k=kwargs["top_k"],
-            top_p=kwargs["top_p"],
-            min_p=kwargs["min_p"],
-            seed=kwargs["seed"],
-            max_tokens=kwargs["max_tokens"],
-            stop=kwargs["stop"],
-            ignore_eos=kwargs["ignore_eos"],
-            min_tokens=kwargs["min_tokens"],
-        )
-    except (TypeError, ValueError) as e:
-        raise click.BadParameter(str(e)) from e
+    params = _sampling_params(kwargs)
     llm = _make_llm(kwargs)
     try:
         run_chat(ChatSession(llm, params, system=system))

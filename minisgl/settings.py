@@ -108,6 +108,17 @@ class ServerConfig:
     max_request_bytes: int = setting(
         8 << 20, "Largest request body the server reads, in bytes (413 past it).", ge=1024
     )
+    tokenizer_workers: int | None = setting(
+        None,
+        "Processes that tokenize prompts in parallel (chat template and tokenizer); 1 = one thread of "
+        "the front end; unset = a quarter of the CPUs, 1 to 4.",
+        ge=1,
+    )
+    request_trace: str | None = setting(
+        None,
+        "JSON-lines file the server appends one line to per finished request: its stage times "
+        "(docs/server.md#request-traces); unset = none.",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

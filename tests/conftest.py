@@ -208,3 +208,13 @@ def one_decode_step(engine, prompts: list[list[int]], next_token: int = 5) -> tu
     logits = engine.forward_logits(batch)
     prep.release(reqs)
     return logits, replayed
+
+
+@pytest.fixture(scope="module")
+def shared_llm():
+    """One CPU LLM (float32, a small KV budget) for a test module's CLI runs."""
+    import minisgl.llm
+
+    llm = minisgl.llm.LLM(device="cpu", dtype="float32", cpu_kv_budget_gib=0.25)
+    yield llm
+    llm.shutdown()

@@ -37,13 +37,6 @@ class _SharedLLM:
         self.shutdowns += 1
 
 
-@pytest.fixture(scope="module")
-def shared_llm():
-    llm = minisgl.llm.LLM(device="cpu", dtype="float32", cpu_kv_budget_gib=0.25)
-    yield llm
-    llm.shutdown()
-
-
 @pytest.fixture
 def chat_cli(shared_llm, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Runs `chat` on the shared LLM; returns a record of the LLM proxies and ChatSessions made."""

@@ -107,13 +107,6 @@ class _SharedLLM:
         self._events.append(("shutdown", ""))
 
 
-@pytest.fixture(scope="module")
-def shared_llm():
-    llm = minisgl.llm.LLM(device="cpu", dtype="float32", cpu_kv_budget_gib=0.25)
-    yield llm
-    llm.shutdown()
-
-
 @pytest.fixture
 def cli_llm(shared_llm, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Replaces `minisgl.llm.LLM` (which the CLI imports when it needs a model) by the shared LLM.

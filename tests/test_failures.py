@@ -40,16 +40,8 @@ def tiny_text_llm(tmp_path_factory):
 
 
 def _engine(folder) -> Engine:
-    return Engine(
-        EngineConfig(
-            model_path=str(folder),
-            dtype=torch.float32,
-            device="cpu",
-            page_size=4,
-            max_running_req=6,
-            num_page_override=80,
-        )
-    )
+    config = dict(dtype=torch.float32, device="cpu", page_size=4, max_running_req=6, num_page_override=80)
+    return Engine(EngineConfig(model_path=str(folder), **config))
 
 
 def _alone(engine: Engine, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:

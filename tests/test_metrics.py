@@ -33,6 +33,13 @@ TIME_HISTOGRAMS = {
     "minisgl_inter_token_latency_seconds",
     "minisgl_e2e_request_latency_seconds",
 }
+# a request's stages in the scheduler, named and bucketed as vLLM's
+STAGE_HISTOGRAMS = {
+    "minisgl_request_queue_time_seconds",
+    "minisgl_request_prefill_time_seconds",
+    "minisgl_request_decode_time_seconds",
+    "minisgl_request_inference_time_seconds",
+}
 
 
 def free_port() -> int:
@@ -113,6 +120,8 @@ WATCHED = [
     ("minisgl_requests_running", {}),
     ("minisgl_requests_waiting", {}),
     ("minisgl_kv_cache_usage_ratio", {}),
+    ("minisgl_e2e_request_latency_seconds_sum", {}),
+    *((f"{name}_{part}", {}) for name in sorted(STAGE_HISTOGRAMS) for part in ("count", "sum")),
 ]
 
 
@@ -161,12 +170,26 @@ def test_registry_counts_a_generation_exactly(generation) -> None:
         key("minisgl_time_to_first_token_seconds_count"): n,
         key("minisgl_inter_token_latency_seconds_count"): generated - n,
         key("minisgl_e2e_request_latency_seconds_count"): n,
+        **{key(f"{name}_count"): n for name in STAGE_HISTOGRAMS},  # once per request served
         # the prompts fit one prefill chunk and run as one batch: 1 prefill step, MAX_TOKENS - 1 decode steps
         key("minisgl_forward_steps_total", phase="prefill", mode="eager"): 1,
         key("minisgl_forward_steps_total", phase="decode", mode="eager"): MAX_TOKENS - 1,
     }
     delta = {k: after[k] - before[k] for k in expected_delta}
     assert delta == expected_delta
+    # the stages add up: queue + inference = E2E, prefill + decode = inference (sums over the requests)
+    grown = {name: after[key(f"{name}_sum")] - before[key(f"{name}_sum")] for name in STAGE_HISTOGRAMS}
+    e2e = (
+        after[key("minisgl_e2e_request_latency_seconds_sum")]
+        - before[key("minisgl_e2e_request_latency_seconds_sum")]
+    )
+    queue, prefill, decode, inference = (
+        grown[f"minisgl_request_{stage}_time_seconds"]
+        for stage in ("queue", "prefill", "decode", "inference")
+    )
+    assert prefill > 0 and decode > 0
+    assert queue + inference == pytest.approx(e2e, abs=1e-6)
+    assert prefill + decode == pytest.approx(inference, abs=1e-6)
     # nothing left running, waiting or holding KV pages
     assert after[key("minisgl_requests_running")] == 0
     assert after[key("minisgl_requests_waiting")] == 0
@@ -179,6 +202,7 @@ def test_metric_names_and_labels(llm, generation) -> None:
     families = list(metrics.REGISTRY.collect())
     assert families
     latency_bounds = [str(float(b)) for b in metrics._LATENCY_BUCKETS] + ["+Inf"]
+    request_bounds = [str(float(b)) for b in metrics._REQUEST_BUCKETS] + ["+Inf"]
     seen_histograms = set()
     for family in families:
         assert family.name.startswith("minisgl_"), family.name
@@ -193,9 +217,12 @@ def test_metric_names_and_labels(llm, generation) -> None:
         if family.type == "histogram":
             seen_histograms.add(family.name)
             bounds = list(dict.fromkeys(s.labels["le"] for s in family.samples if s.name.endswith("_bucket")))
-            # a histogram of times has the latency buckets and is in seconds, and only such a one
-            assert (bounds == latency_bounds) == family.name.endswith("_seconds"), (family.name, bounds)
-    assert TIME_HISTOGRAMS <= seen_histograms
+            # a histogram of times is in seconds, with the latency buckets or, for a request's stages,
+            # vLLM's request buckets; no other histogram has either
+            timed = bounds in (latency_bounds, request_bounds)
+            assert timed == family.name.endswith("_seconds"), (family.name, bounds)
+            assert (bounds == request_bounds) == (family.name in STAGE_HISTOGRAMS), (family.name, bounds)
+    assert TIME_HISTOGRAMS | STAGE_HISTOGRAMS <= seen_histograms
     # the text exposition shows the counters with their _total suffix
     from prometheus_client import generate_latest
 

@@ -220,19 +220,12 @@ def small_pair_engines(tiny_llama):
 def test_lockstep_ranks_preempt_alike(big, small_pair_engines, overlap):
     """Rank 0 and a follower over tiny pools: both preempt the same requests at the same steps (the
     follower checks rank 0's plan, pages in use included, every step) and end with the same tokens."""
-    from test_lockstep import Pair
+    from test_lockstep import Pair, _follower_states
 
     specs = _specs(11, n=8, max_len=80)
     reference = _run(Scheduler(big, eos_token_ids=[EOS], overlap=False), specs, "seeded")
     pair = Pair(small_pair_engines, overlap=overlap, max_prefill_tokens=8)
-    seen = {}
-    original = pair.follow.follow_add
-
-    def add(uid, prompt, params):
-        original(uid, prompt, params)
-        seen[uid] = pair.follow._by_uid[uid]
-
-    pair.follow.follow_add = add
+    seen = _follower_states(pair)
     try:
         for i, (prompt, n) in enumerate(specs):
             pair.add(prompt, _params("seeded", n, i))

@@ -685,17 +685,14 @@ def test_llm_tp2_radix_equals_tp1_naive(tmp_path):
     ]
     results = {}
     for tp, cache_type in ((1, "naive"), (2, "radix")):
+        small = dict(device="cpu", dtype="float32", page_size=4, max_running_req=4, max_prefill_tokens=16)
         llm = LLM(
             str(folder),
             tp=tp,
-            device="cpu",
-            dtype="float32",
-            page_size=4,
-            max_running_req=4,
-            max_prefill_tokens=16,
             cache_type=cache_type,
             distributed_addr=_addr(),
             distributed_timeout=60,
+            **small,
         )
         try:
             runs = [[o.token_ids for o in llm.generate(prompts, params)] for _ in range(2)]

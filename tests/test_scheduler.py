@@ -8,11 +8,14 @@ import pytest
 import torch
 import transformers
 from conftest import check_clean, make_tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.llm import LLM
 from minisgl.scheduler import IncrementalDetokenizer, Scheduler, StepRecord
+from minisgl.scheduler.detokenizer import decoder
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +325,15 @@ def test_abort_frees_at_once_and_leaves_the_others_alone(tiny_llama, overlap):
     _check_drained(sched)
     with pytest.raises(ValueError, match="not one of this scheduler's requests"):
         Scheduler(engine).abort(sched.add_request([5, 6], params))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=12))
+def test_decoder_equals_the_tokenizers_decode(smollm2_tokenizer, ids):
+    # the backend's decode where transformers' only forwards to it; special tokens skipped either way
+    assert decoder(smollm2_tokenizer)(ids) == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_path)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types import Completion, CompletionChoice, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -20,6 +22,7 @@ from minisgl.server.protocol import (
     SSE_DONE,
     APIError,
     ChatCompletionRequest,
+    ChunkFormat,
     CompletionRequest,
     chat_chunk,
     chat_response,
@@ -755,3 +758,26 @@ def test_openai_client_raises_on_a_failed_stream():
         _client(finish="error").chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}]
         )
+
+
+# text as the detokenizer makes it: any characters but lone surrogates (it decodes bytes)
+_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
+
+
+@given(
+    kind=st.sampled_from(["completion", "chat"]),
+    model=_TEXT,
+    index=st.integers(0, MAX_N - 1),
+    with_ids=st.booleans(),
+    text=_TEXT,
+    ids=st.lists(st.integers(0, 2**40), max_size=4),
+)
+def test_chunk_format_makes_the_chunks_bytes(kind, model, index, with_ids, text, ids):
+    # the streaming path's pre-split chunk equals sse() of the chunk built as a dict
+    fmt = ChunkFormat(kind, "cmpl-1", model, index, with_ids, 1700000000)
+    wanted = ids if with_ids else None
+    if kind == "chat":
+        chunk = chat_chunk("cmpl-1", model, index, content=text, token_ids=wanted, created=1700000000)
+    else:
+        chunk = completion_chunk("cmpl-1", model, index, text, token_ids=wanted, created=1700000000)
+    assert fmt.event(text, ids) == sse(chunk)

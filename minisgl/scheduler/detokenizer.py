@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of `ids`: for a fast tokenizer
+    that cleans up no spaces (transformers' decode then only forwards to its Rust backend) the backend's
+    own decode, a quarter of the cost per call; else the tokenizer's."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -18,13 +30,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode = decoder(tokenizer)
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the new text it completes (possibly empty)."""

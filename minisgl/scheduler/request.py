@@ -35,6 +35,7 @@ class RequestState:
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": what failed
+    admit_time: float | None = None  # first admission (not moved by a preemption)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None

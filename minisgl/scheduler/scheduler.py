@@ -141,6 +141,9 @@ class Scheduler:
         self.preemptions = 0  # running requests preempted so far
         self._last_phase = ""
         self._uids = 0
+        # time.perf_counter() when the latest step's tokens reached the host (0: none yet); the
+        # server stamps its messages with it (the clock is CLOCK_MONOTONIC, shared by the host's processes)
+        self.tokens_time = 0.0
 
     @property
     def held_pages(self) -> int:
@@ -277,6 +280,8 @@ class Scheduler:
                 return self._fail([state], e, "admitting it")
             self.waiting.popleft()
             self.running.append(state)
+            if state.admit_time is None:
+                state.admit_time = time.perf_counter()
         return []
 
     def _fits(self, state: RequestState, prefix: Match | None) -> bool:
@@ -589,7 +594,7 @@ class Scheduler:
             return failed
         if self.link is not None:  # checked by the following ranks
             self.last_token_digest = token_digest(tokens)
-        now = time.perf_counter()
+        now = self.tokens_time = time.perf_counter()
         updates, failed = [], []
         for state, req, token, produces in zip(launched.states, launched.reqs, tokens, launched.produces):
             # finished (stopped one step earlier with overlap, aborted or failed) or preempted since

@@ -62,6 +62,10 @@ class SchedulerMetrics:
         self.labels = {"model_name": model_name}
         self._ttft = metrics.TIME_TO_FIRST_TOKEN.labels(**self.labels)
         self._itl = metrics.INTER_TOKEN_LATENCY.labels(**self.labels)
+        self._queue = metrics.REQUEST_QUEUE_TIME.labels(**self.labels)
+        self._prefill = metrics.REQUEST_PREFILL_TIME.labels(**self.labels)
+        self._decode = metrics.REQUEST_DECODE_TIME.labels(**self.labels)
+        self._inference = metrics.REQUEST_INFERENCE_TIME.labels(**self.labels)
         self._preemptions = metrics.PREEMPTIONS.labels(**self.labels)  # a sample (0) from the start
         self._hit_tokens = metrics.PREFIX_CACHED_TOKENS.labels(**self.labels)
         self._lookup_tokens = metrics.PREFIX_LOOKUP_TOKENS.labels(**self.labels)
@@ -81,6 +85,12 @@ class SchedulerMetrics:
     def finished(self, state: RequestState, reason: FinishReason, now: float) -> None:
         metrics.REQUESTS_FINISHED.labels(reason=reason, **self.labels).inc()
         metrics.E2E_LATENCY.labels(**self.labels).observe(now - state.arrival_time)
+        admitted, first = state.admit_time, state.first_token_time
+        if admitted is not None and first is not None:  # served: the stages, as vLLM splits them
+            self._queue.observe(admitted - state.arrival_time)
+            self._prefill.observe(first - admitted)
+            self._decode.observe(now - first)
+            self._inference.observe(now - admitted)
 
     def step(
         self,

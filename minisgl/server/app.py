@@ -19,11 +19,10 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
+import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,31 +32,52 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
 
 from minisgl.core import SamplingParams
+from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.output import find_stop
 from minisgl.server import protocol
 from minisgl.server.protocol import APIError
-from minisgl.server.worker import encode_params, frame_ids, ids_frame, scheduler_main
+from minisgl.server.tokenize import TokenizerPool, default_workers
+from minisgl.server.worker import (
+    encode_params,
+    frame_ids,
+    ids_frame,
+    scheduler_main,
+    set_parent_death_signal,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 STOP_JOIN_S = 30.0  # how long the front end waits for the scheduler process to end at shutdown
 METRICS_TIMEOUT_S = 10.0
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: this process gets SIGKILL when its parent dies (a killed front end leaves no scheduler)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# minisgl_token_delivery_seconds: fine below a millisecond, where a step-to-socket delay should be
+DELIVERY_BUCKETS = (
+    1e-4,
+    2e-4,
+    3e-4,
+    5e-4,
+    7.5e-4,
+    1e-3,
+    2e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+)
 
 
 def _scheduler_entry(*args: Any) -> None:
-    _set_parent_death_signal()
+    set_parent_death_signal()
     scheduler_main(*args)
 
 
@@ -72,12 +92,15 @@ class Choice:
     index: int
     params: SamplingParams  # the request's, with its stop strings
     detokenizer: IncrementalDetokenizer | None
+    job: Job | None = None  # the request it belongs to (woken when this choice has news)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0
     emitted_ids: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    reported: bool = False  # its final chunk was handed out (streaming)
+    times: list[float | None] | None = None  # the scheduler's [arrived, admitted, first token, finished]
 
     @property
     def finished(self) -> bool:
@@ -125,6 +148,109 @@ class Choice:
         return delta, new_ids
 
 
+class Job:
+    """One HTTP request in the front end: its choices, the event that wakes its response when any of
+    them has news (set at most once per scheduler step, whatever the number of choices), and the times
+    of its stages (`time.perf_counter()`, the clock the scheduler process stamps with too; written to
+    the request trace, `trace_record`)."""
+
+    def __init__(self, received: float) -> None:
+        self.choices: list[Choice] = []
+        self.wake = asyncio.Event()
+        self.received = received
+        self.tokenized = self.sent = 0.0
+        self.first_received = self.last_received = 0.0  # tokens from the scheduler, first and last time
+        self.first_written = self.done = 0.0  # the first token's bytes to the socket; the response's end
+        # the latest step with news for it: its tokens on the host, its message sent, read here
+        self.step_time = self.step_sent = self.step_read = 0.0
+        self.chunks = 0  # writes of tokens to the socket
+        self.delay_sum = self.delay_max = 0.0  # from step_time to each write
+        self.parts_sum = [0.0, 0.0, 0.0]  # the same, split: in the scheduler, over ZeroMQ, here
+
+    def news(self, step_time: float, sent: float, now: float) -> None:
+        """A scheduler step (its tokens on the host at `step_time`, its message sent at `sent`)
+        reached it at `now`."""
+        if not self.first_received:
+            self.first_received = now
+        self.last_received = self.step_read = now
+        self.step_time, self.step_sent = step_time, sent
+        self.wake.set()
+
+    def written(self, now: float) -> float:
+        """Tokens were handed to the socket at `now`: returns the delay since their step ended."""
+        if not self.first_written:
+            self.first_written = now
+        delay = now - self.step_time
+        self.chunks += 1
+        self.delay_sum += delay
+        self.delay_max = max(self.delay_max, delay)
+        parts = self.parts_sum
+        parts[0] += self.step_sent - self.step_time
+        parts[1] += self.step_read - self.step_sent
+        parts[2] += now - self.step_read
+        return delay
+
+
+# stamps of a trace record, in order; their consecutive differences are its stages
+TRACE_STAGES = (
+    ("received", "parse_tokenize"),  # body read and parsed, prompt tokenized, limits checked
+    ("tokenized", "to_scheduler"),  # sent over ZeroMQ and taken in by the scheduler process
+    ("arrived", "queue"),  # waiting for admission (a slot and KV pages)
+    ("admitted", "prefill"),  # prompt computed up to the first token (on the host)
+    ("first_token", "decode"),  # the other tokens, to the last one on the host
+    ("finished", "to_client"),  # the last tokens back to the front end, out to the socket
+)
+
+
+def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: float) -> dict[str, Any]:
+    """The request trace's line for a finished `job`: its stamps in Unix seconds (perf_counter +
+    `clock_offset`), its stages in seconds (consecutive, so they add up to `e2e_s`), the delay from
+    the end of a step to its tokens on the socket (mean and largest over the writes), and counts.
+    Stamps the request never reached (a request refused or aborted early) are null, as are the stages
+    around them."""
+    sched = [c.times for c in job.choices if c.times is not None]
+
+    def over(i: int, pick: Any) -> float | None:
+        values = [t[i] for t in sched if t[i] is not None]
+        return pick(values) if values else None
+
+    stamps: dict[str, float | None] = {
+        "received": job.received,
+        "tokenized": job.tokenized or None,
+        "sent": job.sent or None,
+        "arrived": over(0, min),
+        "admitted": over(1, min),
+        "first_token": over(2, min),
+        "first_received": job.first_received or None,
+        "first_written": job.first_written or None,
+        "finished": over(3, max),
+        "last_received": job.last_received or None,
+        "done": job.done,
+    }
+    order = [name for name, _ in TRACE_STAGES] + ["done"]
+    stages = {
+        stage: None if stamps[a] is None or stamps[b] is None else stamps[b] - stamps[a]
+        for (a, stage), b in zip(TRACE_STAGES, order[1:])
+    }
+    return {
+        "id": request_id,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": sum(len(c.token_ids) for c in job.choices),
+        "n": len(job.choices),
+        "finish_reasons": [c.finish_reason for c in job.choices],
+        "e2e_s": job.done - job.received,
+        "stages_s": stages,
+        "delivery": {
+            "writes": job.chunks,
+            "mean_s": job.delay_sum / job.chunks if job.chunks else None,
+            "max_s": job.delay_max if job.chunks else None,
+            # the mean split: the scheduler's processing of the step, the hop (a Unix socket), this process
+            "split_mean_s": [part / job.chunks for part in job.parts_sum] if job.chunks else None,
+        },
+        "stamps": {k: None if v is None else v + clock_offset for k, v in stamps.items()},
+    }
+
+
 # ------------------------------------------------------------------------------------ scheduler client
 
 
@@ -138,32 +264,40 @@ class SchedulerClient:
         self.failed: str | None = None
         self.on_failure: Any = None  # called once when the scheduler process fails or dies
         self.ready = asyncio.Event()
-        self.choices: dict[int, tuple[Choice, asyncio.Queue]] = {}
+        self.choices: dict[int, Choice] = {}  # by rid, until finished
         self.rids = itertools.count()
         self._answers: dict[int, asyncio.Future] = {}  # `_ask` questions waiting for the scheduler
         self._ids = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="minisgl-serve-")  # private (0700): the sockets live here
         self._ctx = zmq.asyncio.Context()
         self._out = self._ctx.socket(zmq.PUSH)
-        self._in = self._ctx.socket(zmq.PULL)
-        inbox, outbox = f"ipc://{self._dir}/requests", f"ipc://{self._dir}/tokens"
+        inbox, outbox = f"ipc://{self._dir}/requests", f"{self._dir}/tokens"
         self._out.bind(inbox)
-        self._in.bind(outbox)
+        # the scheduler's messages: a Unix stream socket read by a protocol of this event loop
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(outbox)
+        listener.listen(1)
+        self._inbox: _Inbox | None = None
         self.proc = mp.get_context("spawn").Process(
             target=_scheduler_entry,
             args=(dict(settings), config, inbox, outbox, os.getpid()),
             name="minisgl-scheduler",
         )
         self.proc.start()
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            asyncio.create_task(loop.create_unix_server(lambda: _Inbox(self), sock=listener)),
+            asyncio.create_task(self._watch()),
+        ]
 
     # -- to the scheduler
 
-    def add(self, choice: Choice, prompt_ids: list[int], queue: asyncio.Queue) -> None:
-        """Queues `choice` in the scheduler; its progress is put on `queue` (one per request)."""
-        self.choices[choice.rid] = (choice, queue)
+    def add(self, choice: Choice, prompt: bytes) -> None:
+        """Queues `choice` (of `choice.job`, which is woken with its progress) in the scheduler;
+        `prompt`: the prompt's ids as a frame (`ids_frame`)."""
+        self.choices[choice.rid] = choice
         params = replace(choice.params, stop=())  # stop strings are found here
-        self._send({"op": "add", "rid": choice.rid, "params": encode_params(params)}, ids_frame(prompt_ids))
+        self._send({"op": "add", "rid": choice.rid, "params": encode_params(params)}, prompt)
 
     def abort(self, rid: int) -> None:
         if self.choices.pop(rid, None) is not None:
@@ -194,44 +328,51 @@ class SchedulerClient:
 
     # -- from the scheduler
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._in.recv_multipart()
-            header = json.loads(frames[0])
-            op = header["op"]
-            if op == "step":
-                served, tokens = frame_ids(frames[1]), frame_ids(frames[2])
-                counts = header["n"]
-                done = {row: (reason, error) for row, reason, error in header["done"]}
-                at = 0
-                for row, rid in enumerate(served):
-                    n = 1 if counts is None else counts[row]
-                    ids, at = tokens[at : at + n], at + n
-                    entry = self.choices.get(rid)
-                    if entry is None:
-                        continue
-                    choice, queue = entry
-                    finished = row in done
-                    reason, error = done.get(row, (None, None))
-                    if choice.feed(ids, finished, reason, error):
-                        self.abort(rid)  # a stop string: the scheduler frees its pages
-                    elif finished:
-                        self.choices.pop(rid, None)
-                    queue.put_nowait(choice)
-            elif op == "rejected":
-                entry = self.choices.pop(header["rid"], None)
-                if entry is not None:
-                    entry[0].end("rejected", header["error"])
-                    entry[1].put_nowait(entry[0])
-            elif op in ("metrics", "flush"):  # answers to `_ask`
-                future = self._answers.get(header["id"])
-                if future is not None and not future.done():
-                    future.set_result(header)
-            elif op == "ready":
-                self.info = header
-                self.ready.set()
-            elif op == "failed":
-                self._fail(header["error"])
+    def handle(self, frames: list[bytes]) -> None:
+        """One message of the scheduler process (`minisgl.server.worker`'s list)."""
+        header = json.loads(frames[0])
+        op = header["op"]
+        if op == "step":
+            self._step(header, frame_ids(frames[1]), frame_ids(frames[2]))
+        elif op == "rejected":
+            choice = self.choices.pop(header["rid"], None)
+            if choice is not None:
+                choice.end("rejected", header["error"])
+                choice.job.wake.set()
+        elif op in ("metrics", "flush"):  # answers to `_ask`
+            future = self._answers.get(header["id"])
+            if future is not None and not future.done():
+                future.set_result(header)
+        elif op == "ready":
+            self.info = header
+            self.ready.set()
+        elif op == "failed":
+            self._fail(header["error"])
+
+    def _step(self, header: dict[str, Any], served: list[int], tokens: list[int]) -> None:
+        """One scheduler step: each served choice takes its tokens (detokenized, stop strings checked)
+        and its request is woken."""
+        now, step_time, sent = time.perf_counter(), header["t"], header["s"]
+        counts = header["n"]
+        starts = None if counts is None else [0, *itertools.accumulate(counts)]
+        done = {row: rest for row, *rest in header["done"]}
+        choices = self.choices
+        for row, rid in enumerate(served):
+            ids = tokens[row : row + 1] if starts is None else tokens[starts[row] : starts[row + 1]]
+            choice = choices.get(rid)
+            if choice is None:
+                continue
+            finished = row in done
+            if finished:
+                reason, error, choice.times = done[row]
+                stopped = choice.feed(ids, True, reason, error)
+            else:
+                stopped = choice.feed(ids, False, None, None)
+            if stopped:
+                self.abort(rid)  # a stop string: the scheduler frees its pages
+            elif finished:
+                choices.pop(rid, None)
+            choice.job.news(step_time, sent, now)
 
     async def _watch(self) -> None:
         while self.failed is None:
@@ -244,24 +385,26 @@ class SchedulerClient:
             return
         self.failed = error
         logger.error("the engine is gone: %s", error)
-        for choice, queue in self.choices.values():
+        for choice in self.choices.values():
             choice.end("error", error)
-            queue.put_nowait(choice)
+            choice.job.wake.set()
         self.choices.clear()
         if self.on_failure is not None:
             self.on_failure()
 
     def abort_all(self) -> None:
         """Ends every unfinished choice with finish reason "abort" (shutdown) and aborts it."""
-        for rid, (choice, queue) in list(self.choices.items()):
+        for rid, choice in list(self.choices.items()):
             self.abort(rid)
             choice.end("abort")
-            queue.put_nowait(choice)
+            choice.job.wake.set()
 
     async def close(self) -> None:
         """Stops the scheduler process (which stops the ranks it spawned) and waits for it."""
         for task in self._tasks:
             task.cancel()
+        if self._inbox is not None:
+            self._inbox.closing = True
         with contextlib.suppress(zmq.ZMQError, asyncio.TimeoutError):  # no peer: the process is gone
             await asyncio.wait_for(self._out.send_multipart([json.dumps({"op": "stop"}).encode()]), 1.0)
         await asyncio.to_thread(self.proc.join, STOP_JOIN_S)
@@ -269,9 +412,41 @@ class SchedulerClient:
             self.proc.kill()
             await asyncio.to_thread(self.proc.join, 5)
         self._out.close(linger=0)
-        self._in.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Inbox(asyncio.Protocol):
+    """The scheduler process's connection: splits the stream into messages (`worker.pack`) and hands
+    each to the client as its bytes arrive, in this event loop's callback (no task to wake)."""
+
+    def __init__(self, client: SchedulerClient) -> None:
+        self.client, self.buffer, self.closing = client, bytearray(), False
+
+    def connection_made(self, transport: Any) -> None:
+        if self.client._inbox is not None:  # one scheduler, one connection
+            transport.close()
+            return
+        self.client._inbox = self
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        while len(buffer) >= 4:
+            end = 4 + int.from_bytes(buffer[:4], "little")
+            if len(buffer) < end:
+                return
+            message = bytes(buffer[4:end])
+            del buffer[:end]
+            try:
+                self.client.handle(unpack(message))
+            except Exception as e:  # a bug here: fail loudly rather than lose tokens silently
+                logger.exception("the front end could not handle a message of the scheduler")
+                self.client._fail(f"the front end failed on a message of the scheduler: {e!r}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client._inbox is self and not self.closing:
+            self.client._fail("the scheduler process closed its connection")
 
 
 # ----------------------------------------------------------------------------------------------- the app
@@ -285,16 +460,23 @@ class ServerState:
         self.explicit, self.config = explicit, config
         self.client: SchedulerClient | None = None
         self.served_model = self.server.served_model_name
-        self.encoder: Any = None  # tokenizer used by the tokenizing thread
+        self.encoder: Any = None  # the model's tokenizer, for its chat template (None: the model has none)
+        self.tokenizers: TokenizerPool | None = None  # where prompts are tokenized
         self.decoder: Any = None  # tokenizer used on the event loop (detokenizing)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
         self.outstanding = 0  # choices admitted by the front end and not finished
         self.draining = False
         self.limit = 0
         self.on_failure: Any = None
+        # the front end's own series, served after the scheduler's at /metrics
+        self.registry = CollectorRegistry()
+        self.delivery: HotHistogram | None = None  # made once the model's name is known
+        self.clock_offset = time.time() - time.perf_counter()  # perf_counter -> Unix time (traces)
+        self.trace: Any = None  # the request trace's file (request_trace)
+        if self.server.request_trace:
+            self.trace = open(self.server.request_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     async def start(self) -> None:
-        self.client = SchedulerClient(self.explicit, self.config)
+        self.client = self.client_class(self.explicit, self.config)
         self.client.on_failure = self.on_failure
         asyncio.create_task(self._when_ready())
 
@@ -310,14 +492,28 @@ class ServerState:
 
             load = transformers.AutoTokenizer.from_pretrained
             self.encoder, self.decoder = await asyncio.to_thread(lambda: (load(path), load(path)))
+            workers = self.server.tokenizer_workers or default_workers()
+            self.tokenizers = TokenizerPool(path, workers)
+            await self.tokenizers.warm()
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
+        self.delivery = HotHistogram(
+            "minisgl_token_delivery_seconds",
+            "From the end of the step that made a streamed request's tokens (on the host, in the scheduler "
+            "process) to their bytes handed to the request's socket; one observation per write.",
+            DELIVERY_BUCKETS,
+            {"model_name": info["model_name"]},
+        )
+        self.registry.register(self.delivery)
         self.ready = True
         logger.info("serving %s at http://%s:%d/v1", self.served_model, self.server.host, self.server.port)
 
     ready = False
+    client_class = SchedulerClient  # what `start` makes (perf/cpu/test_front_end.py puts a fake here)
 
-    async def tokenize(self, fn: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+    def write_trace(self, job: Job, request_id: str, prompt_tokens: int) -> None:
+        if self.trace is not None:
+            record = trace_record(job, request_id, prompt_tokens, self.clock_offset)
+            self.trace.write(json.dumps(record, separators=(",", ":")) + "\n")
 
 
 def _error(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -345,25 +541,14 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             if state.client is not None:
                 await state.client.close()
-            state.pool.shutdown(wait=False)
+            if state.tokenizers is not None:
+                state.tokenizers.shutdown()
+            if state.trace is not None:
+                state.trace.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/") or request.url.path == "/flush_cache":
-            key = state.server.api_key
-            if key is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                    return _error(
-                        APIError(
-                            "a valid API key is required: send the header Authorization: Bearer KEY",
-                            status=401,
-                            code="invalid_api_key",
-                        )
-                    )
-        return await call_next(request)
+    app.add_middleware(_KeyGuard, key=state.server.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -380,7 +565,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics_endpoint() -> Response:
         if not state.ready or state.client.failed is not None:
             return PlainTextResponse("# the engine is not running\n", status_code=503)
-        text = await state.client.metrics()
+        text = await state.client.metrics() + generate_latest(state.registry).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/flush_cache")
@@ -419,6 +604,29 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
+class _KeyGuard:
+    """With an API key set, answers 401 to requests for /v1/* and /flush_cache without it (a plain ASGI
+    middleware: the responses, streams included, pass through untouched)."""
+
+    def __init__(self, app: Any, key: str | None) -> None:
+        self.app, self.key = app, None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.key is not None and scope["type"] == "http":
+            path = scope["path"]
+            if path.startswith("/v1/") or path == "/flush_cache":
+                given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(given, self.key):
+                    error = APIError(
+                        "a valid API key is required: send the header Authorization: Bearer KEY",
+                        status=401,
+                        code="invalid_api_key",
+                    )
+                    await _error(error)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 def _unavailable(state: ServerState) -> APIError | None:
     client = state.client
     if client is not None and client.failed is not None:
@@ -433,6 +641,7 @@ def _unavailable(state: ServerState) -> APIError | None:
 
 
 async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    job = Job(time.perf_counter())
     try:
         unavailable = _unavailable(state)
         if unavailable is not None:
@@ -457,33 +666,34 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
             )
     except APIError as e:
         return _error(e, {"Retry-After": "1"} if e.status == 503 else None)
+    job.tokenized = time.perf_counter()
     request_id = protocol.new_request_id(kind)
-    choices = [
-        Choice(
-            next(state.client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None
-        )
+    client = state.client
+    job.choices = [
+        Choice(next(client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None, job)
         for i, p in enumerate(params)
     ]
-    queue: asyncio.Queue = asyncio.Queue()
-    state.outstanding += len(choices)
-    for choice in choices:
-        state.client.add(choice, prompt_ids, queue)
+    state.outstanding += len(job.choices)
+    prompt = ids_frame(prompt_ids)
+    for choice in job.choices:
+        client.add(choice, prompt)
+    job.sent = time.perf_counter()
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, kind, request_id, created, choices, queue, len(prompt_ids)),
+            _stream(state, req, kind, request_id, created, job, len(prompt_ids)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        await _wait_all(choices, queue)
+        await _wait_all(job)
         respond = protocol.chat_response if kind == "chat" else protocol.completion_response
         return JSONResponse(
             respond(
                 request_id,
                 state.served_model,
                 len(prompt_ids),
-                [_Generation(c) for c in choices],
+                [_Generation(c) for c in job.choices],
                 return_token_ids=req.wants_token_ids,
                 created=created,
             )
@@ -491,7 +701,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     except APIError as e:
         return _error(e)
     finally:
-        _release(state, choices)
+        _release(state, job, request_id, len(prompt_ids))
 
 
 @dataclass
@@ -520,22 +730,29 @@ def _check_rejected(choice: Choice) -> None:
         raise protocol.invalid_request(ValueError(choice.error))
 
 
-async def _wait_all(choices: list[Choice], queue: asyncio.Queue) -> None:
-    while not all(c.finished for c in choices):
-        _check_rejected(await queue.get())
-    for c in choices:
-        _check_rejected(c)
+async def _wait_all(job: Job) -> None:
+    while True:
+        for c in job.choices:
+            _check_rejected(c)
+        if all(c.finished for c in job.choices):
+            return
+        await job.wake.wait()
+        job.wake.clear()
 
 
-def _release(state: ServerState, choices: list[Choice]) -> None:
-    """Aborts the unfinished choices (a client gone mid-stream) and frees their queue slots."""
-    for choice in choices:
+def _release(state: ServerState, job: Job, request_id: str, prompt_tokens: int) -> None:
+    """Aborts the unfinished choices (a client gone mid-stream), frees their queue slots and writes
+    the request's trace line."""
+    client = state.client
+    for choice in job.choices:
         if not choice.finished:
             choice.end("abort")
-            state.client.abort(choice.rid)
+            client.abort(choice.rid)
         else:
-            state.client.choices.pop(choice.rid, None)
-    state.outstanding -= len(choices)
+            client.choices.pop(choice.rid, None)
+    state.outstanding -= len(job.choices)
+    job.done = time.perf_counter()
+    state.write_trace(job, request_id, prompt_tokens)
 
 
 async def _prompt_ids(state: ServerState, req: Any, kind: str) -> list[int]:
@@ -543,17 +760,11 @@ async def _prompt_ids(state: ServerState, req: Any, kind: str) -> list[int]:
         tok = state.encoder
         if tok is None or not tok.chat_template:
             raise APIError("this model has no chat template: use /v1/completions", param="messages")
-
-        def encode() -> list[int]:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-            return tok(text, add_special_tokens=False)["input_ids"]
-
-        return await state.tokenize(encode)
+        return await state.tokenizers.chat(req.messages)
     if isinstance(req.prompt, str):
-        tok = state.encoder
-        if tok is None:
+        if state.encoder is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return await state.tokenize(lambda: tok(req.prompt)["input_ids"])
+        return await state.tokenizers.text(req.prompt)
     vocab = state.client.info["vocab_size"]
     bad = [t for t in req.prompt if not 0 <= t < vocab]
     if bad:
@@ -567,49 +778,60 @@ async def _stream(
     kind: str,
     request_id: str,
     created: int,
-    choices: list[Choice],
-    queue: asyncio.Queue,
+    job: Job,
     prompt_tokens: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
+    """The response's server-sent events: each time the job is woken, one write with every choice's
+    news (text and token ids, final chunks), then the delay since the step that made them is recorded."""
     model = state.served_model
     wants_ids = req.wants_token_ids
+    choices = job.choices
+    formats = [protocol.ChunkFormat(kind, request_id, model, c.index, wants_ids, created) for c in choices]
     try:
         if kind == "chat":
-            for c in choices:
-                yield protocol.sse(
+            yield "".join(
+                protocol.sse(
                     protocol.chat_chunk(
                         request_id, model, c.index, role="assistant", content="", created=created
                     )
                 )
-        done: set[int] = set()
-        while len(done) < len(choices):
-            choice = await queue.get()
-            if choice.index in done:
-                continue
-            if choice.finish_reason == "rejected":
-                raise protocol.invalid_request(ValueError(choice.error))
-            text, ids = choice.take()
-            if text or (wants_ids and ids):
-                yield protocol.sse(
-                    _chunk(
-                        kind, request_id, model, choice.index, text, ids if wants_ids else None, None, created
+                for c in choices
+            ).encode()
+        remaining = len(choices)
+        while remaining:
+            await job.wake.wait()
+            job.wake.clear()
+            parts, tokens = [], False
+            for choice, fmt in zip(choices, formats):
+                if choice.reported:
+                    continue
+                if choice.finish_reason == "rejected":
+                    raise protocol.invalid_request(ValueError(choice.error))
+                text, ids = choice.take()
+                if text or (wants_ids and ids):
+                    parts.append(fmt.event(text, ids))
+                    tokens = True
+                if choice.finished:
+                    choice.reported = True
+                    remaining -= 1
+                    reason = protocol.openai_finish_reason(choice.finish_reason, choice.error)
+                    parts.append(
+                        protocol.sse(_chunk(kind, request_id, model, choice.index, "", None, reason, created))
                     )
-                )
-            if choice.finished:
-                done.add(choice.index)
-                reason = protocol.openai_finish_reason(choice.finish_reason, choice.error)
-                yield protocol.sse(_chunk(kind, request_id, model, choice.index, "", None, reason, created))
+            if parts:
+                yield "".join(parts).encode()
+                if tokens:
+                    state.delivery.observe(job.written(time.perf_counter()))
         if req.include_usage:
             completion = sum(len(c.token_ids) for c in choices)
             yield protocol.sse(
                 protocol.usage_chunk(kind, request_id, model, prompt_tokens, completion, created=created)
-            )
-        yield protocol.SSE_DONE
+            ).encode()
+        yield protocol.SSE_DONE.encode()
     except APIError as e:
-        yield protocol.sse(protocol.error_body(e))
-        yield protocol.SSE_DONE
+        yield (protocol.sse(protocol.error_body(e)) + protocol.SSE_DONE).encode()
     finally:
-        _release(state, choices)
+        _release(state, job, request_id, prompt_tokens)
 
 
 def _chunk(

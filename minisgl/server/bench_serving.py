@@ -1,24 +1,32 @@
 """`minisgl-run bench-serving`: an online benchmark client for an OpenAI-compatible server.
 
-It sends a workload to `POST {base_url}/completions` with `stream: true` through the official `openai`
-client and measures each request as it streams, the way SGLang's `bench_serving` and vLLM's serving
-benchmark do (docs/bench-serving.md):
+It sends a workload to `POST {base_url}/completions` (or `/chat/completions`) with `stream: true` and
+measures each request as it streams, the way SGLang's `bench_serving` and vLLM's serving benchmark do
+(docs/bench-serving.md):
 
 - TTFT: from sending the request to the first chunk that carries text or token ids.
-- ITL (inter-token latency): the gap between a chunk and the previous one that carried tokens. A chunk
-  with k tokens adds k values of gap / k (SGLang's per-token adjustment), so chunking never inflates ITL.
-  The tokens of the first chunk add none. All requests' values are pooled before the statistics.
+- ITL (inter-token latency): the gap between a chunk and the previous one that carried tokens (of the
+  same choice). A chunk with k tokens adds k values of gap / k (SGLang's per-token adjustment), so
+  chunking never inflates ITL. The tokens of the first chunk add none. All requests' values are pooled
+  before the statistics.
 - TPOT (time per output token, excluding the first): (E2E - TTFT) / (output tokens - 1), one value per
-  request with more than one output token.
+  request with more than one output token (per choice: with n choices, output tokens / n).
 - E2E latency: from sending the request to the end of its stream.
 - Output tokens: `usage.completion_tokens` of the usage chunk when the server sends one, else counted
-  (the `token_ids` of the chunks, else one per chunk with text).
+  (the `token_ids` of the chunks, else one per chunk with text). Input tokens: `usage.prompt_tokens`
+  when the server sends one, else the client's count.
+
+The client is built not to be the bottleneck: no HTTP library, each request on its own connection read
+by an asyncio protocol that times and parses each server-sent event as its bytes arrive
+(`minisgl.server.bench_client`), uvloop when importable, and the requests spread over several client
+processes (`client_processes`), each with its own event loop, sending its share at the arrival times of
+one shared schedule.
 
 The default workload is the offline benchmark's (`minisgl.bench.make_workload`): seeded random token-id
 prompts, `ignore_eos`, `max_tokens` the drawn output length. Requests arrive as a Poisson process of
-`request_rate` per second (exponential gaps from a seeded generator; `inf`: all at once), optionally
-behind a semaphore of `max_concurrency`. The whole run is bounded by `timeout` seconds: requests still
-running then are cancelled and reported as failed.
+`request_rate` per second (exponential gaps from a seeded generator, drawn once; `inf`: all at once),
+optionally behind `max_concurrency` (split over the client processes). The whole run is bounded by
+`timeout` seconds: requests still running then are cancelled and reported as failed.
 
     from minisgl.server.bench_serving import bench_serving, format_report, workload
     report = bench_serving(workload(num_prompts=64), base_url="http://127.0.0.1:30000/v1", request_rate=8)
@@ -30,13 +38,39 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from minisgl.server.bench_client import (
+    CANCELLED,
+    RequestResult,
+    Server,
+    get_json,
+    loop_name,
+    measure,
+    run_loop,
+)
+
+__all__ = [
+    "RequestInput",
+    "RequestResult",
+    "bench_serving",
+    "default_client_processes",
+    "format_report",
+    "load_tokenizer",
+    "percentile",
+    "run_benchmark",
+    "summarize",
+    "with_texts",
+    "workload",
+]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"
 DEFAULT_TIMEOUT = 3600.0
@@ -44,36 +78,23 @@ DEFAULT_TIMEOUT = 3600.0
 # and are not wrapped: the same prompts as `minisgl-run bench` on any vocabulary larger than 10,000
 UNWRAPPED_VOCAB = 10001
 PERCENTILES = (50, 90, 99)
+ENDPOINTS = ("completions", "chat")
+PROMPT_FORMATS = ("ids", "text")
+START_MARGIN = 0.05  # seconds between the start signal and the common start time of client processes
+REPORT_GRACE = 10.0  # seconds client processes get after the deadline to send their results
 
 
 @dataclass(frozen=True)
 class RequestInput:
-    """One request of the workload: a prompt of token ids and the tokens to generate."""
+    """One request of the workload: a prompt of token ids and the tokens to generate. `with_texts`
+    adds the prompt decoded to text (`text`), the client's token count of that text (`text_tokens`)
+    and of the chat conversation holding it (`chat_tokens`: the chat template applied)."""
 
     prompt: list[int]
     max_tokens: int
-
-
-@dataclass
-class RequestResult:
-    """What one request measured. Times in seconds; `start` is relative to the benchmark's start."""
-
-    prompt_tokens: int
-    max_tokens: int
-    success: bool = False
-    error: str | None = None
-    start: float = 0.0
-    ttft: float | None = None
-    latency: float | None = None
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    chunks: int = 0
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.success or self.ttft is None or self.latency is None or self.output_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
+    text: str | None = None
+    text_tokens: int | None = None
+    chat_tokens: int | None = None
 
 
 def workload(
@@ -89,14 +110,9 @@ def workload(
     and shape draw the same prompts and output lengths. Unset fields take WorkloadShape's defaults."""
     from minisgl.bench import WorkloadShape, make_workload
 
-    given = dict(
-        num_seqs=num_prompts,
-        min_input=min_input,
-        max_input=max_input,
-        min_output=min_output,
-        max_output=max_output,
-    )
-    shape = WorkloadShape(**{k: v for k, v in given.items() if v is not None}, seed=seed)
+    names = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
+    given = zip(names, (num_prompts, min_input, max_input, min_output, max_output))
+    shape = WorkloadShape(**{k: v for k, v in given if v is not None}, seed=seed)
     if shape.num_seqs < 1 or shape.min_input < 1 or shape.min_output < 1:
         raise ValueError("the number of prompts and the input and output lengths must be at least 1")
     if shape.min_input > shape.max_input or shape.min_output > shape.max_output:
@@ -105,86 +121,301 @@ def workload(
     return [RequestInput(p, n) for p, n in zip(prompts, max_tokens)]
 
 
-def _chunk_token_ids(choice: Any) -> list[int] | None:
-    """The `token_ids` extra field of a streamed choice (minisgl's `return_token_ids`), if any."""
-    ids = getattr(choice, "token_ids", None)
-    if ids is None:
-        extra = getattr(choice, "model_extra", None) or {}
-        ids = extra.get("token_ids")
-    return list(ids) if isinstance(ids, list) else None
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """transformers' AutoTokenizer from a local folder (or a name the hub cache holds)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
-async def _one_request(
-    client: Any,
-    model: str,
-    request: RequestInput,
-    temperature: float,
-    extra_body: dict[str, Any],
-    t0: float,
-) -> RequestResult:
-    result = RequestResult(prompt_tokens=len(request.prompt), max_tokens=request.max_tokens)
-    started = time.perf_counter()
-    result.start = started - t0
-    counted, usage_tokens = 0, None
-    last = started
+def with_texts(requests: Sequence[RequestInput], tokenizer: Any) -> list[RequestInput]:
+    """The requests with their prompts decoded to text once (special tokens skipped, so that no prompt
+    holds control tokens), for the chat endpoint and text prompts: the same texts then go to every
+    server. Also the client's token counts of each text alone and inside a one-message chat (the
+    tokenizer's chat template, when it has one), used when a server sends no usage. `tokenizer`: a
+    loaded tokenizer or a path for `load_tokenizer`."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
+    texts = tokenizer.batch_decode([list(r.prompt) for r in requests], skip_special_tokens=True)
+    out = []
+    for r, text in zip(requests, texts):
+        text_tokens = len(tokenizer(text)["input_ids"])
+        chat_tokens = text_tokens
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5)
+                ids = ids["input_ids"]
+            chat_tokens = len(ids)
+        out.append(replace(r, text=text, text_tokens=text_tokens, chat_tokens=chat_tokens))
+    return out
+
+
+def default_client_processes() -> int:
+    """A quarter of the CPUs this process may run on, 1 to 8: 1 on 2 to 7 cores, 4 on 16, 8 from 32
+    (the rest of the host for the server being measured)."""
     try:
-        stream = await client.completions.create(
-            model=model,
-            prompt=request.prompt,
-            max_tokens=request.max_tokens,
-            temperature=temperature,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra_body,
-        )
-        async for chunk in stream:
-            now = time.perf_counter()
-            usage = getattr(chunk, "usage", None)
-            if usage is not None and usage.completion_tokens is not None:
-                usage_tokens = usage.completion_tokens
-            for choice in chunk.choices or []:
-                ids = _chunk_token_ids(choice)
-                text = getattr(choice, "text", None) or ""
-                tokens = len(ids) if ids is not None else (1 if text else 0)
-                if tokens == 0:
-                    continue  # the final chunk (finish_reason only) or an empty one
-                result.chunks += 1
-                if result.ttft is None:
-                    result.ttft = now - started
-                else:
-                    gap = (now - last) / tokens
-                    result.itl.extend([gap] * tokens)
-                last = now
-                counted += tokens
-        result.latency = time.perf_counter() - started
-        result.output_tokens = usage_tokens if usage_tokens is not None else counted
-        result.success = True
-    except asyncio.CancelledError:
-        result.error = "cancelled: the benchmark's --timeout ran out"
-        result.output_tokens = counted
-        raise
-    except Exception as e:  # an HTTP error, an error event in the stream, a dropped connection...
-        result.error = f"{type(e).__name__}: {e}"
-        result.output_tokens = counted
-    return result
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 4))
 
 
-async def _arrivals(n: int, request_rate: float, seed: int):
-    """Yields 0..n-1 at Poisson arrival times: exponential gaps of mean 1/request_rate (none if inf)."""
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """The send times of n requests in seconds after the start: a Poisson process, exponential gaps of
+    mean 1/request_rate drawn from `random.Random(seed)` in order (all 0 when the rate is inf)."""
+    if not math.isfinite(request_rate):
+        return [0.0] * n
     rng = random.Random(seed)
+    offsets, t = [], 0.0
     for i in range(n):
-        yield i
-        if i + 1 < n and math.isfinite(request_rate):
-            await asyncio.sleep(rng.expovariate(request_rate))
+        offsets.append(t)
+        if i + 1 < n:
+            t += rng.expovariate(request_rate)
+    return offsets
 
 
-async def first_model(client: Any) -> str:
+def request_body(
+    request: RequestInput,
+    *,
+    model: str,
+    endpoint: str = "completions",
+    prompt_format: str = "ids",
+    temperature: float = 0.6,
+    ignore_eos: bool = True,
+    stream: bool = True,
+    n: int = 1,
+    return_token_ids: bool = True,
+) -> dict[str, Any]:
+    """The JSON body of one request. Only fields that both minisgl's server (which refuses unknown
+    fields) and Mini-SGLang's (which ignores them) accept: `n` only when above 1, `stream_options` only
+    when streamed (minisgl refuses it otherwise)."""
+    body: dict[str, Any] = {"model": model}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.text}]
+    else:
+        body["prompt"] = request.text if prompt_format == "text" else list(request.prompt)
+    body.update(max_tokens=request.max_tokens, temperature=temperature, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if n != 1:
+        body["n"] = n
+    body["ignore_eos"] = ignore_eos
+    if return_token_ids:
+        body["return_token_ids"] = True
+    return body
+
+
+def client_prompt_tokens(request: RequestInput, endpoint: str, prompt_format: str) -> int:
+    """The client's count of a request's prompt tokens (when the server sends no usage)."""
+    if endpoint == "chat" and request.chat_tokens is not None:
+        return request.chat_tokens
+    if (endpoint == "chat" or prompt_format == "text") and request.text_tokens is not None:
+        return request.text_tokens
+    return len(request.prompt)
+
+
+# one request as a client process gets it: (index, HTTP request bytes, client prompt tokens, max_tokens,
+# n, send offset in seconds after the common start)
+_Item = tuple[int, bytes, int, int, int, float]
+
+
+async def _run_share(
+    server: Server,
+    items: Sequence[_Item],
+    t0: float,
+    deadline: float,
+    max_concurrency: int | None,
+    progress: Callable[[], None] | None = None,
+) -> tuple[dict[int, RequestResult], bool, float]:
+    """Sends `items` at t0 + their offsets (perf_counter times, shared by all processes of the host),
+    at most `max_concurrency` in flight; cancels what still runs at `deadline`. Returns (the results
+    by index, whether the deadline stopped it, the perf_counter time it ended)."""
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    results: dict[int, RequestResult] = {}
+
+    async def one(item: _Item) -> None:
+        index, request, prompt_tokens, max_tokens, n, _ = item
+        result = RequestResult(prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n)
+        if semaphore is None:
+            results[index] = result
+            await measure(server, request, result, t0)
+        else:
+            async with semaphore:
+                results[index] = result
+                await measure(server, request, result, t0)
+        if progress is not None:
+            progress()
+
+    tasks: list[asyncio.Task] = []
+
+    async def send_all() -> None:
+        for item in items:
+            delay = t0 + item[5] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(item)))
+        await asyncio.gather(*tasks)
+
+    timed_out = False
+    try:
+        await asyncio.wait_for(send_all(), max(0.0, deadline - time.perf_counter()))
+    except asyncio.TimeoutError:
+        timed_out = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results, timed_out, time.perf_counter()
+
+
+def _client_process(
+    conn: Any,
+    counts: Any,
+    slot: int,
+    server: Server,
+    items: list[_Item],
+    max_concurrency: int | None,
+    use_uvloop: bool,
+) -> None:
+    """A client process: says it is ready, waits for (start, t0, deadline), sends its share, returns
+    its results through `conn`; counts its finished requests in `counts[slot]` (the progress bar)."""
+    try:
+        conn.send(("ready",))
+        message = conn.recv()
+        if message[0] != "start":
+            return
+        _, t0, deadline = message
+
+        def progress() -> None:
+            counts[slot] += 1
+
+        share = _run_share(server, items, t0, deadline, max_concurrency, progress)
+        results, timed_out, end = run_loop(share, use_uvloop)
+        conn.send(("done", sorted(results.items()), timed_out, end))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone or stopping
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc(limit=5)))
+        except OSError:
+            pass
+
+
+def split_concurrency(max_concurrency: int | None, processes: int) -> list[int | None]:
+    """`max_concurrency` over `processes` client processes: the first ones get one more when it does
+    not divide (10 over 4: 3, 3, 2, 2); None (unlimited) for each when None."""
+    if max_concurrency is None:
+        return [None] * processes
+    base, extra = divmod(max_concurrency, processes)
+    return [base + (1 if p < extra else 0) for p in range(processes)]
+
+
+async def _run_processes(
+    server: Server,
+    items: list[_Item],
+    processes: int,
+    max_concurrency: int | None,
+    deadline: float,
+    use_uvloop: bool,
+    bar: Any,
+) -> tuple[dict[int, RequestResult], bool, float, float, list[str]]:
+    """The items over `processes` spawned client processes, request i to process i % processes.
+    Returns (results by index, timed out, t0, end, errors of processes that failed)."""
+    ctx = multiprocessing.get_context("spawn")
+    counts = ctx.RawArray("q", processes)
+    shares = [items[p::processes] for p in range(processes)]
+    limits = split_concurrency(max_concurrency, processes)
+    procs, conns = [], []
+    results: dict[int, RequestResult] = {}
+    problems: list[str] = []
+    timed_out = False
+    t0 = end = time.perf_counter()
+    try:
+        for p in range(processes):
+            parent, child = ctx.Pipe()
+            args = (child, counts, p, server, shares[p], limits[p], use_uvloop)
+            proc = ctx.Process(target=_client_process, args=args, daemon=True, name=f"bench-client-{p}")
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns.append(parent)
+        # every process ready (imported, listening) before the common start time
+        waiting = set(range(processes))
+        while waiting:
+            for p in list(waiting):
+                if conns[p].poll():
+                    message = conns[p].recv()
+                    if message[0] != "ready":
+                        raise RuntimeError(f"client process {p} failed to start: {message[-1]}")
+                    waiting.discard(p)
+                elif procs[p].exitcode is not None:
+                    raise RuntimeError(f"client process {p} exited with code {procs[p].exitcode} at start")
+            if waiting and time.perf_counter() > deadline:
+                timed_out = True
+                return results, timed_out, t0, time.perf_counter(), ["the client processes did not start"]
+            if waiting:
+                await asyncio.sleep(0.01)
+        t0 = time.perf_counter() + START_MARGIN
+        for conn in conns:
+            conn.send(("start", t0, deadline))
+        pending = set(range(processes))
+        ends = []
+        shown = 0
+        while pending:
+            for p in list(pending):
+                if conns[p].poll():
+                    try:
+                        message = conns[p].recv()
+                    except EOFError:
+                        message = ("error", f"exit code {procs[p].exitcode}")
+                    pending.discard(p)
+                    if message[0] == "done":
+                        results.update(message[1])
+                        timed_out |= message[2]
+                        ends.append(message[3])
+                    else:
+                        problems.append(f"client process {p} failed: {message[-1].strip()}")
+                elif procs[p].exitcode is not None:
+                    pending.discard(p)
+                    problems.append(f"client process {p} exited with code {procs[p].exitcode}")
+            if bar is not None:
+                done = sum(counts)
+                bar.update(done - shown)
+                shown = done
+            if pending and time.perf_counter() > deadline + REPORT_GRACE:
+                timed_out = True
+                problems.extend(f"client process {p} did not report by the deadline" for p in pending)
+                break
+            if pending:
+                await asyncio.sleep(0.01)
+        end = max(ends) if ends else time.perf_counter()
+    finally:
+        for conn in conns:
+            try:
+                conn.send(("stop",))  # to a process still waiting for its start
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+        for conn in conns:
+            conn.close()
+    return results, timed_out, t0, end, problems
+
+
+async def first_model(server: Server) -> str:
     """The id of the first model of `GET /v1/models`."""
-    page = await client.models.list()
-    models = list(page.data)
+    page = await get_json(server, "/models")
+    models = page.get("data") if isinstance(page, dict) else None
     if not models:
         raise RuntimeError("the server lists no model at GET /v1/models; give --model")
-    return models[0].id
+    return models[0]["id"]
 
 
 async def run_benchmark(
@@ -200,11 +431,26 @@ async def run_benchmark(
     timeout: float = DEFAULT_TIMEOUT,
     ignore_eos: bool = True,
     progress: bool = False,
+    endpoint: str = "completions",
+    prompt_format: str = "ids",
+    tokenizer: Any = None,
+    stream: bool = True,
+    n: int = 1,
+    return_token_ids: bool = True,
+    client_processes: int | None = None,
+    use_uvloop: bool = True,
 ) -> dict[str, Any]:
     """Sends `requests` and returns the report (`summarize`). Stops by itself after `timeout` seconds
-    (the model lookup included): unfinished requests are cancelled and count as failed."""
-    import openai
+    (the model lookup and the start of client processes included): unfinished requests are cancelled
+    and count as failed.
 
+    `endpoint`: "completions" (`POST {base_url}/completions`) or "chat" (`/chat/completions`, one user
+    message per prompt). `prompt_format` (completions): "ids" sends the token ids, "text" the decoded
+    text. Chat and text prompts need the texts: requests from `with_texts`, or a `tokenizer` (a path
+    or a loaded tokenizer) to decode them here. `stream=False` sends non-streamed requests (TTFT = E2E).
+    `n`: choices per request. `return_token_ids`: ask minisgl's server for the `token_ids` of each chunk.
+    `client_processes`: spread the requests over that many spawned processes (None:
+    `default_client_processes()`; 1: this process)."""
     if not requests:
         raise ValueError("the workload is empty")
     if not request_rate > 0:
@@ -213,61 +459,81 @@ async def run_benchmark(
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {prompt_format!r}")
+    if endpoint == "chat" and prompt_format == "ids":
+        prompt_format = "text"  # chat messages are text
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if client_processes is not None and client_processes < 1:
+        raise ValueError(f"client_processes must be at least 1, got {client_processes}")
+    if prompt_format == "text" and any(r.text is None for r in requests):
+        if tokenizer is None:
+            raise ValueError(f"the {endpoint} endpoint with text prompts needs a tokenizer (--tokenizer)")
+        requests = with_texts(requests, tokenizer)
     api_key = api_key or os.environ.get("MINISGL_API_KEY") or "EMPTY"
     deadline = time.perf_counter() + timeout
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
-    try:
-        if model is None:
-            model = await asyncio.wait_for(first_model(client), timeout)
-        extra_body = {"ignore_eos": ignore_eos, "return_token_ids": True}
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        results: list[RequestResult | None] = [None] * len(requests)
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
-
-        async def guarded(i: int) -> None:
-            if semaphore is None:
-                results[i] = await _one_request(client, model, requests[i], temperature, extra_body, t0)
-            else:
-                async with semaphore:
-                    results[i] = await _one_request(client, model, requests[i], temperature, extra_body, t0)
-            if bar is not None:
-                bar.update(1)
-
-        async def send_all(tasks: list[asyncio.Task]) -> None:
-            async for i in _arrivals(len(requests), request_rate, seed):
-                tasks.append(asyncio.create_task(guarded(i)))
-            await asyncio.gather(*tasks)
-
-        t0 = time.perf_counter()
-        tasks: list[asyncio.Task] = []
-        timed_out = False
+    server = Server.parse(base_url, api_key)
+    if model is None:
         try:
-            await asyncio.wait_for(send_all(tasks), max(0.0, deadline - time.perf_counter()))
+            model = await asyncio.wait_for(first_model(server), timeout)
         except asyncio.TimeoutError:
-            timed_out = True
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        duration = time.perf_counter() - t0
+            raise RuntimeError(f"GET /v1/models did not answer within the --timeout of {timeout} s") from None
+    path = "/chat/completions" if endpoint == "chat" else "/completions"
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    items: list[_Item] = []
+    shape = dict(endpoint=endpoint, prompt_format=prompt_format, stream=stream, n=n)
+    sampling = dict(temperature=temperature, ignore_eos=ignore_eos, return_token_ids=return_token_ids)
+    for i, r in enumerate(requests):
+        body = request_body(r, model=model, **shape, **sampling)
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        items.append(
+            (
+                i,
+                server.request("POST", path, data),
+                client_prompt_tokens(r, endpoint, prompt_format),
+                r.max_tokens,
+                n,
+                offsets[i],
+            )
+        )
+    processes = client_processes or default_client_processes()
+    processes = max(1, min(processes, len(requests), max_concurrency or len(requests)))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
+    problems: list[str] = []
+    try:
+        if processes == 1:
+            t0 = time.perf_counter()
+            update = (lambda: bar.update(1)) if bar is not None else None
+            results, timed_out, end = await _run_share(server, items, t0, deadline, max_concurrency, update)
+        else:
+            results, timed_out, t0, end, problems = await _run_processes(
+                server, items, processes, max_concurrency, deadline, use_uvloop, bar
+            )
+    finally:
         if bar is not None:
             bar.close()
-    finally:
-        await client.close()
+    duration = max(0.0, end - t0)
+    missing = "; ".join(problems) if problems else "not finished: --timeout ran out"
     final = [
-        r
-        if r is not None
-        else RequestResult(
-            len(requests[i].prompt), requests[i].max_tokens, error="not finished: --timeout ran out"
-        )
-        for i, r in enumerate(results)
+        results.get(i) or RequestResult(item[2], item[3], n=n, error=missing) for i, item in enumerate(items)
     ]
+    for result in final:
+        if result.error == CANCELLED:
+            timed_out = True
     settings = {
         "base_url": base_url,
         "model": model,
+        "endpoint": endpoint,
+        "prompt_format": prompt_format,
+        "stream": stream,
+        "n": n,
         "num_prompts": len(requests),
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
         "max_concurrency": max_concurrency,
@@ -275,13 +541,20 @@ async def run_benchmark(
         "seed": seed,
         "timeout": timeout,
         "timed_out": timed_out,
+        "client_processes": processes,
+        "event_loop": loop_name(use_uvloop) if processes > 1 else _current_loop_name(),
     }
     return summarize(final, duration, settings)
 
 
+def _current_loop_name() -> str:
+    loop = asyncio.get_running_loop()
+    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+
+
 def bench_serving(requests: Sequence[RequestInput], **kwargs: Any) -> dict[str, Any]:
-    """`run_benchmark` in a fresh event loop."""
-    return asyncio.run(run_benchmark(requests, **kwargs))
+    """`run_benchmark` in a fresh event loop (uvloop's when importable, unless `use_uvloop=False`)."""
+    return run_loop(run_benchmark(requests, **kwargs), kwargs.get("use_uvloop", True))
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -305,6 +578,15 @@ def _stats_ms(values: Sequence[float]) -> dict[str, float]:
     return out
 
 
+_RESULT_FIELDS = [f.name for f in fields(RequestResult) if f.name != "itl"]  # a request in the report
+
+
+def _source(sources: Any) -> str:
+    """Where the successful requests' token counts came from: the one source, "mixed", or "none"."""
+    found = set(sources)
+    return found.pop() if len(found) == 1 else ("mixed" if found else "none")
+
+
 def summarize(results: Sequence[RequestResult], duration: float, settings: dict[str, Any]) -> dict[str, Any]:
     """The report: counts, throughputs and latency statistics (ms) over the successful requests."""
     ok = [r for r in results if r.success]
@@ -317,6 +599,8 @@ def summarize(results: Sequence[RequestResult], duration: float, settings: dict[
             errors[r.error or "unknown"] = errors.get(r.error or "unknown", 0) + 1
     return {
         **settings,
+        "prompt_tokens_source": _source(r.prompt_tokens_source for r in ok),
+        "output_tokens_source": _source(r.output_tokens_source for r in ok),
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,
@@ -335,7 +619,7 @@ def summarize(results: Sequence[RequestResult], duration: float, settings: dict[
         "e2e_latency_ms": _stats_ms([r.latency for r in ok if r.latency is not None]),
         "errors": errors,
         "requests": [
-            {**{k: v for k, v in asdict(r).items() if k != "itl"}, "tpot": r.tpot, "itl_count": len(r.itl)}
+            {**{k: getattr(r, k) for k in _RESULT_FIELDS}, "tpot": r.tpot, "itl_count": len(r.itl)}
             for r in results
         ],
     }
@@ -360,6 +644,17 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'Total token throughput (tok/s):':<40}{report['total_throughput']:.2f}",
         f"{'Concurrency:':<40}{report['concurrency']:.2f}",
     ]
+    if "endpoint" in report:
+        mode = "streamed" if report.get("stream", True) else "not streamed"
+        endpoint = f"{report['endpoint']} ({mode}, prompts as {report.get('prompt_format', 'ids')}"
+        lines.append(f"{'Endpoint:':<40}{endpoint}, n={report.get('n', 1)})")
+    if "client_processes" in report:
+        loop = report.get("event_loop", "asyncio")
+        lines.append(f"{'Client processes:':<40}{report['client_processes']} ({loop})")
+    for key, title in (("prompt_tokens_source", "Input"), ("output_tokens_source", "Output")):
+        if key in report:
+            source = {"usage": "server usage", "client": "client tokenizer/ids"}.get(report[key], report[key])
+            lines.append(f"{f'{title} tokens counted from:':<40}{source}")
     for key, title in (
         ("e2e_latency_ms", "End-to-End Latency"),
         ("ttft_ms", "Time to First Token"),

@@ -522,47 +522,21 @@ def _envelope(request_id: str, obj: str, model: str, created: int | None) -> dic
 
 
 def completion_response(
-    request_id: str,
-    model: str,
-    prompt_tokens: int,
-    generations: Sequence[Generation],
-    *,
-    return_token_ids: bool = False,
-    created: int | None = None,
+    request_id: str, model: str, prompt_tokens: int, generations: Sequence[Generation], **options: Any
 ) -> dict[str, Any]:
-    """The non-streamed `text_completion` object, one choice per generation (in order)."""
-    return _response(
-        "text_completion",
-        request_id,
-        model,
-        prompt_tokens,
-        generations,
-        return_token_ids,
-        created,
-        lambda gen: {"text": gen.text},
-    )
+    """The non-streamed `text_completion` object, one choice per generation (in order); `options`:
+    `return_token_ids`, `created`."""
+    content = lambda gen: {"text": gen.text}  # noqa: E731
+    return _response("text_completion", request_id, model, prompt_tokens, generations, content, **options)
 
 
 def chat_response(
-    request_id: str,
-    model: str,
-    prompt_tokens: int,
-    generations: Sequence[Generation],
-    *,
-    return_token_ids: bool = False,
-    created: int | None = None,
+    request_id: str, model: str, prompt_tokens: int, generations: Sequence[Generation], **options: Any
 ) -> dict[str, Any]:
-    """The non-streamed `chat.completion` object, one assistant message per generation (in order)."""
-    return _response(
-        "chat.completion",
-        request_id,
-        model,
-        prompt_tokens,
-        generations,
-        return_token_ids,
-        created,
-        lambda gen: {"message": {"role": "assistant", "content": gen.text}},
-    )
+    """The non-streamed `chat.completion` object, one assistant message per generation (in order);
+    `options`: `return_token_ids`, `created`."""
+    content = lambda gen: {"message": {"role": "assistant", "content": gen.text}}  # noqa: E731
+    return _response("chat.completion", request_id, model, prompt_tokens, generations, content, **options)
 
 
 def _response(
@@ -571,9 +545,10 @@ def _response(
     model: str,
     prompt_tokens: int,
     generations: Sequence[Generation],
-    return_token_ids: bool,
-    created: int | None,
     content: Callable[[Generation], dict[str, Any]],
+    *,
+    return_token_ids: bool = False,
+    created: int | None = None,
 ) -> dict[str, Any]:
     """A non-streamed response object: `content(gen)` gives each choice's text or message."""
     choices = []
@@ -678,3 +653,42 @@ def model_list(model: str, *, created: int | None = None, owned_by: str = "minis
 def sse(payload: Mapping[str, Any]) -> str:
     """One server-sent event: ``data: {json}`` and a blank line (the JSON on one line)."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_TEXT_SLOT, _IDS_SLOT = "\x00text\x00", "\x00ids\x00"  # placeholders no text or id can be
+
+
+class ChunkFormat:
+    """The streamed chunks of one choice as server-sent events, cheaply: the chunk is built once by
+    `completion_chunk` / `chat_chunk` with placeholders for the text and the token ids and serialized
+    as `sse` does; `event(text, ids)` then joins the parts around the JSON-encoded text and ids. The
+    bytes equal ``sse(completion_chunk(...))`` (or the chat chunk) for the same values."""
+
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        request_id: str,
+        model: str,
+        index: int,
+        with_ids: bool,
+        created: int,
+    ) -> None:
+        ids = [_IDS_SLOT] if with_ids else None
+        if kind == "chat":
+            payload = chat_chunk(request_id, model, index, content=_TEXT_SLOT, token_ids=ids, created=created)
+        else:
+            payload = completion_chunk(request_id, model, index, _TEXT_SLOT, token_ids=ids, created=created)
+        event = sse(payload)
+        text_slot, ids_slot = json.dumps(_TEXT_SLOT), json.dumps([_IDS_SLOT])
+        self._head, rest = event.split(text_slot)
+        self._mid, self._tail = rest.split(ids_slot) if with_ids else (rest, "")
+        self.with_ids = with_ids
+
+    def event(self, text: str, ids: Sequence[int]) -> str:
+        """One chunk carrying `text` (and, if the request wants them, the token ids `ids`)."""
+        if not self.with_ids:
+            return self._head + _encode_str(text) + self._mid
+        return f"{self._head}{_encode_str(text)}{self._mid}[{','.join(map(str, ids))}]{self._tail}"
+
+
+_encode_str = json.encoder.encode_basestring  # a str as JSON, non-ASCII kept (sse's ensure_ascii=False)

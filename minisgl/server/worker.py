@@ -3,7 +3,12 @@ other ranks it spawns), fed by the front end over ZeroMQ. It never touches HTTP,
 tokenizer's text: requests arrive as token ids and sampling parameters, and each step's new token ids go
 back in one message.
 
-Messages (plain data: a JSON header, token ids as raw int64 frames; nothing is unpickled):
+Messages are plain data: a JSON header, token ids as raw int64 frames; nothing is unpickled. The front
+end's go over a ZeroMQ PUSH socket; the scheduler's over a Unix stream socket (`Outbox`, framed by
+`pack`), which wakes the front end's event loop about four times sooner than ZeroMQ's I/O threads
+(the hop from a step's end to the front end: 57 against 222 us at the median, measured on a 2-core
+machine). The scheduler never waits on it: what the socket does not take waits in a backlog.
+
 
 front end -> scheduler
     {"op": "add", "rid": int, "params": {...}} + prompt ids    queue a request (stop strings stay in
@@ -14,10 +19,16 @@ front end -> scheduler
     {"op": "stop"}                                             shut down
 scheduler -> front end
     {"op": "ready", ...the facts the front end needs}          once, when the engine is up
-    {"op": "step", "n": [...] or null, "done": [[row, reason, error], ...]} + rids + token ids
-                                                               one step: the rids of the requests it
-                                                               served (int64), their new tokens (n[i]
-                                                               each; null: one each), which finished
+    {"op": "step", "t": float, "s": float, "n": [...] or null, "done": [[row, reason, error, times], ...]}
+        + rids + token ids                                     one step: when its tokens reached the
+                                                               host and when this message was sent
+                                                               (time.perf_counter(): CLOCK_MONOTONIC,
+                                                               shared by the host's processes), the rids
+                                                               of the requests it served (int64), their
+                                                               new tokens (n[i] each; null: one each),
+                                                               which finished, each with its times in
+                                                               the scheduler [arrived, admitted, first
+                                                               token, finished] (null: never reached)
     {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
     {"op": "metrics", "id": int, "text": str}
     {"op": "flush", "id": int, "pages": int}                   the KV pages the flush freed
@@ -26,9 +37,13 @@ scheduler -> front end
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import socket
+import struct
 import time
 from array import array
 from dataclasses import asdict
@@ -41,6 +56,16 @@ from minisgl.core import FATAL_ERRORS, SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50  # how long an idle scheduler waits for a message before checking its parent again
+BACKLOG_POLL_MS = 1  # ... while messages to the front end wait in its outbox's backlog
+
+
+def set_parent_death_signal() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (a killed front end leaves no scheduler
+    and no tokenizer process)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def encode_params(params: SamplingParams) -> dict[str, Any]:
@@ -64,12 +89,66 @@ def frame_ids(frame: bytes) -> list[int]:
     return ids.tolist()
 
 
-def _send(sock: zmq.Socket, header: dict[str, Any], *frames: bytes) -> None:
-    sock.send_multipart([json.dumps(header).encode(), *frames])
+def pack(header: dict[str, Any], *frames: bytes) -> bytes:
+    """One message on a stream: its length, the number of frames and each frame's length (little-endian
+    uint32s), then the frames, the JSON header first."""
+    parts = [json.dumps(header).encode(), *frames]
+    head = struct.pack(f"<{len(parts) + 1}I", len(parts), *map(len, parts))
+    return struct.pack("<I", len(head) + sum(map(len, parts))) + head + b"".join(parts)
+
+
+def unpack(message: bytes) -> list[bytes]:
+    """The frames of a message `pack` made (without its leading length)."""
+    (count,) = struct.unpack_from("<I", message)
+    lengths = struct.unpack_from(f"<{count}I", message, 4)
+    frames, at = [], 4 + 4 * count
+    for length in lengths:
+        frames.append(message[at : at + length])
+        at += length
+    return frames
+
+
+class Outbox:
+    """The scheduler's messages to the front end, on a Unix stream socket that never blocks a step:
+    what the socket does not take now waits in `backlog`, sent first next time (`flush`)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.setblocking(False)
+        self.backlog = bytearray()
+
+    def send(self, header: dict[str, Any], *frames: bytes) -> None:
+        data = pack(header, *frames)
+        if self.backlog:
+            self.backlog += data
+            self.flush()
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self.backlog += data[sent:]
+
+    def flush(self) -> None:
+        while self.backlog:
+            try:
+                sent = self.sock.send(self.backlog)
+            except BlockingIOError:
+                return
+            del self.backlog[:sent]
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Sends what is left (for at most `timeout` seconds: the last messages reach the front end)."""
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(timeout)
+            self.sock.sendall(self.backlog)
+        self.sock.close()
 
 
 def scheduler_main(
-    settings: dict[str, Any], config: str | None, inbox_addr: str, outbox_addr: str, parent: int
+    settings: dict[str, Any], config: str | None, inbox_addr: str, outbox_path: str, parent: int
 ) -> None:
     """Entry point of the scheduler process (spawned by the front end, whose pid is `parent`: when it
     is gone this process stops, and with it the ranks it spawned)."""
@@ -78,8 +157,7 @@ def scheduler_main(
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(inbox_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(outbox_addr)
+    outbox = Outbox(outbox_path)
     llm = None
     try:
         from minisgl.llm import LLM
@@ -87,8 +165,7 @@ def scheduler_main(
         model = settings.pop("model_path", None)
         llm = LLM(model, config=config, detokenize=False, **settings)
         engine = llm.engine
-        _send(
-            outbox,
+        outbox.send(
             {
                 "op": "ready",
                 "model_path": engine.config.model_path,
@@ -102,20 +179,18 @@ def scheduler_main(
         _serve(llm, inbox, outbox, parent)
     except BaseException as e:  # the front end reports it (health stays 503, requests fail)
         logger.exception("the scheduler process failed")
-        try:
-            _send(outbox, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
-        except zmq.ZMQError:
-            pass
+        with contextlib.suppress(OSError):
+            outbox.send({"op": "failed", "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from e
     finally:
         if llm is not None:
             llm.shutdown()
         inbox.close(linger=0)
-        outbox.close(linger=1000)  # let the last messages reach the front end
+        outbox.close()
         ctx.term()
 
 
-def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None:
+def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
     """The loop: take every message waiting, run one step if there is work, send its tokens."""
     scheduler = llm.scheduler
     states: dict[int, Any] = {}  # rid -> RequestState of the unfinished requests
@@ -130,7 +205,10 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
                 logger.warning("the front end (pid %d) is gone: stopping", parent)
                 return
             next_parent_check = now + 1.0
-        timeout = 0 if scheduler.has_work() else IDLE_POLL_MS
+        if outbox.backlog:
+            outbox.flush()
+        # idle: wait for a message, or (a backlog for the front end) for its socket to take more
+        timeout = 0 if scheduler.has_work() else BACKLOG_POLL_MS if outbox.backlog else IDLE_POLL_MS
         if poller.poll(timeout):
             while True:
                 try:
@@ -146,7 +224,7 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
                     try:
                         state = scheduler.add_request(frame_ids(frames[1]), decode_params(header["params"]))
                     except (TypeError, ValueError) as e:
-                        _send(outbox, {"op": "rejected", "rid": rid, "error": str(e)})
+                        outbox.send({"op": "rejected", "rid": rid, "error": str(e)})
                         continue
                     states[rid] = state
                     rids[state.uid] = rid
@@ -161,11 +239,9 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
                     from minisgl import metrics
 
                     text = generate_latest(metrics.REGISTRY).decode()
-                    _send(outbox, {"op": "metrics", "id": header["id"], "text": text})
+                    outbox.send({"op": "metrics", "id": header["id"], "text": text})
                 elif op == "flush":
-                    _send(
-                        outbox, {"op": "flush", "id": header["id"], "pages": scheduler.clear_prefix_cache()}
-                    )
+                    outbox.send({"op": "flush", "id": header["id"], "pages": scheduler.clear_prefix_cache()})
         if not scheduler.has_work():
             continue
         try:
@@ -181,7 +257,8 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
             if rid is None:  # aborted meanwhile
                 continue
             if update.finished:
-                done.append([len(served), state.finish_reason, state.error])
+                times = [state.arrival_time, state.admit_time, state.first_token_time, state.finish_time]
+                done.append([len(served), state.finish_reason, state.error, times])
                 states.pop(rid, None)
                 rids.pop(state.uid, None)
             served.append(rid)
@@ -189,4 +266,11 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent: int) -> None
             tokens += update.token_ids
         if served:
             n = None if all(c == 1 for c in counts) else counts
-            _send(outbox, {"op": "step", "n": n, "done": done}, ids_frame(served), ids_frame(tokens))
+            header = {
+                "op": "step",
+                "t": scheduler.tokens_time,
+                "s": time.perf_counter(),
+                "n": n,
+                "done": done,
+            }
+            outbox.send(header, ids_frame(served), ids_frame(tokens))

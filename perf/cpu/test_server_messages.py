@@ -1,21 +1,22 @@
 """The server's per-step messages at 256 concurrent streams: what one decode step costs the scheduler
 process (building and sending its tokens message) and the front end (receiving it and turning each
-stream's token into text with its incremental detokenizer, stop-string check included), over a real
-ZeroMQ ipc:// socket pair. Run with `nox -s perf`; the figures are printed and kept in extra_info."""
+stream's token into text with its incremental detokenizer, stop-string check included), over the real
+Unix stream socket of `minisgl.server.worker.Outbox`. Run with `nox -s perf`; the figures are printed
+and kept in extra_info."""
 
 import json
+import socket
 import tempfile
 import time
 
 import pytest
 import transformers
-import zmq
 
 from minisgl.core import SamplingParams
 from minisgl.models import default_model_path
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.server.app import Choice
-from minisgl.server.worker import frame_ids, ids_frame
+from minisgl.server.worker import Outbox, frame_ids, ids_frame, unpack
 
 STREAMS = 256
 STEPS = 200
@@ -29,10 +30,18 @@ def tokenizer():
 @pytest.mark.parametrize("detokenize", [True, False], ids=["text", "token-ids"])
 def test_step_message_256_streams(benchmark, tokenizer, detokenize):
     folder = tempfile.mkdtemp(prefix="minisgl-perf-")
-    ctx = zmq.Context()
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    pull.bind(f"ipc://{folder}/tokens")
-    push.connect(f"ipc://{folder}/tokens")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{folder}/tokens")
+    listener.listen(1)
+    outbox = Outbox(f"{folder}/tokens")
+    pull, _ = listener.accept()
+
+    def receive() -> list[bytes]:
+        data = bytearray()
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+            data += pull.recv(1 << 20)
+        return unpack(bytes(data[4:]))
+
     rids = list(range(1000, 1000 + STREAMS))
     text_ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"]
     # text: a stop string checked on each stream; token ids: a model without tokenizer (GPU presets)
@@ -47,10 +56,10 @@ def test_step_message_256_streams(benchmark, tokenizer, detokenize):
         for step in range(STEPS):
             token = text_ids[step % len(text_ids)]
             t0 = time.perf_counter()
-            header = {"op": "step", "n": None, "done": []}  # as minisgl.server.worker builds it
-            push.send_multipart([json.dumps(header).encode(), ids_frame(rids), ids_frame([token] * STREAMS)])
+            header = {"op": "step", "t": t0, "s": t0, "n": None, "done": []}  # as the worker builds it
+            outbox.send(header, ids_frame(rids), ids_frame([token] * STREAMS))
             t1 = time.perf_counter()
-            frames = pull.recv_multipart()
+            frames = receive()
             header = json.loads(frames[0])
             served, tokens = frame_ids(frames[1]), frame_ids(frames[2])
             done = {row: (reason, error) for row, reason, error in header["done"]}
@@ -71,6 +80,6 @@ def test_step_message_256_streams(benchmark, tokenizer, detokenize):
         f"{send_s * 1e6:.0f} us; the front end receives it and handles every stream in "
         f"{recv_s * 1e6:.0f} us ({recv_s * 1e6 / STREAMS:.2f} us per stream)"
     )
-    push.close(linger=0)
-    pull.close(linger=0)
-    ctx.term()
+    outbox.close()
+    pull.close()
+    listener.close()

@@ -1,0 +1,659 @@
+"""The serving benchmark on a GPU: the server against the engine offline, and against Mini-SGLang's.
+
+    python -m perf.gpu.serving MODEL_DIR [--parts stub,offline,http,low,peer] [--reps 3] [--out DIR]
+
+MODEL_DIR holds `config.json` and a tokenizer (the H200 preset's Qwen3-0.6B config beside the default
+model's tokenizer files); weights are dummy (the preset, `--config`). Parts, run in this order:
+
+- stub: `bench-serving` against `perf.stub_server` streaming as fast as it can, 256 streams of 1,024
+  tokens, 1 and 3 tokens per chunk: the rate the client can count.
+- offline: the offline workload in a child process (`minisgl.bench.run_pass`, `--reps` passes), then
+  each prompt of the low-load run alone with one new token: the engine's own TTFT for it.
+- http: `minisgl-run serve` with a request trace; `bench-serving` at rate inf (`--reps` runs) on the
+  same workload, then in chat mode (the workload decoded to text once); each run's trace gives where
+  the time went (stage means and percentiles).
+- low: the same server at 4 requests/s (128 requests): TTFT, TPOT, and the delay from a step's end to
+  its tokens on the socket (`minisgl_token_delivery_seconds`, from /metrics before and after).
+- peer: Mini-SGLang (`--peer DIR`: its source tree's `python/` folder and `bench_offline.py`): its
+  offline pass, its server driven by the fast client in chat mode and by its own `bench_simple.py`,
+  and `bench_simple.py` against minisgl's server.
+
+Every run's JSON goes under --out (default ./serving-out); a table of the figures and their ratios is
+printed last. Servers bind to 127.0.0.1 and are stopped at the end of their part; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = ROOT / "configs" / "h200-qwen3-0.6b.yaml"
+START_TIMEOUT_S = 480
+LOW_RATE, LOW_PROMPTS = 4.0, 128
+WARM_UP = ["--num-prompts", "16", "--min-output", "16", "--max-output", "64"]  # before a server's runs
+# --shape cpu: the workload scaled down as `minisgl-run bench` does on a CPU (a dry run of this script)
+CPU_ARGS = [
+    "--num-prompts",
+    "32",
+    "--min-input",
+    "16",
+    "--max-input",
+    "128",
+    "--min-output",
+    "16",
+    "--max-output",
+    "128",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+class Proc:
+    """A server in a subprocess (its own process group), logged to a file; stopped on exit."""
+
+    def __init__(
+        self, cmd: list[str], log: Path, ready_url: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+    ) -> None:
+        self.log = open(log, "w")  # noqa: SIM115
+        started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
+        )
+        deadline = started + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:4]} exited early (see {log})")
+            if _get(ready_url, 2)[0] == 200:
+                self.start_s = time.monotonic() - started
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{cmd[:4]} did not become ready in {START_TIMEOUT_S} s (see {log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _last_json(text: str) -> Any:
+    """The last line of `text` that parses as a JSON object (or the whole text if it does)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise ValueError(f"no JSON in the output: {text[-2000:]}")
+
+
+def bench_serving(base_url: str, *args: str, timeout: float = 900) -> dict[str, Any]:
+    """`minisgl-run bench-serving --json` against `base_url` (its report, minus the per-request list)."""
+    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", base_url, "--json", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench-serving failed: {out.stderr[-3000:]}")
+    report = _last_json(out.stdout)
+    report.pop("requests", None)
+    return report
+
+
+# -------------------------------------------------------------------------------------------- the parts
+
+
+def part_stub(out: Path) -> dict[str, Any]:
+    from perf.stub_server import measure_client
+
+    rows = {}
+    for tokens_per_chunk in (1, 3):
+        report = measure_client(256, tokens_per_chunk, stub_processes=4, output_len=1024)
+        report.pop("requests", None)
+        rows[f"stub_{tokens_per_chunk}tpc"] = report
+        print(
+            f"stub, {tokens_per_chunk} token(s)/chunk: client counted {report['output_throughput']:,.0f} tok/s "
+            f"({report.get('client_processes')} client processes), TTFT p50 {report['ttft_ms']['p50']:.1f} ms",
+            flush=True,
+        )
+    (out / "stub.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _offline_child(
+    model: str, config: str, reps: int, low_prompts: list[list[int]], path: str, cpu: bool
+) -> None:
+    """In a child process: `reps` passes of the offline workload, then each low-load prompt alone."""
+    from minisgl.bench import CPU_SHAPE, WorkloadShape, make_workload, run_pass
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    os.environ["TQDM_DISABLE"] = "1"
+    llm = LLM(model, config=config)
+    try:
+        vocab = llm.engine.config.model_config.vocab_size
+        prompts, max_tokens = make_workload(CPU_SHAPE if cpu else WorkloadShape(), vocab)
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=8, ignore_eos=True))
+        passes = []
+        for _ in range(reps):
+            llm.flush_cache()
+            r = run_pass(llm, prompts, max_tokens, 0.6)
+            passes.append(
+                {"tok_s": r.tokens_per_s, "ttft_p50_ms": 1e3 * r.ttft_p50, "ttft_p99_ms": 1e3 * r.ttft_p99}
+            )
+            print(
+                f"offline pass: {r.tokens_per_s:,.0f} tok/s, TTFT p50 {1e3 * r.ttft_p50:.0f} ms", flush=True
+            )
+        # the engine's own time per token at the batch sizes of the low-load run (512 + 512 tokens)
+        floors = {}
+        for batch, temperature in ((1, 0.0), (1, 0.6), (2, 0.6), (4, 0.6), (8, 0.6)):
+            batch_prompts = [p[:512] for p in prompts[:batch]]
+            params = SamplingParams(max_tokens=512, temperature=temperature, ignore_eos=True)
+            llm.generate(batch_prompts, params)  # the first run of a size may compile its prefill
+            started = time.perf_counter()
+            outputs = llm.generate(batch_prompts, params)
+            seconds = time.perf_counter() - started
+            first = max(o.time_to_first_token for o in outputs)
+            floors[f"bs{batch}_t{temperature}"] = 1e3 * (seconds - first) / 511
+        print(f"engine ms per decode step: {floors}", flush=True)
+        alone = []
+        for prompt in low_prompts:
+            llm.flush_cache()
+            [o] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.6, ignore_eos=True))
+            alone.append(1e3 * o.time_to_first_token)
+        Path(path).write_text(json.dumps({"passes": passes, "alone_ttft_ms": alone, "decode_ms": floors}))
+    finally:
+        llm.shutdown()
+
+
+def part_offline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from minisgl.server.bench_serving import workload
+
+    cpu = {"min_input": 16, "max_input": 128} if args.shape == "cpu" else {}
+    low = [r.prompt for r in workload(args.low_prompts, **cpu)]
+    path = out / "offline.json"
+    proc = mp.get_context("spawn").Process(
+        target=_offline_child, args=(args.model, args.config, args.reps, low, str(path), args.shape == "cpu")
+    )
+    proc.start()
+    proc.join(1800)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise RuntimeError(f"the offline child failed (exit code {proc.exitcode})")
+    return json.loads(path.read_text())
+
+
+def _serve(args: argparse.Namespace, out: Path, name: str, port: int, *extra: str) -> Proc:
+    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--config", args.config, "--model", args.model]
+    cmd += ["--port", str(port), *extra]
+    proc = Proc(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health")
+    print(f"{name}: up in {proc.start_s:.0f} s", flush=True)
+    return proc
+
+
+def _trace_slice(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines[start:]], len(lines)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def start_profiles(server: Proc, out: Path, name: str, delay: float, seconds: int) -> list[subprocess.Popen]:
+    """py-spy (if on PATH), idle samples included, on the front end and the scheduler process: from
+    `delay` seconds on, for `seconds`; raw stacks to out/spy-NAME-{frontend,scheduler}.txt."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return []
+    front = server.proc.pid
+    # the scheduler: the front end's child that runs minisgl (not multiprocessing's resource tracker)
+    kids = [
+        pid
+        for pid in _children(front)
+        if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    targets = {"frontend": front, **{f"scheduler{i}": pid for i, pid in enumerate(kids)}}
+    return [
+        subprocess.Popen(
+            [
+                "bash",
+                "-c",
+                f'sleep {delay}; exec "$0" record -p {pid} -d {seconds} -r 250 --idle -f raw -o "$1"',
+                spy,
+                str(out / f"spy-{name}-{who}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for who, pid in targets.items()
+    ]
+
+
+def summarize_profiles(out: Path, top: int = 30) -> None:
+    """For each py-spy raw file: the functions of most own samples and of most samples in all."""
+    for path in sorted(out.glob("spy-*.txt")):
+        own: dict[str, int] = {}
+        within: dict[str, int] = {}
+        total = 0
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            n, frames = int(count), stack.split(";")
+            total += n
+            own[frames[-1]] = own.get(frames[-1], 0) + n
+            for frame in set(frames):
+                within[frame] = within.get(frame, 0) + n
+        lines = [f"{path.name}: {total} samples"]
+        for title, table in (("own", own), ("inclusive", within)):
+            lines.append(f"-- {title}")
+            lines += [
+                f"{100 * n / max(total, 1):5.1f}%  {f[:160]}"
+                for f, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]
+            ]
+        path.with_suffix(".top").write_text("\n".join(lines) + "\n")
+
+
+def breakdown(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per stage of the request trace: mean, p50 and p99 in ms over the records that have it."""
+    from minisgl.server.app import TRACE_STAGES
+    from minisgl.server.bench_serving import percentile
+
+    table = {}
+    for _, stage in TRACE_STAGES:
+        values = [1e3 * r["stages_s"][stage] for r in records if r["stages_s"][stage] is not None]
+        if values:
+            table[stage] = {
+                "mean": statistics.fmean(values),
+                "p50": percentile(values, 50),
+                "p99": percentile(values, 99),
+            }
+    per_token = [
+        1e3 * r["stages_s"]["decode"] / (r["completion_tokens"] / r["n"] - 1)
+        for r in records
+        if r["stages_s"]["decode"] is not None and r["completion_tokens"] / r["n"] > 1
+    ]
+    if per_token:  # the scheduler's time per output token (its decode stage over the tokens after the first)
+        table["decode_per_token"] = {
+            "mean": statistics.fmean(per_token),
+            "p50": percentile(per_token, 50),
+            "p99": percentile(per_token, 99),
+        }
+    splits = [r["delivery"]["split_mean_s"] for r in records if r["delivery"].get("split_mean_s")]
+    if splits:  # step-to-socket, split: the scheduler's processing, the ZeroMQ hop, the front end
+        table["delivery_split"] = {
+            name: 1e3 * statistics.fmean(split[i] for split in splits)
+            for i, name in enumerate(("scheduler", "zmq", "frontend"))
+        }
+    delays = [1e3 * r["delivery"]["max_s"] for r in records if r["delivery"]["max_s"] is not None]
+    if delays:
+        table["delivery_max"] = {
+            "mean": statistics.fmean(delays),
+            "p50": percentile(delays, 50),
+            "p99": percentile(delays, 99),
+        }
+    return table
+
+
+def histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """(le, cumulative count) of a Prometheus histogram in exposition `text` (one label set)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = re.search(r'le="([^"]+)"', line).group(1)
+            found.append((math.inf if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    return sorted(found)
+
+
+def histogram_quantile(
+    before: list[tuple[float, float]], after: list[tuple[float, float]], q: float
+) -> float:
+    """The q-quantile (0..1) of the observations between two scrapes, interpolated within its bucket
+    (Prometheus' histogram_quantile); seconds."""
+    counts = [(le, a - b) for (le, a), (_, b) in zip(after, before or [(le, 0.0) for le, _ in after])]
+    total = counts[-1][1]
+    if total <= 0:
+        return math.nan
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, cum in counts:
+        if cum >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(cum - below, 1e-12)
+        lower, below = le, cum
+    return lower
+
+
+def part_http(args: argparse.Namespace, out: Path, parts: set[str]) -> dict[str, Any]:
+    """One server, the runs `parts` names: http (rate inf), chat (rate inf, chat mode), single (one
+    request alone, greedy: the server's own per-token cost) and low (4 requests/s)."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    trace = out / "trace.jsonl"
+    result: dict[str, Any] = {}
+    single = ["--num-prompts", "1", "--temperature", "0", "--min-input", "128", "--max-input", "128"]
+    single += ["--min-output", "1024", "--max-output", "1024"]
+    low = ["--num-prompts", str(args.low_prompts), *args.workload[2:], "--request-rate", str(LOW_RATE)]
+    plan = [
+        ("http", "rate_inf", args.reps, [*args.workload]),
+        (
+            "chat",
+            "chat_rate_inf",
+            args.reps,
+            ["--endpoint", "chat", "--tokenizer", args.model, *args.workload],
+        ),
+        ("single", "single", 1, single),
+        ("low", "low", args.low_reps, low),
+    ]
+    # served under the model folder's path: Mini-SGLang's client loads its tokenizer from the name
+    model = str(Path(args.model).resolve())
+    with _serve(
+        args, out, "minisgl-serve", port, "--request-trace", str(trace), "--served-model-name", model
+    ) as server:
+        result["start_s"] = server.start_s
+        bench_serving(base + "/v1", *WARM_UP)
+        bench_serving(base + "/v1", "--endpoint", "chat", "--tokenizer", args.model, *WARM_UP)
+        _, seen = _trace_slice(trace, 0)
+        for part, key, reps, extra in plan:
+            if part not in parts:
+                continue
+            result[key] = []
+            for i in range(reps):
+                # py-spy (with idle samples) over the middle of the first run of each kind
+                spies = (
+                    start_profiles(server, out, f"{key}", delay=4, seconds=6)
+                    if i == 0 and args.profile
+                    else []
+                )
+                before = histogram(_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
+                report = bench_serving(base + "/v1", *extra)
+                after = histogram(_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
+                for spy in spies:
+                    spy.wait(60)
+                records, seen = _trace_slice(trace, seen)
+                report["breakdown"] = breakdown(records)
+                report["delivery_ms"] = {
+                    f"p{q}": 1e3 * histogram_quantile(before, after, q / 100) for q in (50, 90, 99)
+                }
+                result[key].append(report)
+                print(
+                    _line(f"{key} #{i + 1}", report) + f", step-to-socket {report['delivery_ms']}", flush=True
+                )
+                (out / "http.json").write_text(json.dumps(result, indent=1))
+        if "simple" in parts and args.peer:
+            result["bench_simple_s"] = []
+            for i in range(args.simple_reps):
+                result["bench_simple_s"].append(
+                    _bench_simple(Path(args.peer).resolve(), port, out, f"bench-simple-{i}")
+                )
+                (out / "http.json").write_text(json.dumps(result, indent=1))
+                print(
+                    f"minisgl server, bench_simple Duration: {result['bench_simple_s'][-1]:.2f} s", flush=True
+                )
+    return result
+
+
+def _line(name: str, report: dict[str, Any]) -> str:
+    return (
+        f"{name}: {report['output_throughput']:,.0f} tok/s, TTFT p50 {report['ttft_ms']['p50']:.0f} ms "
+        f"p99 {report['ttft_ms']['p99']:.0f} ms, ITL p99 {report['itl_ms']['p99']:.1f} ms, "
+        f"TPOT p50 {report['tpot_ms']['p50']:.2f} ms, failed {report['failed']}"
+    )
+
+
+def _bench_simple(peer: Path, port: int, out: Path, name: str) -> float:
+    """Mini-SGLang's online client (a copy with its port and api_key changed) against a server on
+    `port` that serves its model under a path name; returns its Duration in seconds."""
+    src = (peer / ".." / "benchmark" / "online" / "bench_simple.py").read_text()
+    script = out / "bench_simple_patched.py"
+    script.write_text(src.replace("PORT = 1919", f"PORT = {port}").replace('api_key=""', 'api_key="EMPTY"'))
+    env = {**os.environ, "PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env, cwd=out
+    )
+    (out / f"{name}.log").write_text(done.stdout + done.stderr)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)  # its log's colours
+    found = re.findall(r"Duration:\s*([0-9.]+)", text)
+    if not found:
+        raise RuntimeError(f"bench_simple printed no Duration (see {out / name}.log)")
+    return float(found[-1])
+
+
+def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Mini-SGLang: its offline benchmark, then its server under the fast client (chat) and its own
+    online client."""
+    peer = Path(args.peer).resolve()
+    env = {"PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
+    model = str(Path(args.model).resolve())
+    result: dict[str, Any] = {}
+
+    def save() -> None:
+        (out / "peer.json").write_text(json.dumps(result, indent=1))
+
+    done = subprocess.run(
+        [sys.executable, str(Path(args.peer_offline).resolve()), model],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, **env},
+        cwd=out,  # not the repository: both projects' packages are called minisgl
+    )
+    (out / "peer-offline.log").write_text(done.stdout + done.stderr)
+    result["offline"] = _last_json(done.stdout)
+    save()
+    print(f"Mini-SGLang offline: {result['offline']}", flush=True)
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisgl",
+        "--model",
+        model,
+        "--dummy-weight",
+        "--port",
+        str(port),
+        "--attn",
+        "fi",
+    ]
+    with Proc(cmd, out / "peer-serve.log", f"http://127.0.0.1:{port}/v1/models", env=env, cwd=out) as server:
+        result["start_s"] = server.start_s
+        print(f"Mini-SGLang server: up in {server.start_s:.0f} s", flush=True)
+        base = f"http://127.0.0.1:{port}/v1"
+        bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP)
+        result["chat_rate_inf"] = []
+        for i in range(args.reps):
+            report = bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *args.workload)
+            result["chat_rate_inf"].append(report)
+            save()
+            print(_line(f"Mini-SGLang server, chat #{i + 1}", report), flush=True)
+        result["bench_simple_s"] = []
+        for i in range(args.simple_reps):
+            result["bench_simple_s"].append(_bench_simple(peer, port, out, f"peer-bench-simple-{i}"))
+            save()
+            print(
+                f"Mini-SGLang server, bench_simple Duration: {result['bench_simple_s'][-1]:.2f} s", flush=True
+            )
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+
+def _requested_rate(report: dict[str, Any]) -> float:
+    """The tokens the completed requests asked for (all of them: ignore_eos) over the run's duration."""
+    return report["requested_output_tokens"] / report["duration_s"]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = []
+    stub = results.get("stub") or {}
+    for key, report in stub.items():
+        rows.append((f"client vs stub, {key}", f"{report['output_throughput']:,.0f} tok/s"))
+    offline = results.get("offline") or {}
+    off_tok = _median([p["tok_s"] for p in offline.get("passes", [])])
+    off_ttft = _median([p["ttft_p50_ms"] for p in offline.get("passes", [])])
+    if offline:
+        rows.append(("offline tok/s (median)", f"{off_tok:,.0f}"))
+        rows.append(("offline TTFT p50 ms (median)", f"{off_ttft:.0f}"))
+    http = results.get("http") or {}
+    if http.get("rate_inf"):
+        runs = http["rate_inf"]
+        tok = _median([r["output_throughput"] for r in runs])
+        rows.append(("HTTP rate inf tok/s (median)", f"{tok:,.0f} = {tok / off_tok:.3f}x offline"))
+        rows.append(("HTTP rate inf TTFT p50 ms", f"{_median([r['ttft_ms']['p50'] for r in runs]):.0f}"))
+        rows.append(("HTTP rate inf ITL p99 ms", f"{_median([r['itl_ms']['p99'] for r in runs]):.1f}"))
+    if http.get("chat_rate_inf"):
+        tok = _median([r["output_throughput"] for r in http["chat_rate_inf"]])
+        rows.append(("HTTP chat rate inf tok/s", f"{tok:,.0f}"))
+    if offline.get("decode_ms"):
+        rows.append(
+            ("engine ms per decode step", ", ".join(f"{k} {v:.3f}" for k, v in offline["decode_ms"].items()))
+        )
+    if http.get("single"):
+        r = http["single"][0]
+        rows.append(("HTTP single request (greedy) TPOT p50 ms", f"{r['tpot_ms']['p50']:.3f}"))
+        rows.append(("  its scheduler ms/token", f"{r['breakdown']['decode_per_token']['p50']:.3f}"))
+    if http.get("low"):
+        runs = http["low"]
+        rows.append(
+            (
+                "4 req/s scheduler ms/token p50",
+                f"{_median([r['breakdown']['decode_per_token']['p50'] for r in runs]):.3f}",
+            )
+        )
+        rows.append(("4 req/s TTFT p50 ms", f"{_median([r['ttft_ms']['p50'] for r in runs]):.1f}"))
+        if offline.get("alone_ttft_ms"):
+            rows.append(("engine alone TTFT p50 ms", f"{_median(offline['alone_ttft_ms']):.1f}"))
+        rows.append(("4 req/s TPOT p50 ms", f"{_median([r['tpot_ms']['p50'] for r in runs]):.3f}"))
+        for q in ("p50", "p99"):
+            rows.append(
+                (f"4 req/s step-to-socket {q} ms", f"{_median([r['delivery_ms'][q] for r in runs]):.3f}")
+            )
+    peer = results.get("peer") or {}
+    if peer:
+        p_off = _median(peer["offline"]["passes"])
+        rows.append(("Mini-SGLang offline tok/s", f"{p_off:,.0f}"))
+        # the requested tokens over the duration: Mini-SGLang's stream carries neither usage nor token
+        # ids and several tokens per chunk, so the client's own count of its tokens is low
+        p_chat = _median([_requested_rate(r) for r in peer["chat_rate_inf"]])
+        rows.append(("Mini-SGLang server chat tok/s (requested / duration)", f"{p_chat:,.0f}"))
+        if http.get("chat_rate_inf") and offline:
+            m_chat = _median([_requested_rate(r) for r in http["chat_rate_inf"]])
+            server_ratio, engine_ratio = m_chat / p_chat, off_tok / p_off
+            rows.append(
+                (
+                    "servers / engines (chat)",
+                    f"{server_ratio:.3f} / {engine_ratio:.3f} = {server_ratio / engine_ratio:.3f}",
+                )
+            )
+        if peer.get("bench_simple_s") and http.get("bench_simple_s"):
+            a, b = _median(peer["bench_simple_s"]), _median(http["bench_simple_s"])
+            rows.append(
+                ("bench_simple Duration s: Mini-SGLang / minisgl", f"{a:.2f} / {b:.2f} = {a / b:.3f}x")
+            )
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model", help="model folder: config.json and a tokenizer")
+    parser.add_argument("--config", default=str(PRESET))
+    parser.add_argument("--parts", default="stub,peer,offline,http,chat,single,low,simple")
+    parser.add_argument("--simple-reps", type=int, default=2, help="runs of Mini-SGLang's client per server")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--low-reps", type=int, default=2)
+    parser.add_argument("--out", default="serving-out")
+    parser.add_argument("--peer", default=None, help="Mini-SGLang's python/ folder (for the peer part)")
+    parser.add_argument("--peer-offline", default=None, help="bench_offline.py (for the peer part)")
+    parser.add_argument(
+        "--shape", choices=["full", "cpu"], default="full", help="cpu: the scaled-down workload"
+    )
+    parser.add_argument("--profile", action="store_true", help="py-spy the server in the first rate-inf run")
+    args = parser.parse_args()
+    args.workload = CPU_ARGS if args.shape == "cpu" else []
+    args.low_prompts = 8 if args.shape == "cpu" else LOW_PROMPTS
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    results: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        if "stub" in parts:
+            results["stub"] = part_stub(out)
+        if "peer" in parts:  # first: its compilation then disturbs nothing of minisgl's
+            results["peer"] = part_peer(args, out)
+        if "offline" in parts:
+            results["offline"] = part_offline(args, out)
+        if parts & {"http", "chat", "single", "low", "simple"}:
+            results["http"] = part_http(args, out, parts)
+    finally:
+        summarize_profiles(out)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(
+            f"\n--- serving benchmark ({time.monotonic() - started:.0f} s) ---\n{table(results)}", flush=True
+        )
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False)
+
+
+if __name__ == "__main__":
+    main()
