@@ -21,6 +21,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ class LLM:
         # by the next step
         self._abandoned: deque[RequestState] = deque()
         self._closed = False
+        self._closing = False  # a shutdown waits for the lock: stepping threads let it have it
 
     def _start_engine(
         self, settings: dict[str, Any], config: str | Path | None, launched: tuple[int, int] | None
@@ -281,8 +283,10 @@ class LLM:
                 with self._lock:
                     while pending and pending[0].finished:
                         pending.popleft()
-                    if pending:
+                    if pending and not self._closing:
                         self._step()
+                if self._closing:  # the lock is not fair: without a pause this loop could keep it
+                    time.sleep(0.001)
                 if interrupted():
                     raise KeyboardInterrupt
                 if progress:  # finished ones behind an unfinished head count once it finishes
@@ -334,6 +338,7 @@ class LLM:
     def shutdown(self) -> None:
         """Aborts every unfinished request (a `generate` in another thread returns them with
         finish_reason "abort") and releases the engine. Later calls raise a RuntimeError. Idempotent."""
+        self._closing = True  # before the lock: a `generate` stepping in another thread yields it
         with self._lock:
             if self._closed:
                 return
