@@ -164,8 +164,9 @@ class Job:
         # the latest step with news for it: its tokens on the host, its message sent, read here
         self.step_time = self.step_sent = self.step_read = 0.0
         self.chunks = 0  # writes of tokens to the socket
-        self.delay_sum = self.delay_max = 0.0  # from step_time to each write
-        self.parts_sum = [0.0, 0.0, 0.0]  # the same, split: in the scheduler, over ZeroMQ, here
+        self.delay_max = 0.0  # the largest delay from step_time to a write
+        # the delays summed, split: in the scheduler, the hop (a Unix socket), here (they add up to it)
+        self.parts_sum = [0.0, 0.0, 0.0]
 
     def news(self, step_time: float, sent: float, now: float) -> None:
         """A scheduler step (its tokens on the host at `step_time`, its message sent at `sent`)
@@ -182,7 +183,6 @@ class Job:
             self.first_written = now
         delay = now - self.step_time
         self.chunks += 1
-        self.delay_sum += delay
         self.delay_max = max(self.delay_max, delay)
         parts = self.parts_sum
         parts[0] += self.step_sent - self.step_time
@@ -242,7 +242,7 @@ def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: fl
         "stages_s": stages,
         "delivery": {
             "writes": job.chunks,
-            "mean_s": job.delay_sum / job.chunks if job.chunks else None,
+            "mean_s": sum(job.parts_sum) / job.chunks if job.chunks else None,
             "max_s": job.delay_max if job.chunks else None,
             # the mean split: the scheduler's processing of the step, the hop (a Unix socket), this process
             "split_mean_s": [part / job.chunks for part in job.parts_sum] if job.chunks else None,
