@@ -45,7 +45,15 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from minisgl.config_fields import SettingField, check_fields, describe_type, is_instance, setting, settings_of
+from minisgl.config_fields import (
+    SettingField,
+    as_tuple,
+    check_fields,
+    describe_type,
+    is_instance,
+    setting,
+    settings_of,
+)
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.scheduler.config import SchedulerConfig
@@ -76,6 +84,11 @@ class LaunchConfig:
 
 
 SECRET_SETTINGS = frozenset({"api_key"})  # never printed (`minisgl-run config`, logs)
+
+
+def _names(description: str) -> Any:
+    """A setting holding a list of names, unset by default ('a,b' or [a, b] given)."""
+    return setting(None, description, parse=as_tuple, given_as=list[str] | None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +126,35 @@ class ServerConfig:
         "Processes that tokenize prompts in parallel (chat template and tokenizer); 1 = one thread of "
         "the front end; unset = a quarter of the CPUs, 1 to 4.",
         ge=1,
+    )
+    max_connections: int = setting(
+        2048,
+        "Open HTTP connections the server keeps; one more is answered 503 and closed (lowered to what "
+        "the open-file limit allows).",
+        ge=1,
+    )
+    idle_timeout_s: float = setting(
+        5.0, "Seconds a connection may stay open sending nothing (before or between requests).", gt=0
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "Seconds a request's line and headers may take to arrive from their first byte (408 past it).",
+        gt=0,
+    )
+    body_timeout_s: float = setting(
+        60.0, "Seconds a request's body may take to arrive after its headers (408 past it).", gt=0
+    )
+    allowed_hosts: tuple[str, ...] | None = _names(
+        "Host header values the server answers (e.g. [myhost, myhost.lan], '*' for any); unset = the "
+        "loopback names when bound to loopback, any otherwise."
+    )
+    cors_allow_origins: tuple[str, ...] | None = _names(
+        "Web origins allowed to call the API from a browser (CORS), e.g. [http://localhost:3000]; unset = "
+        "none: a request with another Origin gets 403."
+    )
+    max_stop_strings: int = setting(32, "Stop strings one request may give (400 past it).", ge=1)
+    max_stop_string_length: int = setting(
+        256, "Characters of the longest stop string a request may give.", ge=1
     )
     request_trace: str | None = setting(
         None,

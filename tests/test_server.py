@@ -40,7 +40,7 @@ def _free_port() -> int:
 class Server:
     """`python -m minisgl.cli serve` in a subprocess; `url` is its /v1 base."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, preexec_fn=None) -> None:
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/v1"
@@ -50,6 +50,7 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
+            preexec_fn=preexec_fn,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:

@@ -121,6 +121,49 @@ def test_load_json_refuses_invalid_json_and_non_objects():
         load_json(b"[1, 2]")
 
 
+def test_load_json_bounds_depth_and_refuses_lone_surrogates():
+    from minisgl.server.protocol import MAX_DEPTH
+
+    nested = lambda n: b'{"x":' + b"[" * (n - 1) + b"]" * (n - 1) + b"}"  # noqa: E731
+    assert load_json(nested(MAX_DEPTH))  # the deepest allowed
+    for n in (MAX_DEPTH + 1, 100_000):  # past it, and past the interpreter's recursion
+        with pytest.raises(APIError, match="more than 64 deep") as info:
+            load_json(nested(n))
+        assert info.value.code == "too_deep"
+    assert load_json(b'{"x":"\\ud83d\\ude00"}') == {"x": "\U0001f600"}  # an escaped pair is one character
+    with pytest.raises(APIError, match="lone surrogate") as info:
+        load_json(b'{"messages":[{"role":"user","content":"a\\udc00"}]}')
+    assert info.value.param == "messages[0].content"
+    with pytest.raises(APIError, match="not valid UTF-8"):
+        load_json(b'{"x":"\xed\xa0\x80"}')  # the surrogate's raw bytes
+    error = APIError("bad \ud800 " + "y" * 10_000, param="p\udfff")
+    assert json.dumps(error_body(error), ensure_ascii=False).encode()  # always encodable
+    assert len(error.message) <= 2000 and "\\ud800" in error.message
+
+
+def test_errors_quote_a_short_prefix_of_what_the_client_sent():
+    huge = "m" * (1 << 20)
+    for body in ({"model": huge, "prompt": "x"}, {"model": MODEL, "prompt": "x", huge: 1}):
+        with pytest.raises(APIError) as info:
+            parse_completion_request(body, MODEL)
+        assert len(info.value.message) < 200 and len(info.value.param) <= 200
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    from minisgl.server.protocol import Limits
+
+    limits = Limits(max_stop_strings=3, max_stop_string_length=5)
+    ok = parse_completion_request(completion(stop=["a", "bb", "ccccc"]), MODEL, limits)
+    assert ok.stop == ["a", "bb", "ccccc"]
+    for stop, words in ((["a"] * 4, "setting max_stop_strings"), ("x" * 6, "max_stop_string_length")):
+        with pytest.raises(APIError, match=words) as info:
+            parse_completion_request(completion(stop=stop), MODEL, limits)
+        assert info.value.param == "stop"
+    with pytest.raises(APIError, match="context_length|context holds") as info:
+        parse_completion_request(completion(prompt=[1] * 10), MODEL, Limits(max_context=10))
+    assert info.value.code == "context_length_exceeded"
+
+
 def test_invalid_request_names_the_sampling_field_and_renames_aliases():
     with pytest.raises(ValueError) as info:
         SamplingParams(top_p=2.0)

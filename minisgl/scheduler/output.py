@@ -12,6 +12,7 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.request import FinishReason, RequestState
+from minisgl.scheduler.stops import stop_strings
 
 
 class OutputProcessor:
@@ -69,7 +70,9 @@ class OutputProcessor:
             state.detokenizer.add(token)
             state.text = state.detokenizer.text
             if params.stop and num_out > params.min_tokens:
-                cut = find_stop(state.text, params.stop, state.emitted_len)
+                if state.stops is None:
+                    state.stops = stop_strings(params.stop).scanner()
+                cut = state.stops.search(state.text, state.emitted_len)
                 if cut is not None:
                     state.text = state.text[:cut]
                     return "stop"
@@ -93,17 +96,7 @@ class OutputProcessor:
         params = state.params
         emit_upto = len(state.text)
         if not state.finished and params.stop:
-            emit_upto = max(state.emitted_len, emit_upto - max(map(len, params.stop)) + 1)
+            emit_upto = max(state.emitted_len, emit_upto - stop_strings(params.stop).max_len + 1)
         delta = state.text[state.emitted_len : emit_upto]
         state.emitted_len = emit_upto
         return delta
-
-
-def find_stop(text: str, stops: Sequence[str], searched_upto: int) -> int | None:
-    """Index of the earliest stop string in `text` that ends after `searched_upto` (new text only)."""
-    best = None
-    for stop in stops:
-        idx = text.find(stop, max(0, searched_upto - len(stop) + 1))
-        if idx != -1 and (best is None or idx < best):
-            best = idx
-    return best

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -33,14 +34,22 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
 from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
-from minisgl.scheduler.output import find_stop
+from minisgl.scheduler.stops import StopScanner, stop_strings
 from minisgl.server import protocol
+from minisgl.server.connections import (
+    connection_cap,
+    log_limited,
+    loop_exception_handler,
+    protocol_class,
+)
 from minisgl.server.protocol import APIError
-from minisgl.server.tokenize import TokenizerPool, default_workers
+from minisgl.server.tokenize import PromptTooLong, TokenizerPool, default_workers
 from minisgl.server.worker import (
     encode_params,
     frame_ids,
@@ -101,6 +110,7 @@ class Choice:
     error: str | None = None
     reported: bool = False  # its final chunk was handed out (streaming)
     times: list[float | None] | None = None  # the scheduler's [arrived, admitted, first token, finished]
+    stops: StopScanner | None = None  # the search for the stop strings (made with the first check)
 
     @property
     def finished(self) -> bool:
@@ -119,7 +129,9 @@ class Choice:
                 self.detokenizer.add(token)
                 self.text = self.detokenizer.text
                 if params.stop and len(self.token_ids) > params.min_tokens:
-                    cut = find_stop(self.text, params.stop, self.emitted)
+                    if self.stops is None:
+                        self.stops = stop_strings(params.stop).scanner()
+                    cut = self.stops.search(self.text, self.emitted)
                     if cut is not None:
                         self.text = self.text[:cut]
                         self.finish_reason = "stop"
@@ -140,7 +152,7 @@ class Choice:
         """The text and token ids not handed out yet (while running, minus what may start a stop string)."""
         upto = len(self.text)
         if not self.finished and self.params.stop:
-            upto = max(self.emitted, upto - max(map(len, self.params.stop)) + 1)
+            upto = max(self.emitted, upto - stop_strings(self.params.stop).max_len + 1)
         delta = self.text[self.emitted : upto]
         self.emitted = upto
         new_ids = self.token_ids[self.emitted_ids :]
@@ -267,6 +279,7 @@ class SchedulerClient:
         self.choices: dict[int, Choice] = {}  # by rid, until finished
         self.rids = itertools.count()
         self._answers: dict[int, asyncio.Future] = {}  # `_ask` questions waiting for the scheduler
+        self._metrics: asyncio.Future | None = None  # the metrics question in flight
         self._ids = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="minisgl-serve-")  # private (0700): the sockets live here
         self._ctx = zmq.asyncio.Context()
@@ -304,8 +317,11 @@ class SchedulerClient:
             self._send({"op": "abort", "rid": rid})
 
     async def metrics(self) -> str:
-        """The scheduler process's Prometheus series, as text."""
-        return (await self._ask("metrics"))["text"]
+        """The scheduler process's Prometheus series, as text (scrapes at the same time share one
+        question to the scheduler)."""
+        if self._metrics is None or self._metrics.done():
+            self._metrics = asyncio.ensure_future(self._ask("metrics"))
+        return (await asyncio.shield(self._metrics))["text"]
 
     async def flush_cache(self) -> int:
         """Empties the scheduler's prefix cache; the KV pages freed."""
@@ -460,10 +476,12 @@ class ServerState:
         self.explicit, self.config = explicit, config
         self.client: SchedulerClient | None = None
         self.served_model = self.server.served_model_name
+        self.limits = protocol.Limits(self.server.max_stop_strings, self.server.max_stop_string_length)
         self.encoder: Any = None  # the model's tokenizer, for its chat template (None: the model has none)
         self.tokenizers: TokenizerPool | None = None  # where prompts are tokenized
         self.decoder: Any = None  # tokenizer used on the event loop (detokenizing)
         self.outstanding = 0  # choices admitted by the front end and not finished
+        self.body_bytes = 0  # bytes of request bodies being read now
         self.draining = False
         self.limit = 0
         self.on_failure: Any = None
@@ -494,8 +512,9 @@ class ServerState:
             self.encoder, self.decoder = await asyncio.to_thread(lambda: (load(path), load(path)))
             workers = self.server.tokenizer_workers or default_workers()
             self.tokenizers = TokenizerPool(path, workers)
-            await self.tokenizers.warm()
+            await self.tokenizers.warm(info["max_context"])
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
+        self.limits = replace(self.limits, max_context=info["max_context"])
         self.delivery = HotHistogram(
             "minisgl_token_delivery_seconds",
             "From the end of the step that made a streamed request's tokens (on the host, in the scheduler "
@@ -520,21 +539,40 @@ def _error(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+BODY_BUDGET = 32  # request bodies read at the same time hold at most this many times max_request_bytes
+
+
+async def _read_body(state: ServerState, request: Request) -> bytes:
+    """The request's body: 413 past `max_request_bytes`, 503 when the bodies being read at the same
+    time would hold more than BODY_BUDGET times that (memory stays bounded whatever the clients)."""
+    limit = state.server.max_request_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(f"the request body has {length} bytes, more than the limit of {limit}", status=413)
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(f"the request body is larger than the limit of {limit} bytes", status=413)
-    return bytes(body)
+    parts, size = [], 0
+    try:
+        async for part in request.stream():
+            parts.append(part)
+            size += len(part)
+            state.body_bytes += len(part)
+            if size > limit:
+                raise APIError(f"the request body is larger than the limit of {limit} bytes", status=413)
+            if state.body_bytes > BODY_BUDGET * limit:
+                raise APIError(
+                    "the server is reading too many large request bodies at once; retry later",
+                    status=503,
+                    type="server_error",
+                    code="server_overloaded",
+                )
+        return b"".join(parts)
+    finally:
+        state.body_bytes -= size
 
 
 def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        asyncio.get_running_loop().set_exception_handler(loop_exception_handler)
         await state.start()
         try:
             yield
@@ -548,7 +586,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    app.add_middleware(_KeyGuard, key=state.server.api_key)
+    app.add_middleware(_Guard, server=state.server)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        where = f"{request.method} {protocol.short(request.url.path, 100)}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        if exc.status_code == 404:
+            message = f"Invalid URL ({where}): no such route (the API's routes: docs/server.md)"
+        elif exc.status_code == 405:
+            message = f"Invalid method ({where}): allowed: {(exc.headers or {}).get('Allow', '?')}"
+        else:
+            message = str(exc.detail)
+        return _error(APIError(message, status=exc.status_code, code=code), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:  # a bug: logged by uvicorn
+        error = APIError(f"internal server error ({type(exc).__name__})", status=500, type="server_error")
+        return _error(error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -604,27 +659,123 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-class _KeyGuard:
-    """With an API key set, answers 401 to requests for /v1/* and /flush_cache without it (a plain ASGI
-    middleware: the responses, streams included, pass through untouched)."""
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-    def __init__(self, app: Any, key: str | None) -> None:
-        self.app, self.key = app, None if key is None else f"Bearer {key}".encode()
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(value: bytes) -> str:
+    """The name in a Host header: "127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"."""
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class _Guard:
+    """What every request passes before the app (a plain ASGI middleware: responses, streams included,
+    pass through untouched). In order:
+
+    - `Host` among the allowed names (`allowed_hosts`; bound to loopback, by default the loopback
+      names: a DNS-rebinding page on another name gets 403);
+    - no `Origin` but the allowed ones (`cors_allow_origins`; none by default): a page of another site
+      gets 403, and an allowed one gets CORS headers and its preflight answered;
+    - with an API key, `Authorization: Bearer KEY` on /v1/* and /flush_cache (scheme in any case; 401);
+    - a POST body declared `Content-Type: application/json` (415), which a browser cannot send to
+      another site without a preflight."""
+
+    def __init__(self, app: Any, server: Any) -> None:
+        self.app = app
+        self.key = None if server.api_key is None else server.api_key.encode()
+        hosts = server.allowed_hosts
+        if hosts is None and _is_loopback(server.host):
+            hosts = (*LOOPBACK_HOSTS, server.host)
+        self.hosts = None if hosts is None or "*" in hosts else frozenset(h.lower() for h in hosts)
+        self.origins = frozenset(server.cors_allow_origins or ())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if self.key is not None and scope["type"] == "http":
-            path = scope["path"]
-            if path.startswith("/v1/") or path == "/flush_cache":
-                given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-                if not hmac.compare_digest(given, self.key):
-                    error = APIError(
-                        "a valid API key is required: send the header Authorization: Bearer KEY",
-                        status=401,
-                        code="invalid_api_key",
-                    )
-                    await _error(error)(scope, receive, send)
-                    return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        first: dict[bytes, bytes] = {}  # each header's first value
+        for name, value in scope["headers"]:
+            first.setdefault(name, value)
+        host, origin, auth = first.get(b"host"), first.get(b"origin"), first.get(b"authorization")
+        ctype, length, chunked = (
+            first.get(b"content-type"),
+            first.get(b"content-length"),
+            first.get(b"transfer-encoding"),
+        )
+        error = None
+        if self.hosts is not None and host is not None and _host_name(host) not in self.hosts:
+            shown = protocol.short(host.decode("latin-1"))
+            error = (
+                403,
+                "host_not_allowed",
+                f"this server does not answer to the Host {shown}; see --allowed-hosts",
+            )
+        elif origin is not None and origin.decode("latin-1") not in self.origins:
+            shown = protocol.short(origin.decode("latin-1"))
+            error = (
+                403,
+                "origin_not_allowed",
+                f"requests from the web origin {shown} are not allowed; see --cors-allow-origins",
+            )
+        elif origin is not None and scope["method"] == "OPTIONS":  # a CORS preflight of an allowed origin
+            headers = _cors_headers(origin.decode("latin-1"), True)
+            return await Response(status_code=204, headers=headers)(scope, receive, send)
+        elif self.key is not None and (scope["path"].startswith("/v1/") or scope["path"] == "/flush_cache"):
+            scheme, _, given = (auth or b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                error = (
+                    401,
+                    "invalid_api_key",
+                    "a valid API key is required: send the header Authorization: Bearer KEY",
+                )
+        if (
+            error is None
+            and scope["method"] == "POST"
+            and (chunked or (length or b"0").strip() not in (b"0", b""))
+        ):
+            if (ctype or b"").split(b";", 1)[0].strip().lower() != b"application/json":
+                shown = "none" if ctype is None else protocol.short(ctype.decode("latin-1"))
+                message = f"the request body must be JSON with the header Content-Type: application/json (got {shown})"
+                error = (415, "unsupported_media_type", message)
+        if error is not None:
+            status, code, message = error
+            return await _error(APIError(message, status=status, code=code))(scope, receive, send)
+        if origin is not None:
+            send = _with_cors(send, origin.decode("latin-1"))
         await self.app(scope, receive, send)
+
+
+def _cors_headers(origin: str, preflight: bool) -> dict[str, str]:
+    headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+    if preflight:
+        headers |= {
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": "600",
+        }
+    return headers
+
+
+def _with_cors(send: Any, origin: str) -> Any:
+    extra = [(k.lower().encode(), v.encode()) for k, v in _cors_headers(origin, False).items()]
+
+    async def send_with_cors(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return send_with_cors
 
 
 def _unavailable(state: ServerState) -> APIError | None:
@@ -646,11 +797,12 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         unavailable = _unavailable(state)
         if unavailable is not None:
             raise unavailable
-        body = protocol.load_json(await _read_body(request, state.server.max_request_bytes))
+        body = protocol.load_json(await _read_body(state, request))
         if kind == "chat":
-            req = protocol.parse_chat_request(body, state.served_model)
+            req = protocol.parse_chat_request(body, state.served_model, state.limits)
         else:
-            req = protocol.parse_completion_request(body, state.served_model)
+            req = protocol.parse_completion_request(body, state.served_model, state.limits)
+        del body
         prompt_ids = await _prompt_ids(state, req, kind)
         params = protocol.sampling_params(req, len(prompt_ids), state.client.info["max_context"])
         if params[0].stop and state.decoder is None:
@@ -666,6 +818,9 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
             )
     except APIError as e:
         return _error(e, {"Retry-After": "1"} if e.status == 503 else None)
+    except ClientDisconnect:  # nobody to answer
+        log_limited("disconnect", logging.INFO, "a client disconnected before its request arrived in full")
+        return Response(status_code=400)
     job.tokenized = time.perf_counter()
     request_id = protocol.new_request_id(kind)
     client = state.client
@@ -756,15 +911,24 @@ def _release(state: ServerState, job: Job, request_id: str, prompt_tokens: int) 
 
 
 async def _prompt_ids(state: ServerState, req: Any, kind: str) -> list[int]:
-    if kind == "chat":
-        tok = state.encoder
-        if tok is None or not tok.chat_template:
-            raise APIError("this model has no chat template: use /v1/completions", param="messages")
-        return await state.tokenizers.chat(req.messages)
-    if isinstance(req.prompt, str):
-        if state.encoder is None:
-            raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return await state.tokenizers.text(req.prompt)
+    try:
+        if kind == "chat":
+            tok = state.encoder
+            if tok is None or not tok.chat_template:
+                raise APIError("this model has no chat template: use /v1/completions", param="messages")
+            return await state.tokenizers.chat(req.messages)
+        if isinstance(req.prompt, str):
+            if state.encoder is None:
+                raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            return await state.tokenizers.text(req.prompt)
+    except PromptTooLong as e:
+        max_context = state.client.info["max_context"]
+        raise APIError(
+            f"the prompt has {e.size} bytes of text, more than {max_context} tokens (this model's "
+            f"context) can hold ({e.limit} bytes at most): shorten it",
+            param="messages" if kind == "chat" else "prompt",
+            code="context_length_exceeded",
+        ) from None
     vocab = state.client.info["vocab_size"]
     bad = [t for t in req.prompt if not 0 <= t < vocab]
     if bad:
@@ -903,6 +1067,9 @@ def serve(explicit: dict[str, Any], config: str | None) -> None:
         app,
         host=server.host,
         port=server.port,
+        http=protocol_class(server, connection_cap(server.max_connections)),
+        ws="none",
+        timeout_keep_alive=server.idle_timeout_s,  # type: ignore[arg-type]  (a float works)
         log_level="warning",
         timeout_graceful_shutdown=max(1, int(server.shutdown_grace_s) + 5),
         lifespan="on",

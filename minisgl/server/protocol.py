@@ -54,14 +54,23 @@ sent), the error event takes the place of the choice's final chunk, and the open
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
-from dataclasses import replace
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+)
 from pydantic_core import PydanticCustomError
 
 from minisgl.core import INT64_MAX, SamplingParams
@@ -82,8 +91,24 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message, param = _encodable(message, MAX_MESSAGE_CHARS), param and _encodable(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS = 2000, 200  # an error never echoes a large value back
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _encodable(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, its lone surrogates (which UTF-8 cannot encode) escaped."""
+    if not text.isascii() and _SURROGATE.search(text):
+        text = _SURROGATE.sub(_escape, text[:limit])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -105,22 +130,76 @@ def invalid_request(exc: Exception, aliases: Mapping[str, str] | None = None) ->
     return APIError(message, param=param)
 
 
-def load_json(raw: bytes | str) -> dict[str, Any]:
-    """The request body as a dict; a 400 when it is not JSON or not a JSON object."""
+MAX_DEPTH = 64  # nesting of arrays and objects in a request body (OpenAI's bodies need a handful)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff escaped in JSON
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict; a 400 when it is not UTF-8, not JSON, not a JSON object, nested
+    deeper than MAX_DEPTH, or holds a lone surrogate (an escaped half of a UTF-16 pair, which no
+    tokenizer takes): the body is refused before it reaches anything else."""
     try:
-        body = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(
+            f"the request body is not valid UTF-8 (byte {e.start}: {raw[e.start : e.start + 4]!r}); "
+            "send JSON encoded as UTF-8"
+        ) from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        body = None  # deeper than the interpreter's recursion: refused below by its depth
+    except ValueError as e:
         raise APIError(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    # a walk over the body only when it may be too deep or hold an escaped surrogate (cheap scans)
+    if body is None or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or _SURROGATE_ESCAPE.search(raw):
+        _check_tree(body)
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _check_tree(body: Any) -> None:
+    """A 400 if `body` (None: too deep to parse) nests deeper than MAX_DEPTH or has a lone surrogate in
+    a string or a key; iterative, so any depth is safe, and cheap on scalars."""
+    too_deep = APIError(
+        f"the request body nests arrays and objects more than {MAX_DEPTH} deep; flatten it", code="too_deep"
+    )
+    if body is None:
+        raise too_deep
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")] if isinstance(body, dict | list) else []
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_DEPTH:
+            raise too_deep
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise APIError(
+                    f"the request body holds a lone surrogate in the name of a field of {where or 'the body'}; "
+                    "send valid Unicode",
+                    param=where or None,
+                )
+            if isinstance(item, str) and (match := _SURROGATE.search(item)):
+                path = _path(where, key)
+                raise APIError(
+                    f"the request body holds a lone surrogate (\\u{ord(match.group()):04x}) in {path}; send "
+                    "valid Unicode (a UTF-16 surrogate pair, or UTF-8)",
+                    param=path,
+                )
+            if isinstance(item, dict | list):
+                stack.append((item, depth + 1, _path(where, key)))
+
+
+def _path(where: str, key: int | str) -> str:
+    """'messages' and 0 -> 'messages[0]'; 'messages[0]' and 'content' -> 'messages[0].content'."""
+    return f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
 
 
 def check_model(requested: str, served: str) -> None:
     """A 404 in OpenAI's "model_not_found" shape unless `requested` is the served model's name."""
     if requested != served:
         raise APIError(
-            f"The model `{requested}` does not exist; this server serves `{served}` (see GET /v1/models)",
+            f"The model {short(requested)} does not exist; this server serves `{served}` (see GET /v1/models)",
             status=404,
             param="model",
             code="model_not_found",
@@ -130,8 +209,9 @@ def check_model(requested: str, served: str) -> None:
 # ----------------------------------------------------------------------------------------------- requests
 
 
-def _prompt(value: Any) -> Any:
-    """One prompt: a text or a non-empty list of token ids (a list holding one of those is that one)."""
+def _prompt(value: Any, info: ValidationInfo) -> Any:
+    """One prompt: a text or a non-empty list of token ids (a list holding one of those is that one);
+    a list too long for the context is refused before its ids are looked at."""
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
         raise PydanticCustomError(
             "batch",
@@ -142,6 +222,9 @@ def _prompt(value: Any) -> Any:
         value = value[0]
     if isinstance(value, str):
         return value
+    max_context = _limits(info).max_context
+    if isinstance(value, list) and max_context is not None and len(value) >= max_context:
+        raise context_exceeded(len(value), max_context, "prompt")
     if isinstance(value, list) and all(type(t) is int for t in value):
         if not value:
             raise PydanticCustomError("empty", "the prompt is empty: give a text or at least one token id")
@@ -151,12 +234,44 @@ def _prompt(value: Any) -> Any:
     raise PydanticCustomError("prompt_type", "the prompt must be a string or a list of integer token ids")
 
 
-def _stop(value: Any) -> Any:
-    if value is None or isinstance(value, str):
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request may ask of the front end (settings `max_stop_strings`,
+    `max_stop_string_length`): its stop strings are searched in every token's text."""
+
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 256
+    max_context: int | None = None  # the model's, once known: longer token-id prompts are refused first
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    return (info.context or {}).get("limits") or Limits()
+
+
+def _stop(value: Any, info: ValidationInfo) -> Any:
+    limits = _limits(info)
+    if value is None:
         return value
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise PydanticCustomError("stop_type", "give a string or a list of strings")
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(
+        isinstance(s, str) for s in strings[: limits.max_stop_strings + 1]
+    ):
+        raise PydanticCustomError("stop_type", "give a string or a list of strings")
+    if len(strings) > limits.max_stop_strings:
+        raise PydanticCustomError(
+            "limit",
+            "{count} stop strings is more than this server takes ({limit}, setting max_stop_strings)",
+            {"count": len(strings), "limit": limits.max_stop_strings},
+        )
+    longest = max(map(len, strings), default=0)
+    if longest > limits.max_stop_string_length:
+        raise PydanticCustomError(
+            "limit",
+            "a stop string of {length} characters is longer than this server takes ({limit}, setting "
+            "max_stop_string_length)",
+            {"length": longest, "limit": limits.max_stop_string_length},
+        )
+    return value
 
 
 def _content(value: Any) -> Any:
@@ -168,7 +283,7 @@ def _content(value: Any) -> Any:
         for part in value:
             text = part.get("text") if isinstance(part, dict) else None
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
-                kind = repr(part.get("type")) if isinstance(part, dict) else type(part).__name__
+                kind = short(part.get("type")) if isinstance(part, dict) else type(part).__name__
                 raise PydanticCustomError(
                     "content_part",
                     f"only text parts (type 'text' with a string 'text') are supported, got {kind}",
@@ -327,9 +442,11 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def short(value: Any, limit: int = 60) -> str:
+    """A value the client sent, for an error message: repr-quoted, at most `limit` characters."""
+    cut = isinstance(value, str | bytes | list | tuple) and len(value) > limit  # repr only a prefix
+    text = repr(value[:limit] if cut else value)
+    return text if len(text) <= limit and not cut else text[: limit - 3] + "..."
 
 
 def _param(loc: Sequence[int | str]) -> str:
@@ -345,12 +462,13 @@ def _validation_error(e: ValidationError) -> APIError:
     param = _param(err["loc"])
     if err["type"] == "missing":
         return APIError(f"missing required parameter '{param}'", param=param)
+    quoted = short(param, 100)
     if err["type"] == "extra_forbidden":
-        return APIError(f"unknown parameter '{param}'; leave it out", param=param, code="unknown_parameter")
+        return APIError(f"unknown parameter {quoted}; leave it out", param=param, code="unknown_parameter")
     message = err["msg"]
-    if err["type"] in {"batch", "empty", "token_id", "prompt_type", "stop_type", "content_part"}:
-        return APIError(f"invalid '{param}': {message}", param=param)
-    return APIError(f"invalid '{param}': {message}, got {_short(err['input'])}", param=param)
+    if err["type"] in {"batch", "empty", "token_id", "prompt_type", "stop_type", "content_part", "limit"}:
+        return APIError(f"invalid {quoted}: {message}", param=param)
+    return APIError(f"invalid {quoted}: {message}, got {short(err['input'])}", param=param)
 
 
 def _parse(
@@ -358,6 +476,7 @@ def _parse(
     body: Any,
     served_model: str,
     unsupported: Mapping[str, Callable[[Any], bool]],
+    limits: Limits | None,
 ) -> Any:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -368,15 +487,17 @@ def _parse(
         elif name in unsupported:
             if not unsupported[name](value):
                 raise APIError(
-                    f"parameter '{name}' is not supported by this server (got {name}={_short(value)}); "
+                    f"parameter '{name}' is not supported by this server (got {name}={short(value)}); "
                     "leave it out",
                     param=name,
                     code="unsupported_parameter",
                 )
         else:
-            raise APIError(f"unknown parameter '{name}'; leave it out", param=name, code="unknown_parameter")
+            raise APIError(
+                f"unknown parameter {short(name)}; leave it out", param=name, code="unknown_parameter"
+            )
     try:
-        request = cls.model_validate(known)
+        request = cls.model_validate(known, context={"limits": limits})
     except ValidationError as e:
         raise _validation_error(e) from None
     check_model(request.model, served_model)
@@ -393,14 +514,24 @@ def _parse(
     return request
 
 
-def parse_completion_request(body: Any, served_model: str) -> CompletionRequest:
+def parse_completion_request(body: Any, served_model: str, limits: Limits | None = None) -> CompletionRequest:
     """A `POST /v1/completions` body (the decoded JSON) as a checked request; APIError 400 or 404."""
-    return _parse(CompletionRequest, body, served_model, _UNSUPPORTED_COMPLETION)
+    return _parse(CompletionRequest, body, served_model, _UNSUPPORTED_COMPLETION, limits)
 
 
-def parse_chat_request(body: Any, served_model: str) -> ChatCompletionRequest:
+def parse_chat_request(body: Any, served_model: str, limits: Limits | None = None) -> ChatCompletionRequest:
     """A `POST /v1/chat/completions` body as a checked request; APIError 400 or 404."""
-    return _parse(ChatCompletionRequest, body, served_model, _UNSUPPORTED_CHAT)
+    return _parse(ChatCompletionRequest, body, served_model, _UNSUPPORTED_CHAT, limits)
+
+
+def context_exceeded(prompt_len: int, max_context: int, param: str) -> APIError:
+    """The 400 of a prompt of `prompt_len` tokens that leaves no room in a context of `max_context`."""
+    return APIError(
+        f"the prompt has {prompt_len} tokens and this model's context holds {max_context} tokens "
+        f"(prompt and reply together): shorten the prompt to at most {max_context - 1} tokens",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def sampling_params(
@@ -413,12 +544,7 @@ def sampling_params(
         raise APIError("the prompt is empty: give at least one token", param=prompt_param)
     room = max_context - prompt_len
     if room < 1:
-        raise APIError(
-            f"the prompt has {prompt_len} tokens and this model's context holds {max_context} tokens "
-            f"(prompt and reply together): shorten the prompt to at most {max_context - 1} tokens",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(prompt_len, max_context, prompt_param)
     name, max_tokens = request.max_tokens_param()
     if max_tokens is None:
         max_tokens = room

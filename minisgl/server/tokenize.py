@@ -1,17 +1,40 @@
 """Prompt tokenization for the server's front end, off its event loop: one thread, or a pool of
 processes (`tokenizer_workers`) that tokenize in parallel (the chat template is Python, and a thread
 of this process would share the GIL with the event loop). Each worker loads the model's tokenizer once;
-requests travel as their messages or text, prompts come back as lists of token ids."""
+requests travel as their messages or text, prompts come back as lists of token ids.
+
+Large prompts (over LARGE_PROMPT_CHARS) go to a lane of their own, one more thread (the Rust
+tokenizer lets go of the GIL), so that a small request never waits behind one. And a prompt too long
+for the context is refused before it is tokenized, by its size in bytes: a token stands for at most
+`bytes_per_token` bytes of text (`token_bytes_bound`), so a text of more than `max_context *
+bytes_per_token` bytes cannot fit (no prompt that fits is refused)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
+import threading
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-_tokenizer: Any = None  # the worker's tokenizer (in the thread's case, this process's)
+_worker = threading.local()  # .tokenizer: the worker's own (two threads never share one)
+_loading = threading.Lock()  # transformers' lazy imports are not safe from two threads at once
+LARGE_PROMPT_CHARS = 64 << 10
+
+# pieces of a fast tokenizer's pipeline (tokenizer.json) that keep every byte of the text in some
+# token, with the most a normalizer may shrink the text (in bytes): NFKC maps U+1D400 (4 bytes) to "A"
+_NORMALIZERS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepend": 1}
+_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"}
+
+
+class PromptTooLong(Exception):
+    """A prompt refused by its size before tokenization: `size` bytes, more than `limit`."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(size, limit)
+        self.size, self.limit = size, limit
 
 
 def default_workers() -> int:
@@ -20,27 +43,85 @@ def default_workers() -> int:
 
 
 def _load(path: str, process: bool) -> None:
-    global _tokenizer
     if process:  # Linux: die with the front end, as the scheduler process does
         from minisgl.server.worker import set_parent_death_signal
 
         set_parent_death_signal()
-    import transformers
+    with _loading:
+        import transformers
 
-    _tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    if _tokenizer.chat_template:  # compiles the template now, not in a request's time
+        _worker.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    if _worker.tokenizer.chat_template:  # compiles the template now, not in a request's time
         encode_chat([{"role": "user", "content": "Hi"}])
 
 
-def encode_chat(messages: list[dict[str, Any]]) -> list[int]:
+def encode_chat(messages: list[dict[str, Any]], max_bytes: int | None = None) -> list[int]:
     """The chat template over `messages` with the generation prompt, tokenized (no special tokens
-    added: the template writes them)."""
-    text = _tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return _tokenizer(text, add_special_tokens=False)["input_ids"]
+    added: the template writes them); PromptTooLong if the text has more than `max_bytes` bytes."""
+    tokenizer = _worker.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if max_bytes is not None and len(text) > max_bytes // 4:  # only a long text can be too long
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise PromptTooLong(size, max_bytes)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def encode_text(text: str) -> list[int]:
-    return _tokenizer(text)["input_ids"]
+    return _worker.tokenizer(text)["input_ids"]
+
+
+def token_bytes_bound() -> int | None:
+    """The most bytes of text one token of the worker's tokenizer can stand for, or None when its
+    pipeline may drop text (whitespace splitting, stripping, unknown-token fusing, added tokens that
+    swallow spaces, a slow tokenizer): then no bound holds. The bound is the longest token (decoded,
+    or as a vocabulary piece), times what the normalizer may shrink the text."""
+    backend = getattr(_worker.tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    config = json.loads(backend.to_str())
+    shrink = _shrink(config.get("normalizer"))
+    if shrink is None or not _keeps_text(config.get("pre_tokenizer")):
+        return None
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and model.get("unk_token")):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or ()):
+        return None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    pieces = backend.get_vocab(with_added_tokens=True)
+    longest = max(max(len(d.encode()) for d in decoded), max(map(len, pieces)), 4)
+    return longest * shrink
+
+
+def _shrink(normalizer: dict[str, Any] | None) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", ()):
+            f = _shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a literal pattern replaced by a text at least as long keeps the bytes
+        pattern, content = (normalizer.get("pattern") or {}).get("String"), normalizer.get("content", "")
+        if pattern is None or not content:
+            return None
+        return max(1, -(-len(pattern.encode()) // len(content.encode())))
+    return _NORMALIZERS.get(kind)
+
+
+def _keeps_text(pre: dict[str, Any] | None) -> bool:
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers", ()))
+    return kind in _PRE_TOKENIZERS and pre.get("behavior", "Isolated") != "Removed"
 
 
 class TokenizerPool:
@@ -48,6 +129,10 @@ class TokenizerPool:
 
     def __init__(self, path: str, workers: int) -> None:
         self.workers = workers
+        self.max_bytes: int | None = None  # set by `limit`: longer prompts are refused untokenized
+        self._large = ThreadPoolExecutor(
+            1, thread_name_prefix="minisgl-tokenize-large", initializer=_load, initargs=(path, False)
+        )
         if workers <= 1:
             self._pool: Executor = ThreadPoolExecutor(
                 1, thread_name_prefix="minisgl-tokenize", initializer=_load, initargs=(path, False)
@@ -57,16 +142,32 @@ class TokenizerPool:
                 workers, mp_context=mp.get_context("spawn"), initializer=_load, initargs=(path, True)
             )
 
+    def _lane(self, chars: int) -> Executor:
+        return self._large if chars > LARGE_PROMPT_CHARS else self._pool
+
     async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await asyncio.wrap_future(self._pool.submit(encode_chat, messages))
+        """The conversation's prompt ids; PromptTooLong when its text cannot fit the context."""
+        chars = sum(len(m["content"]) for m in messages)
+        future = self._lane(chars).submit(encode_chat, messages, self.max_bytes)
+        return await asyncio.wrap_future(future)
 
     async def text(self, text: str) -> list[int]:
-        return await asyncio.wrap_future(self._pool.submit(encode_text, text))
+        """The text's prompt ids; PromptTooLong when it cannot fit the context (checked at once)."""
+        if self.max_bytes is not None and len(text) > self.max_bytes // 4:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > self.max_bytes:
+                raise PromptTooLong(size, self.max_bytes)
+        return await asyncio.wrap_future(self._lane(len(text)).submit(encode_text, text))
 
-    async def warm(self) -> None:
+    async def warm(self, max_context: int) -> None:
         """Starts the workers (each loads the tokenizer and compiles its chat template) before the
-        first request needs one."""
-        await asyncio.gather(*(self.text("warm") for _ in range(self.workers)))
+        first request needs one, and sets the byte bound of a prompt of `max_context` tokens."""
+        jobs = [self.text("warm") for _ in range(self.workers)]
+        per_token, *_ = await asyncio.gather(
+            asyncio.wrap_future(self._large.submit(token_bytes_bound)), *jobs
+        )
+        self.max_bytes = None if per_token is None else max_context * per_token
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._large.shutdown(wait=False, cancel_futures=True)

@@ -112,7 +112,7 @@ async def _read_all(port: int, body: bytes) -> tuple[int, float]:
     async def one() -> int:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         events = 0
