@@ -99,12 +99,14 @@ def make_tiny_model(
     arch: str,
     seed: int = 0,
     randomize: tuple[str, ...] = ("norm", "bias", "router"),
+    adjust: Callable[[torch.nn.Module], None] | None = None,
     **overrides: Any,
 ) -> Path:
     """Builds a tiny random model of family `arch` (llama, qwen2, qwen3, qwen3_moe) with transformers
     (the reference) and saves it as safetensors in `tmp_path / tiny-<arch>`. `overrides` are config keys
     over the family's shape; `randomize` names the RANDOMIZE groups drawn again (in that order of
-    precedence) after transformers' init under `torch.manual_seed(seed)`."""
+    precedence) after transformers' init under `torch.manual_seed(seed)`; `adjust(model)`, when given,
+    then changes the weights in place (under no_grad) before the model is saved."""
     import transformers
 
     if arch not in TINY_FAMILIES:
@@ -119,6 +121,8 @@ def make_tiny_model(
             drawn = next(((mean, std) for selects, mean, std in groups if selects(name)), None)
             if drawn is not None:
                 param.normal_(*drawn)
+        if adjust is not None:
+            adjust(model)
     folder = tmp_path / f"tiny-{arch}"
     model.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -128,19 +132,30 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def teacher_forced_logits(engine, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+def teacher_forced_logits(
+    engine,
+    seqs: list[list[int]],
+    prompt_lens: list[int],
+    steps: int,
+    on_step: Callable[[int, Any], None] | None = None,
+) -> torch.Tensor:
     """Prefills each seq[:n] as one batch, then decodes `steps` steps fed from the sequences (teacher
-    forcing). Returns the float32 logits, (requests, steps + 1, vocab): step 0 predicts position n."""
+    forcing). Returns the float32 logits, (requests, steps + 1, vocab): step 0 predicts position n.
+    `on_step(step, batch)`, when given, is called after each forward (step 0: the prefill)."""
     from minisgl.core import SamplingParams
     from minisgl.engine import BatchPreparer
 
     prep = BatchPreparer(engine)
     reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, prompt_lens)]
-    out = [engine.forward_logits(prep.prefill(reqs))]
-    for step in range(steps):
-        for req, s, n in zip(reqs, seqs, prompt_lens):
-            req.input_ids.append(s[n + step])
-        out.append(engine.forward_logits(prep.decode(reqs)))
+    out = []
+    for step in range(steps + 1):
+        if step > 0:
+            for req, s, n in zip(reqs, seqs, prompt_lens):
+                req.input_ids.append(s[n + step - 1])
+        batch = prep.prefill(reqs) if step == 0 else prep.decode(reqs)
+        out.append(engine.forward_logits(batch))
+        if on_step is not None:
+            on_step(step, batch)
     prep.release(reqs)
     assert prep.pages.num_used == 0
     return torch.stack(out, dim=1).float()

@@ -110,9 +110,8 @@ if triton is not None:
             else:
                 x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 if PROLOGUE == 1:  # ADD_RMS_NORM: scale by rstd after the sweep
-                    if HAS_RESIDUAL:  # the new residual, rounded as the unfused add rounds it
+                    if HAS_RESIDUAL:  # the new residual: stored rounded, normalised in float32
                         x = x + tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                        x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
                     if pid == 0:  # one program writes the new residual stream
                         h = x.to(residual_out_ptr.dtype.element_ty)
                         tl.store(residual_out_ptr + cols, h, mask=col_mask)
@@ -192,7 +191,8 @@ def add_rms_norm_gemv(
     y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (1, N), h (1, K)).
 
     The norm's scale is applied to the dot products, after the sweep (each program reads the whole row
-    anyway), so the normalised row is never rounded to the model's dtype as the unfused path rounds it."""
+    anyway), so the normalised row is never rounded to the model's dtype as the unfused path rounds it;
+    the norm reads the float32 sum x + residual (h, the new residual, is stored rounded)."""
     out = x.new_empty(1, weight.shape[0])
     residual_out = torch.empty_like(x)
     prologue = dict(residual=residual, norm_weight=norm_weight, residual_out=residual_out, eps=eps)

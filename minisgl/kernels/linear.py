@@ -15,9 +15,12 @@ kernels that size took.
 
 `minisgl.layers.basic` calls them where `gemv_fits` (CUDA, half precision, Triton) and the engine's
 settings allow (`use_gemv_kernel`, `use_fused_kernels`, not `batch_invariant`). Numerics of the row
-kernels follow the unfused layers: `add_rms_norm_rows` rounds the new residual and the normalised row to
-the model's dtype where `add_rms_norm` does; `silu_mul_rows` computes in float32 and rounds once, as
-inductor's fused kernel for `F.silu(gate) * up` does. On a CPU the kernels run under Triton's
+kernels follow the compiled unfused layers on a GPU: `add_rms_norm_rows` stores the new residual rounded
+to the model's dtype, and normalises and scales the float32 sum, rounding once at the store, as
+inductor's Triton kernel for `add_rms_norm` does (eager `add_rms_norm` also rounds the sum and the
+normalised row before the weight: measured further from float32, `python -m perf.gpu.numerics`);
+`silu_mul_rows` computes in float32 and rounds once, as inductor's fused kernel for `F.silu(gate) * up`
+does. On a CPU the kernels run under Triton's
 interpreter (TRITON_INTERPRET=1), as the CPU tests run them.
 """
 
@@ -62,11 +65,13 @@ if triton is not None:
         h = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
-            h = (h + r.to(tl.float32)).to(dtype).to(tl.float32)
+            h = h + r.to(tl.float32)  # stored rounded; the norm reads the float32 sum
         tl.store(residual_out_ptr + row * K + cols, h.to(dtype), mask=mask)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
         w = tl.load(norm_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = ((h * rstd).to(dtype).to(tl.float32) * w).to(dtype)
+        # normalised and scaled in float32, rounded once, as inductor's kernel of the unfused layers on a
+        # GPU does (the GEMV prologue does not round at all): each rounding before added error
+        y = (h * rstd * w).to(dtype)
         tl.store(out_ptr + row * K + cols, y, mask=mask)
 
     @triton.jit

@@ -7,9 +7,10 @@ normalises it (Qwen3's per-head q/k norm, when the model has one), rotates it (t
 cos and sin read from the model's float32 table at the token's position) and writes a query head to
 the output, or a key head and its value head to the KV cache at the token's slot.
 
-Numerics follow the reference (`rms_norm` then `apply_rope` in `minisgl.layers`): the norm in float32,
-rounded to the model's dtype before and after its weight; the rotation in float32 (the reference rounds
-cos and sin to the model's dtype first), rounded once at the store.
+Numerics: the norm, its weight and the rotation in float32, rounded once at the store. The unfused
+layers (`rms_norm` then `apply_rope` in `minisgl.layers`) round the normalised row before and after its
+weight and round cos and sin to the model's dtype first; each of those roundings measured further from
+float32 (`python -m perf.gpu.numerics`).
 
 `qk_norm_rope_store` runs on CUDA tensors, and on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1, as the CPU tests run it). The attention layer calls it where
@@ -88,8 +89,8 @@ if triton is not None:
             kw2 = tl.load(k_norm_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
             w1 = tl.where(is_q, qw1, kw1)
             w2 = tl.where(is_q, qw2, kw2)
-            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            x1 = x1 * rstd * w1  # float32: the rotation below rounds once
+            x2 = x2 * rstd * w2
         pos = tl.load(positions_ptr + t).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + d, mask=mask, other=0.0)
         sin = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + half + d, mask=mask, other=0.0)
