@@ -306,6 +306,22 @@ def test_a_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are
     assert _normal(server) == usual
 
 
+def test_a_chat_of_100k_messages_is_checked_without_stalling_the_others(server, usual) -> None:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": ""}] * 100_000}
+    raw = json.dumps(body).encode()  # 3.3 MB of small objects: parsed and rendered off the event loop
+    with _Health(server) as health:
+        done = []
+        thread = threading.Thread(target=lambda: done.append(_post(server, "/chat/completions", raw)))
+        thread.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert _normal(server) == usual  # not behind it
+        normal_s = time.monotonic() - start
+        thread.join(60)
+    assert _assert_error(done[0], 400)["code"] == "context_length_exceeded"
+    assert health.worst < 0.5 and normal_s < 5, (health.worst, normal_s)
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -409,7 +425,7 @@ _SCALARS = (
     st.none()
     | st.booleans()
     | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(st.characters(codec=None), max_size=20)  # any code point, lone surrogates included
     | st.sampled_from([MODEL, "user", "assistant", "system", "text"])
 )

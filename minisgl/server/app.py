@@ -539,7 +539,13 @@ def _error(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(protocol.error_body(e), status_code=e.status, headers=headers)
 
 
+LARGE_BODY_BYTES = 256 << 10  # bodies parsed and checked off the event loop past this size
 BODY_BUDGET = 32  # request bodies read at the same time hold at most this many times max_request_bytes
+
+
+def _parse_body(parse: Any, raw: bytes, served_model: str, limits: protocol.Limits) -> Any:
+    """The checked request of the body `raw` (`parse`: protocol.parse_chat_request or _completion_)."""
+    return parse(protocol.load_json(raw), served_model, limits)
 
 
 async def _read_body(state: ServerState, request: Request) -> bytes:
@@ -607,26 +613,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        client = state.client
-        if client is not None and client.failed is not None:
-            return JSONResponse({"status": "failed", "error": client.failed}, status_code=503)
-        if not state.ready:
-            return JSONResponse({"status": "starting"}, status_code=503)
-        if state.draining:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        unavailable = _unavailable(state)
+        if unavailable is None:
+            return JSONResponse({"status": "ok"})
+        failed = state.client is not None and state.client.failed is not None
+        status = "failed" if failed else "starting" if not state.ready else "shutting down"
+        return JSONResponse({"status": status, **protocol.error_body(unavailable)}, status_code=503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         if not state.ready or state.client.failed is not None:
-            return PlainTextResponse("# the engine is not running\n", status_code=503)
+            return _error(_unavailable(state))
         text = await state.client.metrics() + generate_latest(state.registry).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
         if not state.ready or state.client.failed is not None:
-            return JSONResponse({"error": "the engine is not running"}, status_code=503)
+            return _error(_unavailable(state))
         pages = await state.client.flush_cache()
         return JSONResponse({"freed_pages": pages})
 
@@ -797,12 +801,14 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         unavailable = _unavailable(state)
         if unavailable is not None:
             raise unavailable
-        body = protocol.load_json(await _read_body(state, request))
-        if kind == "chat":
-            req = protocol.parse_chat_request(body, state.served_model, state.limits)
-        else:
-            req = protocol.parse_completion_request(body, state.served_model, state.limits)
-        del body
+        raw = await _read_body(state, request)
+        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+        args = (parse, raw, state.served_model, state.limits)
+        if len(raw) <= LARGE_BODY_BYTES:
+            req = _parse_body(*args)
+        else:  # on a thread: the event loop goes on (but for json.loads itself, one C call)
+            req = await asyncio.to_thread(_parse_body, *args)
+        del raw, args
         prompt_ids = await _prompt_ids(state, req, kind)
         params = protocol.sampling_params(req, len(prompt_ids), state.client.info["max_context"])
         if params[0].stop and state.decoder is None:

@@ -147,7 +147,7 @@ class TokenizerPool:
 
     async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation's prompt ids; PromptTooLong when its text cannot fit the context."""
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m["content"]) + 32 for m in messages)  # 32: the template's text per message, about
         future = self._lane(chars).submit(encode_chat, messages, self.max_bytes)
         return await asyncio.wrap_future(future)
 
