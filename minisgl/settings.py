@@ -144,6 +144,9 @@ class ServerConfig:
     body_timeout_s: float = setting(
         60.0, "Seconds a request's body may take to arrive after its headers (408 past it).", gt=0
     )
+    send_timeout_s: float = setting(
+        60.0, "Seconds a response may wait on a client that reads nothing (the connection is closed).", gt=0
+    )
     allowed_hosts: tuple[str, ...] | None = _names(
         "Host header values the server answers (e.g. [myhost, myhost.lan], '*' for any); unset = the "
         "loopback names when bound to loopback, any otherwise."

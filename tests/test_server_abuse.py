@@ -19,7 +19,16 @@ from test_server import MODEL, Server, _wait_for
 
 KEY = "sk-abuse"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-TIMEOUTS = ("--idle-timeout-s", "2", "--header-timeout-s", "2", "--body-timeout-s", "3")
+TIMEOUTS = (
+    "--idle-timeout-s",
+    "2",
+    "--header-timeout-s",
+    "2",
+    "--body-timeout-s",
+    "3",
+    "--send-timeout-s",
+    "2",
+)
 NORMAL = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
 
 
@@ -171,6 +180,57 @@ def test_malformed_http_long_urls_and_huge_headers_get_error_bodies(server, usua
         assert answer.startswith(b"HTTP/1.1 " + status), answer[:100]
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
     assert _normal(server) == usual
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout() -> None:
+    """The protocol's side of it (a real stream would need more bytes than loopback's buffers hold,
+    megabytes, to stall): the transport pauses writing (its buffer full), the connection is dropped
+    send_timeout_s later, unless writing resumes first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from minisgl.server.connections import protocol_class
+
+    class Transport(asyncio.Transport):
+        aborted = closed = False
+
+        def get_extra_info(self, name, default=None):
+            return {"peername": ("127.0.0.1", 1), "sockname": ("127.0.0.1", 2)}.get(name, default)
+
+        def is_closing(self):
+            return self.aborted or self.closed
+
+        def abort(self):
+            self.aborted = True
+
+        def close(self):
+            self.closed = True
+
+    async def main() -> tuple[bool, bool]:
+        limits = SimpleNamespace(
+            idle_timeout_s=60, header_timeout_s=60, body_timeout_s=60, send_timeout_s=0.2
+        )
+        cls = protocol_class(limits, 10)
+        config = uvicorn.Config(lambda scope, receive, send: None, http=cls)
+        config.load()
+        results = []
+        for resume in (False, True):
+            proto = cls(config=config, server_state=ServerState(), app_state={})
+            transport = Transport()
+            proto.connection_made(transport)
+            proto.pause_writing()
+            if resume:
+                await asyncio.sleep(0.1)
+                proto.resume_writing()
+            await asyncio.sleep(0.4)
+            results.append(transport.aborted)
+            proto.connection_lost(None)
+        return tuple(results)
+
+    assert asyncio.run(main()) == (True, False)
 
 
 def test_clients_gone_during_upload_log_one_line_each_at_most(server, usual) -> None:

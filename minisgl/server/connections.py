@@ -4,7 +4,8 @@ exposed to slow or hostile clients needs, which uvicorn leaves out.
 - **Timeouts.** A connection that sends nothing is closed after `idle_timeout_s` (also between the
   requests of a kept-alive connection: uvicorn's keep-alive timeout); the request line and headers must
   arrive within `header_timeout_s` of their first byte, the body within `body_timeout_s` of the headers'
-  end; past either the client gets a 408 and the connection is closed.
+  end; past either the client gets a 408 and the connection is closed. A client that stops reading a
+  response (its buffers full) is dropped after `send_timeout_s`, which ends its request.
 - **A cap on open connections** (`max_connections`, lowered to what the open-file limit allows): one
   more is accepted, answered 503 and closed at once, so that file descriptors never run out.
 - **Bounded request heads**: a URL over 8 KiB gets 414, headers over 64 KiB (or 200 of them) 431.
@@ -137,7 +138,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     limits: Any  # set by protocol_class
     max_connections: int
 
-    _timer: asyncio.TimerHandle | None = None
+    _timer: asyncio.TimerHandle | None = None  # the idle, head or body timeout
+    _stall: asyncio.TimerHandle | None = None  # the send timeout, while the client reads nothing
     _refusal: _Refused | None = None
     _head_bytes = 0
 
@@ -164,7 +166,30 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stall is not None:
+            self._stall.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:  # the client reads nothing: it has send_timeout_s to start again
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.limits.send_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for send_timeout_s: the connection is dropped, which ends its request
+        (a stream's request is aborted, its pages freed) rather than holding it forever."""
+        self._stall = None
+        seconds = self.limits.send_timeout_s
+        log_limited(
+            "stalled", logging.INFO, "dropped a connection whose client read nothing for %g s", seconds
+        )
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:  # uvicorn's, without its warning per bad request
         if self.transport.is_closing():
