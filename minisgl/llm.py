@@ -36,6 +36,7 @@ from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import RequestState, Scheduler
 from minisgl.settings import EngineSettings
+from minisgl.templates import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -313,20 +314,27 @@ class LLM:
             state = self.scheduler.add_request(ids, params, stream=True)
         return Stream(self, state)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation under the tokenizer's chat template, ready for the reply."""
+    def chat_prompt(
+        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation under the tokenizer's chat template, ready for the reply;
+        `chat_template_kwargs`: the template's own variables (Qwen3's `enable_thinking`, ...)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError(f"the model folder {self.engine.config.model_path!r} has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = render_chat(self.tokenizer, messages, chat_template_kwargs)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def chat(
-        self, messages: list[dict[str, str]] | str, sampling_params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, str]] | str,
+        sampling_params: SamplingParams | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestOutput:
-        """One reply to a conversation ([{"role": "user", "content": ...}, ...]) or a single user message."""
+        """One reply to a conversation ([{"role": "user", "content": ...}, ...]) or a single user message
+        (`chat_template_kwargs`: as in `chat_prompt`)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.generate([self.chat_prompt(messages)], sampling_params)[0]
+        return self.generate([self.chat_prompt(messages, chat_template_kwargs)], sampling_params)[0]
 
     def flush_cache(self) -> int:
         """Empties the prefix cache of every prefix no running request uses (under tensor

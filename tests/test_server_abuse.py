@@ -480,7 +480,19 @@ def test_404_405_and_the_auth_scheme(server, usual) -> None:
 
 # ------------------------------------------------------------------------------------- hypothesis
 
-_KEYS = ["model", "prompt", "messages", "max_tokens", "stop", "n", "stream", "temperature", "role", "content"]
+_KEYS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "stop",
+    "n",
+    "stream",
+    "temperature",
+    "role",
+    "content",
+    "chat_template_kwargs",
+]
 _SCALARS = (
     st.none()
     | st.booleans()

@@ -922,7 +922,7 @@ async def _prompt_ids(state: ServerState, req: Any, kind: str) -> list[int]:
             tok = state.encoder
             if tok is None or not tok.chat_template:
                 raise APIError("this model has no chat template: use /v1/completions", param="messages")
-            return await state.tokenizers.chat(req.messages)
+            return await state.tokenizers.chat(req.messages, req.chat_template_kwargs)
         if isinstance(req.prompt, str):
             if state.encoder is None:
                 raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")

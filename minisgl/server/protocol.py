@@ -29,6 +29,7 @@ The request's fields onto `minisgl.core.SamplingParams`:
   each one is reproducible. Without a seed each choice draws a random seed of its own.
 - The engine's own fields, as extra body fields (the names vLLM and SGLang use): ``top_k``, ``min_p``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` -> the same fields.
+- ``chat_template_kwargs`` (chat, extra): the chat template's own variables (``minisgl.templates``).
 - ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
   a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
   models without a tokenizer, whose text is empty), false otherwise.
@@ -74,6 +75,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from minisgl.core import INT64_MAX, SamplingParams
+from minisgl.templates import check_template_kwargs
 
 MAX_N = 128  # choices per request
 SSE_DONE = "data: [DONE]\n\n"
@@ -313,6 +315,15 @@ def _content(value: Any) -> Any:
     return value
 
 
+def _template_kwargs(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        return check_template_kwargs(value)
+    except ValueError as e:
+        raise PydanticCustomError("template_kwargs", str(e).split(" ", 1)[1]) from None
+
+
 class _Strict(BaseModel):
     # strict: no coercion ("1" is no number, true no integer); forbid: no field passes unchecked
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -407,6 +418,8 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[dict[str, str]], BeforeValidator(_messages)]
     max_completion_tokens: int | None = None
     parallel_tool_calls: bool | None = None  # ignored: no tools
+    # the chat template's own variables (vLLM's and SGLang's field), e.g. {"enable_thinking": false}
+    chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_template_kwargs)] = None
 
     def max_tokens_param(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -486,7 +499,17 @@ def _validation_error(e: ValidationError) -> APIError:
     if err["type"] == "extra_forbidden":
         return APIError(f"unknown parameter {quoted}; leave it out", param=param, code="unknown_parameter")
     message = err["msg"]
-    if err["type"] in {"batch", "empty", "token_id", "prompt_type", "stop_type", "content_part", "limit"}:
+    custom = {
+        "batch",
+        "empty",
+        "token_id",
+        "prompt_type",
+        "stop_type",
+        "content_part",
+        "limit",
+        "template_kwargs",
+    }
+    if err["type"] in custom:
         return APIError(f"invalid {quoted}: {message}", param=param)
     return APIError(f"invalid {quoted}: {message}, got {short(err['input'])}", param=param)
 

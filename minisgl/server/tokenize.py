@@ -19,6 +19,8 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+from minisgl.templates import render_chat
+
 _worker = threading.local()  # .tokenizer: the worker's own (two threads never share one)
 _loading = threading.Lock()  # transformers' lazy imports are not safe from two threads at once
 LARGE_PROMPT_CHARS = 64 << 10
@@ -55,11 +57,16 @@ def _load(path: str, process: bool) -> None:
         encode_chat([{"role": "user", "content": "Hi"}])
 
 
-def encode_chat(messages: list[dict[str, Any]], max_bytes: int | None = None) -> list[int]:
-    """The chat template over `messages` with the generation prompt, tokenized (no special tokens
-    added: the template writes them); PromptTooLong if the text has more than `max_bytes` bytes."""
+def encode_chat(
+    messages: list[dict[str, Any]],
+    max_bytes: int | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The chat template over `messages` (with `template_kwargs`, its variables) and the generation
+    prompt, tokenized (no special tokens added: the template writes them); PromptTooLong if the text
+    has more than `max_bytes` bytes."""
     tokenizer = _worker.tokenizer
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render_chat(tokenizer, messages, template_kwargs)
     if max_bytes is not None and len(text) > max_bytes // 4:  # only a long text can be too long
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_bytes:
@@ -145,10 +152,12 @@ class TokenizerPool:
     def _lane(self, chars: int) -> Executor:
         return self._large if chars > LARGE_PROMPT_CHARS else self._pool
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def chat(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         """The conversation's prompt ids; PromptTooLong when its text cannot fit the context."""
         chars = sum(len(m["content"]) + 32 for m in messages)  # 32: the template's text per message, about
-        future = self._lane(chars).submit(encode_chat, messages, self.max_bytes)
+        future = self._lane(chars).submit(encode_chat, messages, self.max_bytes, template_kwargs)
         return await asyncio.wrap_future(future)
 
     async def text(self, text: str) -> list[int]:
