@@ -52,3 +52,66 @@ def render_chat(
     """The conversation's text under `tokenizer`'s chat template, ending where the reply begins."""
     extra = check_template_kwargs(template_kwargs) if template_kwargs else {}
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningSplitter:
+    """Splits a reply of a model that thinks in ``<think>...</think>`` into its reasoning and its
+    content, piece by piece as the text arrives (SGLang's `separate_reasoning`): a reply that starts
+    with ``<think>`` (after blanks), or whose prompt ended inside one (`in_reasoning`: the template
+    opened it), is reasoning up to ``</think>``; the rest, its leading blanks dropped, is content. A tag
+    cut across pieces is held back until it is whole, so the split does not depend on the pieces."""
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        self.mode = "reasoning" if in_reasoning else "start"
+        self.held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """The reasoning and the content that `text` (the next piece) completes; `final`: the reply
+        ends here (nothing is held back)."""
+        held = self.held + text
+        reasoning = content = ""
+        while True:
+            if self.mode == "start":
+                rest = held.lstrip()
+                if rest.startswith(THINK_OPEN):
+                    held, self.mode = rest[len(THINK_OPEN) :], "reasoning"
+                elif THINK_OPEN.startswith(rest) and not final:
+                    break  # still may become <think>
+                else:
+                    self.mode = "content"
+            elif self.mode == "reasoning":
+                end = held.find(THINK_CLOSE)
+                if end >= 0:
+                    reasoning += held[:end]
+                    held, self.mode = held[end + len(THINK_CLOSE) :], "after"
+                    continue
+                keep = 0 if final else _partial_tag(held, THINK_CLOSE)
+                reasoning, held = reasoning + held[: len(held) - keep], held[len(held) - keep :]
+                break
+            elif self.mode == "after":  # the blanks between </think> and the content are dropped
+                held = held.lstrip()
+                if held:
+                    self.mode = "content"
+                else:
+                    break
+            else:
+                content, held = content + held, ""
+                break
+        self.held = held
+        return reasoning, content
+
+
+def split_reasoning(text: str, in_reasoning: bool = False) -> tuple[str, str]:
+    """A whole reply's (reasoning, content) (`ReasoningSplitter` in one piece)."""
+    return ReasoningSplitter(in_reasoning).feed(text, final=True)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (held back: the tag may follow)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -58,6 +58,7 @@ from minisgl.server.worker import (
     set_parent_death_signal,
     unpack,
 )
+from minisgl.templates import THINK_OPEN, ReasoningSplitter, split_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -835,6 +836,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         for i, p in enumerate(params)
     ]
     state.outstanding += len(job.choices)
+    thinking = _thinking(state, req, prompt_ids)
     prompt = ids_frame(prompt_ids)
     for choice in job.choices:
         client.add(choice, prompt)
@@ -842,7 +844,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, kind, request_id, created, job, len(prompt_ids)),
+            _stream(state, req, kind, request_id, created, job, len(prompt_ids), thinking),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -854,7 +856,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
                 request_id,
                 state.served_model,
                 len(prompt_ids),
-                [_Generation(c) for c in job.choices],
+                [_Generation(c, thinking) for c in job.choices],
                 return_token_ids=req.wants_token_ids,
                 created=created,
             )
@@ -868,10 +870,17 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
 @dataclass
 class _Generation:
     choice: Choice
+    thinking: bool | None = None  # separate_reasoning: whether the reply starts inside <think>
 
     @property
     def text(self) -> str:
-        return self.choice.text
+        if self.thinking is None:
+            return self.choice.text
+        return split_reasoning(self.choice.text, self.thinking)[1]
+
+    @property
+    def reasoning(self) -> str | None:  # None: not asked for, or none in the reply (as SGLang)
+        return None if self.thinking is None else split_reasoning(self.choice.text, self.thinking)[0] or None
 
     @property
     def token_ids(self) -> list[int]:
@@ -884,6 +893,15 @@ class _Generation:
     @property
     def error(self) -> str | None:
         return self.choice.error
+
+
+def _thinking(state: ServerState, req: Any, prompt_ids: list[int]) -> bool | None:
+    """With separate_reasoning (chat): whether the reply starts inside a <think> the prompt opened (its
+    template's doing); None without it."""
+    if not getattr(req, "separate_reasoning", False) or state.decoder is None:
+        return None
+    tail = state.decoder.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
+    return tail.endswith(THINK_OPEN)
 
 
 def _check_rejected(choice: Choice) -> None:
@@ -950,13 +968,16 @@ async def _stream(
     created: int,
     job: Job,
     prompt_tokens: int,
+    thinking: bool | None,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: each time the job is woken, one write with every choice's
-    news (text and token ids, final chunks), then the delay since the step that made them is recorded."""
+    news (text and token ids, final chunks), then the delay since the step that made them is recorded.
+    `thinking` (separate_reasoning; see `_thinking`): each text is split into reasoning and content."""
     model = state.served_model
     wants_ids = req.wants_token_ids
     choices = job.choices
     formats = [protocol.ChunkFormat(kind, request_id, model, c.index, wants_ids, created) for c in choices]
+    splitters = None if thinking is None else [ReasoningSplitter(thinking) for _ in choices]
     try:
         if kind == "chat":
             yield "".join(
@@ -978,7 +999,21 @@ async def _stream(
                 if choice.finish_reason == "rejected":
                     raise protocol.invalid_request(ValueError(choice.error))
                 text, ids = choice.take()
-                if text or (wants_ids and ids):
+                if splitters is not None:  # reasoning_content and content
+                    reasoning, text = splitters[choice.index].feed(text, choice.finished)
+                    if reasoning or text or (wants_ids and ids):
+                        chunk = protocol.chat_chunk(
+                            request_id,
+                            model,
+                            choice.index,
+                            content=text or None,
+                            reasoning_content=reasoning or None,
+                            token_ids=ids if wants_ids else None,
+                            created=created,
+                        )
+                        parts.append(protocol.sse(chunk))
+                        tokens = True
+                elif text or (wants_ids and ids):
                     parts.append(fmt.event(text, ids))
                     tokens = True
                 if choice.finished:

@@ -30,6 +30,8 @@ The request's fields onto `minisgl.core.SamplingParams`:
 - The engine's own fields, as extra body fields (the names vLLM and SGLang use): ``top_k``, ``min_p``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` -> the same fields.
 - ``chat_template_kwargs`` (chat, extra): the chat template's own variables (``minisgl.templates``).
+- ``separate_reasoning`` (chat, extra; SGLang's): the ``<think>...</think>`` of a thinking model goes to
+  the message's (or delta's) ``reasoning_content``, the rest to ``content``.
 - ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
   a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
   models without a tokenizer, whose text is empty), false otherwise.
@@ -420,6 +422,8 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None  # ignored: no tools
     # the chat template's own variables (vLLM's and SGLang's field), e.g. {"enable_thinking": false}
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_template_kwargs)] = None
+    # SGLang's field: a thinking model's <think>...</think> goes to the message's reasoning_content
+    separate_reasoning: bool | None = None
 
     def max_tokens_param(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -704,7 +708,12 @@ def chat_response(
 ) -> dict[str, Any]:
     """The non-streamed `chat.completion` object, one assistant message per generation (in order);
     `options`: `return_token_ids`, `created`."""
-    content = lambda gen: {"message": {"role": "assistant", "content": gen.text}}  # noqa: E731
+
+    def content(gen: Generation) -> dict[str, Any]:
+        reasoning = getattr(gen, "reasoning", None)  # set with separate_reasoning
+        extra = {} if reasoning is None else {"reasoning_content": reasoning}
+        return {"message": {"role": "assistant", **extra, "content": gen.text}}
+
     return _response("chat.completion", request_id, model, prompt_tokens, generations, content, **options)
 
 
@@ -767,12 +776,16 @@ def chat_chunk(
     finish_reason: Literal["stop", "length"] | None = None,
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
+    reasoning_content: str | None = None,
 ) -> dict[str, Any]:
     """A `chat.completion.chunk` for choice `index`: the first carries ``role="assistant"`` (and
-    ``content=""``), later ones ``content``, the last an empty delta and the finish_reason."""
+    ``content=""``), later ones ``content`` (and, with separate_reasoning, ``reasoning_content``), the
+    last an empty delta and the finish_reason."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
+    if reasoning_content is not None:
+        delta["reasoning_content"] = reasoning_content
     if content is not None:
         delta["content"] = content
     choice: dict[str, Any] = {
