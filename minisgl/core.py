@@ -113,6 +113,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # added to the logits of those token ids before anything else (OpenAI's logit_bias): -100 bans a
+    # token, 100 all but forces it; given as a dict {token id: bias}, kept as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Python values are checked, not coerced: True is no token count, 2.0 no token id
@@ -138,6 +141,7 @@ class SamplingParams:
         if not isinstance(stop_ids, list | tuple):
             raise TypeError(f"stop_token_ids must be a list of token ids, got stop_token_ids={stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(as_token_ids(stop_ids, "stop_token_ids")))
+        object.__setattr__(self, "logit_bias", _as_logit_bias(self.logit_bias))
         self._check_ranges()
 
     def _check_ranges(self) -> None:
@@ -169,6 +173,30 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A logit bias as sorted (token id, bias) pairs: from a dict {id: bias} (or pairs); ids integers
+    >= 0, biases finite numbers in [-100, 100] (OpenAI's range)."""
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(pairs, list | tuple | type({}.items())) or not all(
+        isinstance(p, list | tuple) and len(p) == 2 for p in pairs
+    ):
+        raise TypeError(f"logit_bias must be a dict {{token id: bias}}, got {type(value).__name__}")
+    ids = as_token_ids([p[0] for p in pairs], "logit_bias")
+    out = {}
+    for token, (_, bias) in zip(ids, pairs):
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
+            raise TypeError(f"logit_bias values must be numbers, got {bias!r} for token {token}")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(eq=False)

@@ -208,6 +208,10 @@ class BatchSamplingArgs:
     ints: torch.Tensor | None = None
     # (B, K) int64 token ids that must not be drawn (e.g. EOS before min_tokens), padded with vocab_size
     suppress: torch.Tensor | None = None
+    # logit_bias: (B, K) int64 token ids (padded with vocab_size) and (B, K) float32 biases; None when no
+    # request of the batch has one
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     temperatures = _packed_row("floats", 0)
     top_p = _packed_row("floats", 1)
@@ -226,6 +230,15 @@ class BatchSamplingArgs:
         ``random.Random``) on every call, so their tokens vary between steps and runs.
         """
         params = [req.sampling_params for req in reqs]
+        args = cls._from_params(reqs, params, device, rng)
+        if any(p.logit_bias for p in params):
+            args.bias_ids, args.bias_values = _padded_bias(params, device)
+        return args
+
+    @classmethod
+    def _from_params(
+        cls, reqs: list[Req], params: list[SamplingParams], device: torch.device, rng: random.Random | None
+    ) -> BatchSamplingArgs:
         if all(p.is_greedy for p in params):
             return cls(all_greedy=True, need_filter=False)
         rng = rng if rng is not None else _default_rng
@@ -254,6 +267,19 @@ class BatchSamplingArgs:
                 floats=floats.to(device, non_blocking=True),
                 ints=ints.to(device, non_blocking=True),
             )
+
+
+def _padded_bias(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's logit biases as (B, K) ids (padded with a column past the vocabulary: `Sampler.sample`
+    adds one) and (B, K) values, copied to ``device`` without blocking."""
+    width = max(len(p.logit_bias) for p in params)
+    ids = [[t for t, _ in p.logit_bias] + [-1] * (width - len(p.logit_bias)) for p in params]
+    values = [[b for _, b in p.logit_bias] + [0.0] * (width - len(p.logit_bias)) for p in params]
+    pin = device.type == "cuda"
+    with torch.inference_mode(False):
+        ids_t = torch.tensor(ids, dtype=torch.int64, pin_memory=pin)
+        values_t = torch.tensor(values, dtype=torch.float32, pin_memory=pin)
+    return ids_t.to(device, non_blocking=True), values_t.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -295,6 +321,12 @@ class Sampler:
                 f"logits must be (batch, >= vocab_size={self.vocab_size}), got shape {tuple(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
+        if args.bias_ids is not None:  # logit_bias first; padding (-1) goes to an extra column
+            ids = torch.where(args.bias_ids < 0, self.vocab_size, args.bias_ids)
+            logits = torch.cat(
+                [logits.float(), logits.new_zeros(logits.shape[0], 1, dtype=torch.float32)], dim=1
+            )
+            logits = logits.scatter_add_(1, ids, args.bias_values)[:, : self.vocab_size]
         if args.suppress is not None:  # an extra column takes the padding entries
             logits = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
             logits = logits.scatter_(1, args.suppress, float("-inf"))[:, : self.vocab_size]

@@ -25,6 +25,9 @@ class OutputProcessor:
         text without a tokenizer, or min_tokens with every token id banned (stop ids and EOS)."""
         if (params.stop or stream) and self.tokenizer is None:
             raise ValueError("stop strings and streaming text need a tokenizer; this model folder has none")
+        outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
         if params.min_tokens > 0:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             if sum(1 for t in banned if 0 <= t < vocab_size) == vocab_size:

@@ -32,6 +32,8 @@ The request's fields onto `minisgl.core.SamplingParams`:
 - ``chat_template_kwargs`` (chat, extra): the chat template's own variables (``minisgl.templates``).
 - ``separate_reasoning`` (chat, extra; SGLang's): the ``<think>...</think>`` of a thinking model goes to
   the message's (or delta's) ``reasoning_content``, the rest to ``content``.
+- ``logit_bias`` -> ``logit_bias`` (keys: token ids as strings; values in [-100, 100]; ids in the
+  vocabulary, checked by the scheduler).
 - ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
   a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
   models without a tokenizer, whose text is empty), false otherwise.
@@ -39,7 +41,7 @@ The request's fields onto `minisgl.core.SamplingParams`:
 Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
 strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
 
-Parameters of OpenAI's API that minisgl does not implement (logprobs, logit_bias, penalties, echo, tools,
+Parameters of OpenAI's API that minisgl does not implement (logprobs, penalties, echo, tools,
 ...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
 asks for nothing (see ``_UNSUPPORTED``: ``presence_penalty: 0``, ``logprobs: false``, ``tools: []``...).
 Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
@@ -326,6 +328,21 @@ def _template_kwargs(value: Any) -> Any:
         raise PydanticCustomError("template_kwargs", str(e).split(" ", 1)[1]) from None
 
 
+def _logit_bias(value: Any) -> Any:
+    """OpenAI's logit_bias, its keys (token ids as JSON strings) as integers; the values are checked by
+    SamplingParams."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("logit_bias", 'give an object {"token id": bias}')
+    bad = next((k for k in value if not (isinstance(k, str) and k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise PydanticCustomError(
+            "logit_bias", "its keys are token ids (decimal digits), got {key}", {"key": short(bad)}
+        )
+    return {int(k): v for k, v in value.items()}
+
+
 class _Strict(BaseModel):
     # strict: no coercion ("1" is no number, true no integer); forbid: no field passes unchecked
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
@@ -378,6 +395,8 @@ class _GenerationRequest(_Strict):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # OpenAI's: {"token id": bias in [-100, 100]}, the ids as strings (JSON's keys)
+    logit_bias: Annotated[dict[int, float] | None, BeforeValidator(_logit_bias)] = None
     return_token_ids: bool | None = None
     # metadata: checked, then ignored
     user: str | None = None
@@ -449,7 +468,6 @@ def _is_empty(v: Any) -> bool:
 
 # parameters of OpenAI's API that minisgl does not implement -> the values that ask for nothing
 _UNSUPPORTED_BOTH: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _is_empty,
     "presence_penalty": _is_zero,
     "frequency_penalty": _is_zero,
     "store": _is_false,
@@ -512,6 +530,7 @@ def _validation_error(e: ValidationError) -> APIError:
         "content_part",
         "limit",
         "template_kwargs",
+        "logit_bias",
     }
     if err["type"] in custom:
         return APIError(f"invalid {quoted}: {message}", param=param)
@@ -614,6 +633,7 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
+        "logit_bias": request.logit_bias,
     }
     temperature = 1.0 if request.temperature is None else request.temperature
     try:
