@@ -28,7 +28,9 @@ from minisgl.templates import (
 )
 
 THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('the system message must come first') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined %}{% if enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}{% endif %}"
@@ -98,6 +100,13 @@ def test_chat_template_kwargs_over_http(server, thinking_model) -> None:
     for bad, words in (([1], "must be an object"), ({"add_generation_prompt": False}, "may not set")):
         with pytest.raises(openai.BadRequestError, match=words):
             prompt_tokens(chat_template_kwargs=bad)
+    # the template's own refusal, and a variable that breaks it: 400s, not 500s
+    late_system = [*MESSAGES, {"role": "system", "content": "Be brief."}]
+    for extra in ({}, {"chat_template_kwargs": {"raise_exception": 1}}):
+        with pytest.raises(openai.BadRequestError, match="chat template could not render"):
+            client.chat.completions.create(
+                model=thinking_model.name, messages=late_system, max_tokens=2, extra_body=extra or None
+            )
 
 
 def test_separate_reasoning_over_http(server, thinking_model) -> None:

@@ -49,7 +49,7 @@ from minisgl.server.connections import (
     protocol_class,
 )
 from minisgl.server.protocol import APIError
-from minisgl.server.tokenize import PromptTooLong, TokenizerPool, default_workers
+from minisgl.server.tokenize import PromptTooLong, TemplateFailed, TokenizerPool, default_workers
 from minisgl.server.worker import (
     encode_params,
     frame_ids,
@@ -945,6 +945,12 @@ async def _prompt_ids(state: ServerState, req: Any, kind: str) -> list[int]:
             if state.encoder is None:
                 raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
             return await state.tokenizers.text(req.prompt)
+    except TemplateFailed as e:
+        raise APIError(
+            f"the chat template could not render this conversation ({e}); check the messages and "
+            "chat_template_kwargs",
+            param="messages",
+        ) from None
     except PromptTooLong as e:
         max_context = state.client.info["max_context"]
         raise APIError(

@@ -31,6 +31,10 @@ _NORMALIZERS = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 3, "Prepe
 _PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"}
 
 
+class TemplateFailed(Exception):
+    """The chat template raised on a conversation (its own checks, or a variable the client set)."""
+
+
 class PromptTooLong(Exception):
     """A prompt refused by its size before tokenization: `size` bytes, more than `limit`."""
 
@@ -66,7 +70,10 @@ def encode_chat(
     prompt, tokenized (no special tokens added: the template writes them); PromptTooLong if the text
     has more than `max_bytes` bytes."""
     tokenizer = _worker.tokenizer
-    text = render_chat(tokenizer, messages, template_kwargs)
+    try:
+        text = render_chat(tokenizer, messages, template_kwargs)
+    except Exception as e:  # the template refused the conversation (or a variable broke it)
+        raise TemplateFailed(f"{type(e).__name__}: {e}"[:300]) from None
     if max_bytes is not None and len(text) > max_bytes // 4:  # only a long text can be too long
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_bytes:
