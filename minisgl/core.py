@@ -116,10 +116,23 @@ class SamplingParams:
     # added to the logits of those token ids before anything else (OpenAI's logit_bias): -100 bans a
     # token, 100 all but forces it; given as a dict {token id: bias}, kept as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties over the generated tokens: logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' and vLLM's, over prompt and generated tokens: a seen token's logit is divided by it
+    # when positive, multiplied by it when negative (1: off)
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Python values are checked, not coerced: True is no token count, 2.0 no token id
-        for name in ("temperature", "top_p", "min_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {name}={value!r}")
@@ -159,6 +172,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got top_p={self.top_p!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got min_p={self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(
+                    f"{name} must be in [-2, 2] (OpenAI's range), got {name}={getattr(self, name)!r}"
+                )
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10] (1 is off), got repetition_penalty={self.repetition_penalty!r}"
+            )
         if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got seed={self.seed!r}")
         if not 1 <= self.max_tokens <= INT64_MAX:
@@ -173,6 +195,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 MAX_LOGIT_BIAS = 100.0
@@ -218,11 +244,17 @@ class Req:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     device_len: int = -1
     num_prompt_tokens: int = field(init=False)
+    # where the generated tokens start in input_ids (after a preemption, the scheduler recomputes the
+    # prompt and the output so far as this request's "prompt"; the penalties count only the output)
+    output_start: int = -1
+    penalties_ready: bool = False  # the sampler's per-slot counts hold this request's tokens
 
     def __post_init__(self) -> None:
         if self.device_len < 0:
             self.device_len = len(self.input_ids)
         self.num_prompt_tokens = len(self.input_ids)
+        if self.output_start < 0:
+            self.output_start = self.num_prompt_tokens
 
     @property
     def extend_len(self) -> int:

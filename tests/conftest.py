@@ -26,6 +26,16 @@ def smollm2_path() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="module")
+def llm32(smollm2_path):
+    """`LLM` on the default model, float32 on the CPU, 8 requests at a time (shut down after the module)."""
+    from minisgl.llm import LLM
+
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8)
+    yield llm
+    llm.shutdown()
+
+
 # the transformers config class of each model family make_tiny_model builds, and the family's shape
 # beyond TINY_COMMON
 TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {

@@ -11,33 +11,25 @@ import transformers
 from test_server import MODEL, Server
 
 from minisgl.core import SamplingParams
-from minisgl.llm import LLM
 
 PROMPT = "The capital of France is"
 STEPS = 64
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_path):
-    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def biases(llm) -> dict[int, float]:
+def biases(llm32) -> dict[int, float]:
     """A bias that changes the greedy reply: its first two tokens banned, a later one raised."""
-    plain = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    plain = llm32.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     return {plain[0]: -100.0, plain[1]: -100, plain[5]: 2.5}
 
 
-def test_greedy_with_a_bias_is_transformers_argmax_of_the_biased_logits(llm, biases, smollm2_path) -> None:
+def test_greedy_with_a_bias_is_transformers_argmax_of_the_biased_logits(llm32, biases, smollm2_path) -> None:
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True, logit_bias=biases)
-    out = llm.generate([PROMPT], params)[0].token_ids
-    plain = llm.generate([PROMPT], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0].token_ids
+    out = llm32.generate([PROMPT], params)[0].token_ids
+    plain = llm32.generate([PROMPT], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0].token_ids
     assert out != plain and not set(out[:1]) & {t for t, b in biases.items() if b == -100}
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, torch_dtype=torch.float32)
-    prompt = llm.tokenizer(PROMPT)["input_ids"]
+    prompt = llm32.tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].double()
     bias = torch.zeros(logits.shape[1], dtype=torch.float64)
@@ -49,37 +41,37 @@ def test_greedy_with_a_bias_is_transformers_argmax_of_the_biased_logits(llm, bia
     assert (best - chosen).max().item() < 1e-4  # every token is the argmax, or within a near-tie
 
 
-def test_a_mixed_batch_gives_each_request_its_own_tokens(llm, biases) -> None:
+def test_a_mixed_batch_gives_each_request_its_own_tokens(llm32, biases) -> None:
     biased = SamplingParams(max_tokens=16, ignore_eos=True, logit_bias=biases)
     plain = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=1.0, seed=7, logit_bias=biases)
-    alone = [llm.generate([PROMPT], p)[0].token_ids for p in (biased, plain, sampled)]
-    together = [o.token_ids for o in llm.generate([PROMPT] * 3, [biased, plain, sampled])]
+    alone = [llm32.generate([PROMPT], p)[0].token_ids for p in (biased, plain, sampled)]
+    together = [o.token_ids for o in llm32.generate([PROMPT] * 3, [biased, plain, sampled])]
     assert together == alone
 
 
-def test_banned_tokens_are_never_drawn(llm) -> None:
-    top = llm.generate([PROMPT], SamplingParams(max_tokens=1))[0].token_ids[0]
+def test_banned_tokens_are_never_drawn(llm32) -> None:
+    top = llm32.generate([PROMPT], SamplingParams(max_tokens=1))[0].token_ids[0]
     params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.5, seed=3, logit_bias={top: -100})
     for seed in range(4):
-        out = llm.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": seed}))[0].token_ids
+        out = llm32.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": seed}))[0].token_ids
         assert top not in out
 
 
-def test_bad_biases_raise_before_anything_is_queued(llm) -> None:
-    vocab = llm.engine.config.model_config.vocab_size
+def test_bad_biases_raise_before_anything_is_queued(llm32) -> None:
+    vocab = llm32.engine.config.model_config.vocab_size
     with pytest.raises(ValueError, match=rf"logit_bias token id {vocab} is outside the vocabulary"):
-        llm.generate([PROMPT], SamplingParams(logit_bias={vocab: 1.0}))
+        llm32.generate([PROMPT], SamplingParams(logit_bias={vocab: 1.0}))
     with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
         SamplingParams(logit_bias={1: 100.5})
-    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert not llm32.scheduler.waiting and not llm32.scheduler.running
 
 
-def test_logit_bias_over_http_equals_llm(llm, biases) -> None:
+def test_logit_bias_over_http_equals_llm(llm32, biases) -> None:
     srv = Server()
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="x", timeout=120, max_retries=0)
-        want = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=biases))[0]
+        want = llm32.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=biases))[0]
         bias = {str(t): b for t, b in biases.items()}
         got = client.completions.create(
             model=MODEL,
@@ -90,7 +82,7 @@ def test_logit_bias_over_http_equals_llm(llm, biases) -> None:
             extra_body={"ignore_eos": True},
         )
         assert got.choices[0].text == want.text
-        vocab = llm.engine.config.model_config.vocab_size
+        vocab = llm32.engine.config.model_config.vocab_size
         for bad, words in (
             ({str(vocab): 1}, "outside the vocabulary"),
             ({"1": 101}, r"\[-100, 100\]"),

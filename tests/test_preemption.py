@@ -67,6 +67,16 @@ def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=0.8, top_k=50, seed=1000 + i, ignore_eos=True
         )
+    if kind == "penalized":  # the per-slot counts are made again at a re-admission, from the output so far
+        return SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5 * (i % 3),
+            presence_penalty=0.4,
+        )
     # EOS and min_tokens: the count of what is left of min_tokens survives a preemption
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, min_tokens=max_tokens // 2)
 
@@ -117,10 +127,12 @@ def _references(big, kind: str, specs) -> list:
         ("seeded", True, 8),
         ("eos", False, 8),
         ("eos", True, 64),
+        ("penalized", False, 8),
+        ("penalized", True, 64),
     ],
 )
 def test_outputs_under_preemption_equal_those_without(big, small, kind, overlap, budget):
-    specs = _specs({"greedy": 1, "seeded": 2, "eos": 3}[kind])
+    specs = _specs({"greedy": 1, "seeded": 2, "eos": 3, "penalized": 4}[kind])
     worst_case = sum(-(-(len(p) + n) // PAGE_SIZE) for p, n in specs)
     assert worst_case > 4 * small.num_pages  # reserved up front, they would run one or two at a time
     reference = _references(big, kind, specs)
@@ -140,7 +152,7 @@ def test_outputs_under_preemption_equal_those_without(big, small, kind, overlap,
     for state, ref in zip(states, reference):
         assert state.finish_reason == ref.finish_reason
         assert state.output_ids == ref.output_ids, state.uid
-    if kind == "greedy":
+    if kind in ("greedy", "penalized"):
         assert all(len(s.output_ids) == n for s, (_, n) in zip(states, specs))
 
 

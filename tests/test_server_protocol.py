@@ -269,12 +269,8 @@ def test_n_out_of_range_and_seed_overflow_are_400():
         ("completion", "echo", True),
         ("completion", "best_of", 2),
         ("completion", "suffix", " end"),
-        ("completion", "presence_penalty", 0.5),
-        ("completion", "frequency_penalty", -1),
         ("chat", "logprobs", True),
         ("chat", "top_logprobs", 3),
-        ("chat", "presence_penalty", 1.0),
-        ("chat", "frequency_penalty", 0.1),
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "auto"),
         ("chat", "response_format", {"type": "json_object"}),
@@ -294,7 +290,6 @@ def test_unsupported_parameters_are_named_in_a_400(endpoint: str, name: str, val
     ("endpoint", "fields"),
     [
         ("completion", dict(logprobs=None, echo=False, best_of=1, suffix=None, logit_bias={})),
-        ("completion", dict(presence_penalty=0, frequency_penalty=0.0)),
         ("chat", dict(logprobs=False, top_logprobs=0, tools=[], tool_choice="none", store=False)),
         ("chat", dict(response_format={"type": "text"}, modalities=["text"], logit_bias=None)),
     ],
@@ -319,7 +314,7 @@ def test_metadata_is_accepted_and_ignored():
     [
         (completion(foo=1), "foo"),
         (chat(max_new_tokens=5), "max_new_tokens"),
-        (completion(repetition_penalty=1.1), "repetition_penalty"),
+        (completion(length_penalty=1.1), "length_penalty"),
         (chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls"),
         (
             chat(stream=True, stream_options={"include_usage": True, "chunk_size": 2}),

@@ -79,7 +79,12 @@ class Engine:
         self._phase("kv cache", lambda: self._init_kv_cache(available_before, model_bytes))
         self._phase("page table", self._init_page_table)
         self._phase("backends", self._init_backends)
-        self.sampler = Sampler(self.device, config.model_config.vocab_size, compile=config.compile_sampler)
+        self.sampler = Sampler(
+            self.device,
+            config.model_config.vocab_size,
+            compile=config.compile_sampler,
+            slots=config.max_running_req + 1,
+        )
         self._phase("cuda graphs", self._init_cuda_graphs)
         self._phase("sampler", self.sampler.warm_up)  # compiles the sampler on CUDA
         # last: it waits for the attention backend's prefill kernels, built in a thread meanwhile

@@ -212,6 +212,8 @@ class BatchSamplingArgs:
     # request of the batch has one
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # presence, frequency and repetition penalties: None when no request of the batch has one
+    penalties: PenaltyArgs | None = None
 
     temperatures = _packed_row("floats", 0)
     top_p = _packed_row("floats", 1)
@@ -233,6 +235,8 @@ class BatchSamplingArgs:
         args = cls._from_params(reqs, params, device, rng)
         if any(p.logit_bias for p in params):
             args.bias_ids, args.bias_values = _padded_bias(params, device)
+        if any(p.has_penalties for p in params):
+            args.penalties = PenaltyArgs.from_reqs(reqs, device)
         return args
 
     @classmethod
@@ -269,6 +273,47 @@ class BatchSamplingArgs:
             )
 
 
+@dataclass
+class PenaltyArgs:
+    """The penalised rows of a batch: ``rows`` (P,) their indices in the batch, ``slots`` (P,) their
+    table_idx (the row of the sampler's per-slot token counts), ``values`` (3, P) float32 presence,
+    frequency and repetition penalties, ``emits`` (P,) whether the row's token is an output (not the
+    token of a chunk that leaves prompt tokens for later), all on the device; ``fresh``: host lists
+    (slot, every token so far, the generated ones) of the requests whose counts start in this batch
+    (their first forward in that slot, after an admission or a re-admission)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    values: torch.Tensor
+    emits: torch.Tensor
+    fresh: list[tuple[int, list[int], list[int]]]
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], device: torch.device) -> PenaltyArgs:
+        rows = [i for i, req in enumerate(reqs) if req.sampling_params.has_penalties]
+        fresh = []
+        for i in rows:
+            req = reqs[i]
+            if not req.penalties_ready:
+                req.penalties_ready = True
+                fresh.append((req.table_idx, list(req.input_ids), req.input_ids[req.output_start :]))
+        params = [reqs[i].sampling_params for i in rows]
+        with torch.inference_mode(False):
+            ints = torch.tensor(
+                [rows, [reqs[i].table_idx for i in rows], [not reqs[i].is_partial for i in rows]]
+            )
+            values = torch.tensor(
+                [
+                    [p.presence_penalty for p in params],
+                    [p.frequency_penalty for p in params],
+                    [p.repetition_penalty for p in params],
+                ],
+                dtype=torch.float32,
+            )
+        ints, values = ints.to(device, non_blocking=True), values.to(device, non_blocking=True)
+        return cls(rows=ints[0], slots=ints[1], values=values, emits=ints[2].bool(), fresh=fresh)
+
+
 def _padded_bias(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch's logit biases as (B, K) ids (padded with a column past the vocabulary: `Sampler.sample`
     adds one) and (B, K) values, copied to ``device`` without blocking."""
@@ -289,9 +334,12 @@ class Sampler:
     eagerly, for ablation; the ``compile_sampler`` setting). CPU always runs it eagerly.
     """
 
-    def __init__(self, device: torch.device, vocab_size: int, compile: bool = True) -> None:
+    def __init__(self, device: torch.device, vocab_size: int, compile: bool = True, slots: int = 1) -> None:
         self.device = device
         self.vocab_size = vocab_size
+        self.slots = slots  # table rows: the per-slot token counts of the penalties have as many
+        self._counts: torch.Tensor | None = None  # (slots, V) int32: each generated token's count
+        self._seen: torch.Tensor | None = None  # (slots, V) bool: prompt and generated tokens
         self._rng = random.Random()
         self._compiled = None
         if device.type == "cuda" and compile:
@@ -327,16 +375,52 @@ class Sampler:
                 [logits.float(), logits.new_zeros(logits.shape[0], 1, dtype=torch.float32)], dim=1
             )
             logits = logits.scatter_add_(1, ids, args.bias_values)[:, : self.vocab_size]
+        if args.penalties is not None:
+            logits = self._penalize(logits, args.penalties)
         if args.suppress is not None:  # an extra column takes the padding entries
             logits = torch.cat([logits, logits.new_zeros(logits.shape[0], 1)], dim=1)
             logits = logits.scatter_(1, args.suppress, float("-inf"))[:, : self.vocab_size]
         if args.all_greedy:
-            return logits.argmax(dim=-1).to(torch.int32)
-        assert args.floats is not None and args.ints is not None
-        if self._compiled is None:
-            return sample_rows(logits, args.floats, args.ints, args.need_filter)
-        mark_batch_unbacked(logits, args.floats, args.ints)
-        return self._compiled(logits, args.floats, args.ints, args.need_filter)
+            tokens = logits.argmax(dim=-1).to(torch.int32)
+        else:
+            assert args.floats is not None and args.ints is not None
+            if self._compiled is None:
+                tokens = sample_rows(logits, args.floats, args.ints, args.need_filter)
+            else:
+                mark_batch_unbacked(logits, args.floats, args.ints)
+                tokens = self._compiled(logits, args.floats, args.ints, args.need_filter)
+        if args.penalties is not None:
+            self._count(tokens, args.penalties)
+        return tokens
+
+    def _penalize(self, logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
+        """The penalised rows' logits: a token seen in the prompt or the output divided by the
+        repetition penalty when positive (multiplied when negative), then each generated token's
+        logit lowered by frequency x its count and presence x (count > 0). The per-slot counts are
+        made (zeroed, lazily allocated) for the requests that start in this batch."""
+        if self._counts is None:
+            self._counts = torch.zeros(self.slots, self.vocab_size, dtype=torch.int32, device=self.device)
+            self._seen = torch.zeros(self.slots, self.vocab_size, dtype=torch.bool, device=self.device)
+        for slot, tokens, generated in pen.fresh:
+            self._counts[slot].zero_()
+            self._seen[slot].zero_()
+            self._seen[slot, torch.tensor(tokens).to(self.device, non_blocking=True)] = True
+            if generated:
+                ids = torch.tensor(generated).to(self.device, non_blocking=True)
+                self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        counts, seen = self._counts[pen.slots], self._seen[pen.slots]
+        presence, frequency, repetition = pen.values[:, :, None].unbind(0)
+        x = logits[pen.rows]
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        return logits.index_copy(0, pen.rows, x)
+
+    def _count(self, tokens: torch.Tensor, pen: PenaltyArgs) -> None:
+        """Adds each penalised row's new token (if it is an output) to its slot's counts."""
+        assert self._counts is not None and self._seen is not None
+        new = tokens[pen.rows].long()
+        self._counts.index_put_((pen.slots, new), pen.emits.to(torch.int32), accumulate=True)
+        self._seen.index_put_((pen.slots, new), self._seen[pen.slots, new] | pen.emits)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

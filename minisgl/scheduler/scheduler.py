@@ -269,6 +269,7 @@ class Scheduler:
                 if leader_error is not None:  # a following rank fails it as rank 0 did
                     raise RuntimeError(f"on rank 0: {leader_error}")
                 state.req = self.prep.add_request(tokens, params, prefix)
+                state.req.output_start = len(state.prompt_ids)
                 state.held_pages = len(prefix.pages) if prefix is not None else 0
                 state.prefix_found = -1
             except Exception as e:

@@ -34,6 +34,8 @@ The request's fields onto `minisgl.core.SamplingParams`:
   the message's (or delta's) ``reasoning_content``, the rest to ``content``.
 - ``logit_bias`` -> ``logit_bias`` (keys: token ids as strings; values in [-100, 100]; ids in the
   vocabulary, checked by the scheduler).
+- ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (extra,
+  in (0, 10]) -> the same fields.
 - ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
   a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
   models without a tokenizer, whose text is empty), false otherwise.
@@ -41,7 +43,7 @@ The request's fields onto `minisgl.core.SamplingParams`:
 Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
 strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
 
-Parameters of OpenAI's API that minisgl does not implement (logprobs, penalties, echo, tools,
+Parameters of OpenAI's API that minisgl does not implement (logprobs, echo, tools,
 ...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
 asks for nothing (see ``_UNSUPPORTED``: ``presence_penalty: 0``, ``logprobs: false``, ``tools: []``...).
 Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
@@ -397,6 +399,9 @@ class _GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     # OpenAI's: {"token id": bias in [-100, 100]}, the ids as strings (JSON's keys)
     logit_bias: Annotated[dict[int, float] | None, BeforeValidator(_logit_bias)] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # the engines' extra field (transformers' definition)
     return_token_ids: bool | None = None
     # metadata: checked, then ignored
     user: str | None = None
@@ -468,8 +473,6 @@ def _is_empty(v: Any) -> bool:
 
 # parameters of OpenAI's API that minisgl does not implement -> the values that ask for nothing
 _UNSUPPORTED_BOTH: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _is_zero,
-    "frequency_penalty": _is_zero,
     "store": _is_false,
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
@@ -634,6 +637,9 @@ def sampling_params(
         "stop": request.stop,
         "stop_token_ids": request.stop_token_ids,
         "logit_bias": request.logit_bias,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
     }
     temperature = 1.0 if request.temperature is None else request.temperature
     try:
