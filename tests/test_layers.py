@@ -35,7 +35,17 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # bottom to top: (layer, the modules and packages in it)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("minisgl", "minisgl.core", "minisgl.compile", "minisgl.config_fields", "minisgl.metrics")),
+    (
+        "base",
+        (
+            "minisgl",
+            "minisgl.core",
+            "minisgl.compile",
+            "minisgl.config_fields",
+            "minisgl.metrics",
+            "minisgl.templates",
+        ),
+    ),
     ("distributed", ("minisgl.distributed",)),
     ("kernels", ("minisgl.kernels",)),
     ("kvcache", ("minisgl.kvcache",)),
