@@ -818,15 +818,18 @@ def completion_chunk(
 ) -> dict[str, Any]:
     """A streamed `text_completion` chunk: new text of choice `index` (the last one with its
     finish_reason); `token_ids` (the new tokens) when the request wants them; `logprobs`, theirs."""
-    choice: dict[str, Any] = {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    choice = _chunk_choice(index, "text", text, logprobs, finish_reason, token_ids)
+    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
+
+
+def _chunk_choice(
+    index: int, key: str, value: Any, logprobs: Any, finish_reason: Any, token_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    """A streamed chunk's one choice: its text (`key` "text") or delta ("delta"), and the rest."""
+    choice = {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
-    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
+    return choice
 
 
 def chat_chunk(
@@ -852,14 +855,7 @@ def chat_chunk(
         delta["reasoning_content"] = reasoning_content
     if content is not None:
         delta["content"] = content
-    choice: dict[str, Any] = {
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
+    choice = _chunk_choice(index, "delta", delta, logprobs, finish_reason, token_ids)
     return {**_envelope(request_id, "chat.completion.chunk", model, created), "choices": [choice]}
 
 
