@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -915,11 +916,17 @@ class _Generation:
     texts: TokenTexts | None = None  # with log probabilities
     kind: str = "completion"
 
+    @cached_property
+    def _split(self) -> tuple[str, str]:
+        """(reasoning, content) of the reply, split once (separate_reasoning)."""
+        assert self.thinking is not None
+        return split_reasoning(self.choice.text, self.thinking)
+
     @property
     def text(self) -> str:
         if self.thinking is None:
             return (self.echo or "") + self.choice.text
-        return split_reasoning(self.choice.text, self.thinking)[1]
+        return self._split[1]
 
     @property
     def logprobs(self) -> dict[str, Any] | None:
@@ -936,7 +943,7 @@ class _Generation:
 
     @property
     def reasoning(self) -> str | None:  # None: not asked for, or none in the reply (as SGLang)
-        return None if self.thinking is None else split_reasoning(self.choice.text, self.thinking)[0] or None
+        return None if self.thinking is None else self._split[0] or None
 
     @property
     def token_ids(self) -> list[int]:
