@@ -3,7 +3,7 @@
 blocks quantized at load (the setting `quantization: fp8`), activations rounded per token in groups of
 128; also FP8 weights with the FP8 KV cache (`kv_cache_dtype: fp8_e4m3`, scales 1.0).
 
-    python -m perf.fp8_accuracy [--tokens 4096] [--greedy 1000] [--prompts 4] [--json FILE]
+    python -m perf.fp8_accuracy [--tokens 4096] [--greedy 1000] [--prompts 4] [--variants ...] [--json FILE]
 
 - Perplexity: of a fixed text, the first `--tokens` tokens of the Python standard library's reference
   text on the execution and data models (`pydoc_data.topics`, this Python's), scored as one prompt
@@ -71,14 +71,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the fixed text scored")
     parser.add_argument("--greedy", type=int, default=1000, help="greedy tokens generated in all")
     parser.add_argument("--prompts", type=int, default=4, help="prompts the greedy tokens are spread over")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="float32 always runs first",
+    )
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args(argv)
+    variants = ["float32"] + [name for name in args.variants if name != "float32"]
 
     from minisgl.llm import LLM
 
     results: list[Result] = []
     reference: dict[str, list] = {}
-    for name, settings in VARIANTS.items():
+    for name in variants:
+        settings = VARIANTS[name]
         started = time.perf_counter()
         with LLM(device="cpu", max_running_req=args.prompts, **settings) as llm:
             if not reference:

@@ -236,6 +236,26 @@ def test_quantization_setting_equals_the_fp8_checkpoint(tmp_path):
         e.shutdown()
 
 
+def test_static_activation_scales_are_not_used(tmp_path, caplog):
+    """A per-tensor checkpoint with activation_scheme "static" and `input_scale` tensors loads (they are
+    known and skipped without a warning) and computes as the dynamic one: per token group."""
+    original = make_tiny_model(tmp_path, "llama")
+    dynamic = write_fp8_checkpoint(original, tmp_path / "dynamic", None)
+    static = write_fp8_checkpoint(original, tmp_path / "static", None, {"activation_scheme": "static"})
+    tensors = load_file(static / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name.replace(".weight_scale", ".input_scale")] = torch.tensor(123.0)
+    save_file(tensors, static / "model.safetensors")
+    seqs = sequences()
+    logits = []
+    for folder in (dynamic, static):
+        eng = engine(folder)
+        logits.append(teacher_forced_logits(eng, seqs, PROMPT_LENS, DECODE_STEPS))
+        eng.shutdown()
+    assert torch.equal(logits[0], logits[1])
+    assert "checkpoint tensor(s) the model does not use" not in caplog.text
+
+
 def test_dummy_weights_with_fp8(tmp_path):
     """Dummy weights with `quantization: fp8`, and an FP8 config.json with no weights: FP8 projections
     (1 byte a weight), random and finite logits."""
