@@ -30,6 +30,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
 from minisgl.models import build_model
+from minisgl.models.llama import check_tensor_parallel_fp8
 from minisgl.moe import create_moe_backend
 
 logger = logging.getLogger(__name__)
@@ -176,9 +177,10 @@ class Engine:
             cfg.page_size,
             self.local_heads.num_kv_heads,
             model_config.head_dim,
-            self.dtype,
+            cfg.kv_torch_dtype,
             self.device,
             use_kernel=cfg.use_kv_store_kernel,
+            scales=self.model.kv_scales,
         )
         self.max_seq_len = min(cfg.configured_max_seq_len, self.num_pages * cfg.page_size)
 
@@ -248,7 +250,7 @@ class Engine:
         model_config, tp_info = self.config.model_config, self.config.tp_info
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
-            "(%.2f GiB), max_seq_len %d",
+            "(%.2f GiB%s), max_seq_len %d",
             seconds,
             model_config.architecture,
             self.device,
@@ -258,13 +260,14 @@ class Engine:
             self.num_pages,
             self.config.page_size,
             self.kv_cache.size_bytes / GIB,
+            "" if self.config.kv_cache_dtype == "auto" else f", {self.config.kv_cache_dtype}",
             self.max_seq_len,
         )
 
     def _num_pages(self, available_before: int, model_bytes: int) -> int:
         cfg, mc = self.config, self.config.model_config
         kv_heads = self.local_heads.num_kv_heads  # this rank's share of the KV cache
-        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
+        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
         free = available_before - model_bytes
         if cfg.num_page_override is not None:
             _check_fits(
@@ -432,6 +435,7 @@ def check_tensor_parallel(config: EngineConfig) -> HeadShard:
     divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
     if model_config.num_experts:
         divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
+    check_tensor_parallel_fp8(model_config, tp_info)  # each rank's FP8 scales must cover whole blocks
     return local_heads
 
 
