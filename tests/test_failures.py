@@ -71,14 +71,14 @@ def inject_fault(sched: Scheduler, stage: str, phase: str, offender_prompt: list
     def wrap(obj, name, before=True, batch_of=lambda *a: a[0]):
         original = getattr(obj, name)
 
-        def patched(*args):
+        def patched(*args, **kwargs):
             batch = batch_of(*args)
             if batch.phase == phase and offending(batch.reqs):
                 if not before:
-                    original(*args)
+                    original(*args, **kwargs)
                 hit.append(name)
                 raise Fault(FAULT)
-            return original(*args)
+            return original(*args, **kwargs)
 
         setattr(obj, name, patched)
 
@@ -101,9 +101,9 @@ def inject_fault(sched: Scheduler, stage: str, phase: str, offender_prompt: list
         current = []
         forward = engine._forward
 
-        def remember(batch, *args):
+        def remember(batch, *args, **kwargs):
             current[:] = [batch]
-            return forward(batch, *args)
+            return forward(batch, *args, **kwargs)
 
         engine._forward = remember
         wrap(engine.sampler, "sample", batch_of=lambda *a: current[0])
