@@ -273,7 +273,7 @@ def test_n_out_of_range_and_seed_overflow_are_400():
         ("chat", "top_logprobs", 3),
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "auto"),
-        ("chat", "response_format", {"type": "json_object"}),
+        ("chat", "prediction", {"type": "content", "content": "x"}),
         ("chat", "modalities", ["text", "audio"]),
         ("chat", "reasoning_effort", "low"),
         ("chat", "store", True),
