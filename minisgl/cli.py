@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -419,6 +420,11 @@ POSITIVE = click.FloatRange(min=0, min_open=True)
     None,
     "Client processes the requests are spread over [default: a quarter of the CPUs, 1 to 8].",
 )
+@click.option(
+    "--extra-body",
+    default=None,
+    help="A JSON object added to every request's body, e.g. '{\"logprobs\": 5}' or penalties.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench_serving_command(
     base_url,
@@ -442,6 +448,7 @@ def bench_serving_command(
     n,
     return_token_ids,
     client_processes,
+    extra_body,
     as_json,
 ) -> None:
     """Benchmark a running OpenAI-compatible server (`minisgl-run serve`): the offline `bench` workload
@@ -452,6 +459,14 @@ def bench_serving_command(
         what = "--endpoint chat" if endpoint == "chat" else "--prompt-format text"
         raise click.BadParameter(f"{what} needs --tokenizer PATH (to decode the prompts to text)")
 
+    extra = None
+    if extra_body is not None:
+        try:
+            extra = json.loads(extra_body)
+        except ValueError as e:
+            raise click.BadParameter(f"--extra-body is not JSON ({e}): {extra_body[:60]!r}") from None
+        if not isinstance(extra, dict):
+            raise click.BadParameter(f"--extra-body must be a JSON object, got {extra_body[:60]!r}")
     for low, high, names in ((min_input, max_input, "input"), (min_output, max_output, "output")):
         if low is not None and high is not None and low > high:
             raise click.BadParameter(f"--min-{names} must not exceed --max-{names}")
@@ -475,6 +490,7 @@ def bench_serving_command(
             n=n,
             return_token_ids=return_token_ids,
             client_processes=client_processes,
+            extra_body=extra,
             progress=not as_json and sys.stderr.isatty(),
         )
     except ValueError as e:

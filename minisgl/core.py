@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -134,6 +134,11 @@ class SamplingParams:
     json_object: bool = False
     regex: str | None = None
     ebnf: str | None = None
+    # log probabilities (of the model's own distribution: before logit_bias, penalties, a grammar's mask
+    # and temperature): `logprobs` k gives each generated token's and the k most likely alternatives;
+    # `prompt_logprobs` k the same for every prompt token after the first (0..20; None: none)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Python values are checked, not coerced: True is no token count, 2.0 no token id
@@ -149,9 +154,9 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {name}={value!r}")
             object.__setattr__(self, name, float(value))
-        for name in ("top_k", "max_tokens", "min_tokens", "seed"):
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is None and name == "seed":
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an integer, got {name}={value!r}")
@@ -216,10 +221,18 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got seed={self.seed!r}")
-        if not 1 <= self.max_tokens <= INT64_MAX:
+        if not 0 <= self.max_tokens <= INT64_MAX:
             raise ValueError(
-                f"max_tokens must be an integer in [1, 2**63), got max_tokens={self.max_tokens!r}"
+                f"max_tokens must be an integer in [0, 2**63) (0: no output, to score a prompt with "
+                f"prompt_logprobs), got max_tokens={self.max_tokens!r}"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}] (the alternatives given "
+                    f"per token), got {name}={value!r}"
+                )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got min_tokens={self.min_tokens!r}"
@@ -281,6 +294,18 @@ def _as_json_schema(value: Any) -> str | None:
             f"json_schema must hold JSON values only (dicts with string keys, lists, strings, finite "
             f"numbers, booleans, None): {e}"
         ) from None
+
+
+MAX_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
+
+
+class TokenLogprob(NamedTuple):
+    """One token's log probability under the model's own distribution, and the ``len(top)`` most likely
+    tokens at its position as (token id, log probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

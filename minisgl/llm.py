@@ -30,7 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from minisgl.core import SamplingParams, as_token_ids
+from minisgl.core import SamplingParams, TokenLogprob, as_token_ids
 from minisgl.engine import Engine, check_tensor_parallel
 from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
@@ -59,6 +59,10 @@ class RequestOutput:
     time_to_first_token: float | None  # None when no token came
     total_time: float
     error: str | None = None
+    # with SamplingParams.logprobs: one TokenLogprob per token of token_ids (its log probability and
+    # the most likely alternatives); with prompt_logprobs: one per prompt token, None for the first
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def from_state(cls, index: int, prompt: str | None, state: RequestState) -> RequestOutput:
@@ -74,6 +78,8 @@ class RequestOutput:
             time_to_first_token=None if first is None else first - state.arrival_time,
             total_time=state.finish_time - state.arrival_time,
             error=state.error,
+            logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
 

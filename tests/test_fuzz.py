@@ -72,6 +72,12 @@ SAMPLING = one_field_corrupted(
             st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)
         ),
         "stop_token_ids": st.lists(st.one_of(TOKEN, st.sampled_from([VOCAB, 10**6, 2**70])), max_size=4),
+        "logprobs": st.one_of(st.none(), st.integers(-1, 21)),
+        "prompt_logprobs": st.one_of(st.none(), st.integers(-1, 21)),
+        "logit_bias": st.dictionaries(st.one_of(TOKEN, st.just(VOCAB)), st.floats(-101, 101), max_size=3),
+        "presence_penalty": st.floats(-2.5, 2.5),
+        "frequency_penalty": st.floats(-2.5, 2.5),
+        "repetition_penalty": st.floats(0.0, 11.0),
     }
 ).map(lambda kwargs: {"max_tokens": 4, **kwargs})  # not the default 1024: a CPU run stays short
 TEXT, IDS = st.text(max_size=40), st.lists(TOKEN, max_size=24)
@@ -96,6 +102,12 @@ def check_outputs(outputs, params: SamplingParams) -> None:
         assert all(0 <= t < VOCAB for t in out.token_ids)
         if out.finish_reason == "length":
             assert len(out.token_ids) == params.max_tokens
+        if params.logprobs is not None:  # one entry per token, its k alternatives, log probabilities <= 0
+            assert [e.token_id for e in out.logprobs] == out.token_ids
+            assert all(len(e.top) == params.logprobs and e.logprob <= 1e-6 for e in out.logprobs)
+        if params.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+            assert all(len(e.top) == params.prompt_logprobs for e in out.prompt_logprobs[1:])
 
 
 def sampling_params(kwargs: dict) -> SamplingParams | None:

@@ -77,6 +77,15 @@ def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
             frequency_penalty=0.5 * (i % 3),
             presence_penalty=0.4,
         )
+    if kind == "scored":  # log probabilities: the prompt's are not scored twice, nor the output's
+        return SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            logprobs=i % 3,
+            prompt_logprobs=2 if i % 2 else None,
+        )
     # EOS and min_tokens: the count of what is left of min_tokens survives a preemption
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, min_tokens=max_tokens // 2)
 
@@ -129,10 +138,12 @@ def _references(big, kind: str, specs) -> list:
         ("eos", True, 64),
         ("penalized", False, 8),
         ("penalized", True, 64),
+        ("scored", False, 8),
+        ("scored", True, 64),
     ],
 )
 def test_outputs_under_preemption_equal_those_without(big, small, kind, overlap, budget):
-    specs = _specs({"greedy": 1, "seeded": 2, "eos": 3, "penalized": 4}[kind])
+    specs = _specs({"greedy": 1, "seeded": 2, "eos": 3, "penalized": 4, "scored": 5}[kind])
     worst_case = sum(-(-(len(p) + n) // PAGE_SIZE) for p, n in specs)
     assert worst_case > 4 * small.num_pages  # reserved up front, they would run one or two at a time
     reference = _references(big, kind, specs)
@@ -152,7 +163,15 @@ def test_outputs_under_preemption_equal_those_without(big, small, kind, overlap,
     for state, ref in zip(states, reference):
         assert state.finish_reason == ref.finish_reason
         assert state.output_ids == ref.output_ids, state.uid
-    if kind in ("greedy", "penalized"):
+        if kind == "scored":
+            for got, want in ((state.logprobs, ref.logprobs), (state.prompt_logprobs, ref.prompt_logprobs)):
+                assert (got is None) == (want is None) and len(got or ()) == len(want or ())
+                for a, b in zip(got or (), want or ()):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    if kind in ("greedy", "penalized", "scored"):
         assert all(len(s.output_ids) == n for s, (_, n) in zip(states, specs))
 
 

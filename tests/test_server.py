@@ -308,7 +308,7 @@ def test_prefix_cache_over_http_and_flush_cache(server: Server, client: openai.O
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
         ({"model": MODEL, "prompt": "hi " * 9000}, 400, "context_length_exceeded"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "context_length_exceeded"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter"),
+        ({"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "unsupported_parameter"),
         ({"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x" * 70000}, 413, None),
     ],

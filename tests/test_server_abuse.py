@@ -540,3 +540,60 @@ def test_arbitrary_json_bodies_never_get_a_5xx(server, body, route) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:300], body[:300])
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+# the sampling fields of issue 29, each with any value on an otherwise valid request (structured output's
+# fields: tests/test_structured_output.py)
+_NEW_FIELDS = {
+    "completions": [
+        "logprobs",
+        "echo",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ],
+    "chat/completions": [
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "chat_template_kwargs",
+        "separate_reasoning",
+    ],
+}
+_VALUES = (
+    _SCALARS
+    | st.integers(-3, 25)
+    | st.dictionaries(st.text(max_size=6) | st.integers(-1, 50000).map(str), _SCALARS, max_size=3)
+    | st.lists(_SCALARS, max_size=3)
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    route=st.sampled_from(sorted(_NEW_FIELDS)),
+    data=st.data(),
+    stream=st.booleans(),
+)
+def test_the_new_sampling_fields_with_any_value_get_200_or_a_400_naming_them(
+    server, route, data, stream
+) -> None:
+    fields = data.draw(st.dictionaries(st.sampled_from(_NEW_FIELDS[route]), _VALUES, min_size=1, max_size=3))
+    body = {"model": MODEL, "max_tokens": 3, "stream": stream, **fields}
+    if route == "completions":
+        body["prompt"] = "The capital of France is"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    r = httpx.post(f"{server.url}/{route}", json=body, headers=AUTH, timeout=60)
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["param"] in fields or any(name in error["message"] for name in fields), (body, error)
+    else:
+        assert r.status_code == 200, (r.status_code, r.text[:300], body)
+        if not stream:
+            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        else:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]

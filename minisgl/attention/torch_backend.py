@@ -92,9 +92,8 @@ class TorchAttnBackend(BaseAttnBackend):
         if meta.group_mask is None:  # once per batch, shared by the layers
             meta.group_mask = meta.mask.repeat(1, 1, group, 1)
         kv_shape = (num_reqs, -1, num_kv_heads, head_dim)  # (B, max_pages * page_size, KVH, D)
-        pages = meta.page_index.view(-1)  # index_select: much faster than advanced indexing on CPU
-        keys = self.kv_cache.k_cache(layer_id).index_select(0, pages).view(kv_shape)
-        values = self.kv_cache.v_cache(layer_id).index_select(0, pages).view(kv_shape)
+        keys, values = self.kv_cache.gather(layer_id, meta.page_index.view(-1), q.dtype)  # FP8: dequantized
+        keys, values = keys.view(kv_shape), values.view(kv_shape)
         out = F.scaled_dot_product_attention(
             q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.group_mask
         )  # (B, KVH, group * max_q, D)

@@ -17,7 +17,7 @@ import torch
 from minisgl.attention.base import parse_attention_backend
 from minisgl.config_fields import as_tuple, check_fields, internal, setting
 from minisgl.distributed import DistributedInfo
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import QUANT_METHODS, ModelConfig
 
 MAX_PAGE_SIZE = 256
 # upper bounds that keep a mistyped value from allocating without end (the page table has
@@ -34,6 +34,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+# the setting `kv_cache_dtype`: its storage dtype (None: the model's dtype)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -91,6 +93,21 @@ class EngineConfig:
     )
     tp_info: DistributedInfo = internal(
         DistributedInfo, "this rank's place in the group: built from the tp_size setting and the rank"
+    )
+    quantization: str | None = setting(
+        None,
+        "fp8: quantize the linear layers of an unquantized model (checkpoint or dummy weights) at load to "
+        "e4m3 weights with one float32 scale per 128x128 block, activations quantized per token in groups "
+        "of 128; embeddings, norms and the LM head stay in dtype. Unset: as the checkpoint is (an FP8 "
+        "checkpoint loads as FP8 either way). docs/quantization.md.",
+        choices=QUANT_METHODS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV-cache storage: auto (the model's dtype) or fp8_e4m3 (float8_e4m3fn pages, one float32 scale "
+        "per layer for K and one for V: 1.0 unless the checkpoint has self_attn.k_scale/v_scale); "
+        "fp8_e4m3 runs on CPU only in this version.",
+        choices=tuple(KV_CACHE_DTYPES),
     )
     page_size: int = setting(16, "Tokens per KV-cache page.", ge=1, le=MAX_PAGE_SIZE)
     max_running_req: int = setting(
@@ -240,10 +257,17 @@ class EngineConfig:
                 "or use minisgl.models.default_model_path() for the embedded SmolLM2-135M-Instruct."
             )
         _ = self.torch_device  # CUDA asked for where there is none
+        if self.kv_torch_dtype == torch.float8_e4m3fn and self.torch_device.type == "cuda":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU only in this version: the GPU "
+                "attention and KV-store kernels do not read or write FP8 pages yet (docs/quantization.md); "
+                "use kv_cache_dtype 'auto' on CUDA"
+            )
 
     @cached_property
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_path(self.model_path)
+        """config.json's model, with the setting `quantization` applied."""
+        return ModelConfig.from_path(self.model_path).with_quantization(self.quantization)
 
     @cached_property
     def torch_device(self) -> torch.device:
@@ -265,6 +289,11 @@ class EngineConfig:
         if self.dtype is not None:
             return self.dtype
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+    @cached_property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's storage dtype: the model's (auto) or float8_e4m3fn (fp8_e4m3)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @cached_property
     def configured_max_seq_len(self) -> int:

@@ -30,6 +30,7 @@ from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
 from minisgl.models import build_model
+from minisgl.models.llama import check_tensor_parallel_fp8
 from minisgl.moe import create_moe_backend
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,15 @@ class ForwardOutput(NamedTuple):
     next_tokens_gpu: torch.Tensor  # (B,) int32 on the engine's device
     next_tokens_cpu: torch.Tensor  # (B,) int32 on the host, valid once copy_done_event has completed
     copy_done_event: torch.cuda.Event | _CompletedEvent
+    # with log probabilities asked (`BatchSamplingArgs.logprobs`), `Sampler.logprobs`' three tensors on
+    # the host, valid with the tokens
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a device tensor, made without blocking (valid once the stream reaches it)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return out.copy_(tensor, non_blocking=True)
 
 
 class _CompletedEvent:
@@ -167,9 +177,10 @@ class Engine:
             cfg.page_size,
             self.local_heads.num_kv_heads,
             model_config.head_dim,
-            self.dtype,
+            cfg.kv_torch_dtype,
             self.device,
             use_kernel=cfg.use_kv_store_kernel,
+            scales=self.model.kv_scales,
         )
         self.max_seq_len = min(cfg.configured_max_seq_len, self.num_pages * cfg.page_size)
 
@@ -239,7 +250,7 @@ class Engine:
         model_config, tp_info = self.config.model_config, self.config.tp_info
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
-            "(%.2f GiB), max_seq_len %d",
+            "(%.2f GiB%s), max_seq_len %d",
             seconds,
             model_config.architecture,
             self.device,
@@ -249,13 +260,14 @@ class Engine:
             self.num_pages,
             self.config.page_size,
             self.kv_cache.size_bytes / GIB,
+            "" if self.config.kv_cache_dtype == "auto" else f", {self.config.kv_cache_dtype}",
             self.max_seq_len,
         )
 
     def _num_pages(self, available_before: int, model_bytes: int) -> int:
         cfg, mc = self.config, self.config.model_config
         kv_heads = self.local_heads.num_kv_heads  # this rank's share of the KV cache
-        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
+        page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
         free = available_before - model_bytes
         if cfg.num_page_override is not None:
             _check_fits(
@@ -301,20 +313,27 @@ class Engine:
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
         """Runs the model on a prepared batch and samples one token per request (also kept in
         `last_tokens`, by table_idx, for a pending decode batch to read)."""
-        next_tokens = self.sampler.sample(self._forward(batch), args)
+        scoring = args.logprobs
+        logits = self._forward(batch, rows=None if scoring is None else scoring.rows)
+        if scoring is not None and scoring.last is not None:  # more rows than the requests' last ones
+            next_tokens = self.sampler.sample(logits[scoring.last], args)
+        else:
+            next_tokens = self.sampler.sample(logits, args)
         if self.config.tp_broadcast_tokens and self.config.tp_info.size > 1:
             torch.distributed.broadcast(next_tokens, src=0)  # rank 0's tokens, on the device
+        logprobs = None if scoring is None else self.sampler.logprobs(logits, next_tokens, scoring)
         table_idx = batch.table_idx
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
         self.last_tokens[table_idx] = next_tokens
         if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent())
-        next_tokens_cpu = torch.empty(next_tokens.shape, dtype=next_tokens.dtype, pin_memory=True)
-        next_tokens_cpu.copy_(next_tokens, non_blocking=True)
+            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs)
+        next_tokens_cpu = _to_host(next_tokens)
+        if logprobs is not None:
+            logprobs = tuple(map(_to_host, logprobs))
         copy_done_event = torch.cuda.Event()
         copy_done_event.record()
-        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event)
+        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event, logprobs)
 
     @torch.inference_mode()
     def forward_logits(self, batch: Batch) -> torch.Tensor:
@@ -331,9 +350,12 @@ class Engine:
             return "compiled"
         return "eager"
 
-    def _forward(self, batch: Batch, own_output: bool = False) -> torch.Tensor:
-        """Logits of the batch. A CUDA graph writes them into its static output, which the next replay
-        overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
+    def _forward(
+        self, batch: Batch, own_output: bool = False, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits of the batch: of each request's last token, or of the token `rows` given (a prefill
+        with prompt log probabilities). A CUDA graph writes them into its static output, which the next
+        replay overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
         mode = self.forward_mode(batch)
         with self.ctx.forward_batch(batch):
@@ -344,6 +366,8 @@ class Engine:
             else:
                 if batch.attn_metadata is None:
                     self.attn_backend.prepare_metadata(batch)
+                if rows is not None:
+                    batch.attn_metadata.last_indices = rows
                 if mode == "compiled":
                     logits = self.graph_runner.run_compiled(batch)
                 else:
@@ -411,6 +435,7 @@ def check_tensor_parallel(config: EngineConfig) -> HeadShard:
     divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
     if model_config.num_experts:
         divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
+    check_tensor_parallel_fp8(model_config, tp_info)  # each rank's FP8 scales must cover whole blocks
     return local_heads
 
 

@@ -218,6 +218,8 @@ class BatchSamplingArgs:
     # structured output: (B, ceil(V / 32)) int32 packed allowed tokens, on the device (every bit set in
     # the rows of requests without a grammar); None when no request of the batch has one
     token_mask: torch.Tensor | None = None
+    # log probabilities: None when no request of the batch asks for any in this forward
+    logprobs: LogprobArgs | None = None
 
     temperatures = _packed_row("floats", 0)
     top_p = _packed_row("floats", 1)
@@ -241,6 +243,8 @@ class BatchSamplingArgs:
             args.bias_ids, args.bias_values = _padded_bias(params, device)
         if any(p.has_penalties for p in params):
             args.penalties = PenaltyArgs.from_reqs(reqs, device)
+        if any(p.logprobs is not None or p.prompt_logprobs is not None for p in params):
+            args.logprobs = LogprobArgs.from_reqs(reqs, device)
         return args
 
     @classmethod
@@ -316,6 +320,82 @@ class PenaltyArgs:
             )
         ints, values = ints.to(device, non_blocking=True), values.to(device, non_blocking=True)
         return cls(rows=ints[0], slots=ints[1], values=values, emits=ints[2].bool(), fresh=fresh)
+
+
+def prompt_logprob_span(req: Req) -> tuple[int, int]:
+    """The positions [start, end) of `req`'s forward whose logits give prompt log probabilities (the
+    logits at position p score token p + 1, a prompt token while p + 1 < `output_start`); empty
+    without `prompt_logprobs`."""
+    if req.sampling_params.prompt_logprobs is None:
+        return req.cached_len, req.cached_len
+    start = req.cached_len
+    return start, max(start, min(req.device_len, req.output_start - 1))
+
+
+@dataclass
+class LogprobArgs:
+    """What a forward computes log probabilities of. ``rows``: the token rows whose logits the model
+    gives (every computed row of the requests scored over their prompt, the last of the others; None:
+    each request's last, as without log probabilities) and ``last`` (B,) each request's last row among
+    them; ``lp_rows`` (R,) the logits rows scored, ``targets`` (R,) the token each scores (-1: the token
+    sampled for request ``sampled_of``); ``top`` the most alternatives a row asks for. ``plan``: on the
+    host, per request (first prompt position scored, prompt rows, 1 if its sampled token is scored, k, k),
+    in the order of ``lp_rows``, and the alternatives each asks for (prompt entries, sampled token)."""
+
+    rows: torch.Tensor | None
+    last: torch.Tensor | None
+    lp_rows: torch.Tensor
+    targets: torch.Tensor
+    sampled_of: torch.Tensor
+    top: int
+    plan: list[tuple[int, int, int, int, int]]
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], device: torch.device) -> LogprobArgs | None:
+        spans = [prompt_logprob_span(req) for req in reqs]
+        prompt_rows = any(end > start for start, end in spans)
+        rows, last, lp_rows, targets, sampled_of, plan = [], [], [], [], [], []
+        top, token_row = 0, 0  # token_row: the request's first row in the batch
+        for i, (req, (start, end)) in enumerate(zip(reqs, spans)):
+            params = req.sampling_params
+            if prompt_rows:  # a row per scored prompt position, then the last row (if not among them)
+                first = len(rows)
+                rows += range(token_row + start - req.cached_len, token_row + end - req.cached_len)
+                lp_rows += range(first, len(rows))
+                targets += req.input_ids[start + 1 : end + 1]
+                sampled_of += [-1] * (end - start)
+                if end < req.device_len:
+                    rows.append(token_row + req.extend_len - 1)
+                last.append(len(rows) - 1)
+            else:
+                last.append(i)
+            scored = int(params.logprobs is not None and not req.is_partial)
+            if scored:
+                lp_rows.append(last[-1])
+                targets.append(-1)
+                sampled_of.append(i)
+            k_prompt = params.prompt_logprobs or 0 if end > start else 0
+            k_sampled = params.logprobs or 0 if scored else 0
+            top = max(top, k_prompt, k_sampled)
+            plan.append((start, end - start, scored, k_prompt, k_sampled))
+            token_row += req.extend_len
+        if not lp_rows:
+            return None
+        pin = device.type == "cuda"
+        with torch.inference_mode(False):
+            host = torch.tensor([lp_rows, targets, sampled_of], dtype=torch.int64, pin_memory=pin)
+            picks = torch.tensor(rows, dtype=torch.int64, pin_memory=pin) if prompt_rows else None
+            lasts = torch.tensor(last, dtype=torch.int64, pin_memory=pin) if prompt_rows else None
+        host = host.to(device, non_blocking=True)
+        return cls(
+            rows=None if picks is None else picks.to(device, non_blocking=True),
+            last=None if lasts is None else lasts.to(device, non_blocking=True),
+            lp_rows=host[0],
+            targets=host[1],
+            sampled_of=host[2],
+            top=top,
+            plan=plan,
+        )
 
 
 def _padded_bias(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,6 +480,23 @@ class Sampler:
         if args.penalties is not None:
             self._count(tokens, args.penalties)
         return tokens
+
+    def logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, args: LogprobArgs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(R,) float32 log probabilities of the scored rows' targets and their ``args.top`` most likely
+        tokens, (R, top) int64 ids and (R, top) float32 log probabilities, most likely first, under
+        ``log_softmax`` of the model's ``logits`` as they are (before bias, penalties and temperature).
+        ``tokens``: the batch's sampled tokens (the targets -1 take theirs). Nothing syncs."""
+        x = logits[args.lp_rows, : self.vocab_size].float()
+        norm = torch.logsumexp(x, dim=-1, keepdim=True)
+        sampled = tokens.long()[args.sampled_of.clamp(min=0)]
+        targets = torch.where(args.targets < 0, sampled, args.targets)
+        chosen = (x.gather(1, targets[:, None]) - norm).squeeze(1)
+        if args.top == 0:
+            return chosen, targets.new_empty(len(targets), 0), x.new_empty(len(targets), 0)
+        values, ids = x.topk(args.top, dim=-1, sorted=True)
+        return chosen, ids, values - norm
 
     def _penalize(self, logits: torch.Tensor, pen: PenaltyArgs) -> torch.Tensor:
         """The penalised rows' logits: a token seen in the prompt or the output divided by the

@@ -2,6 +2,8 @@
 SiLU-and-multiply prologue; `gemv`), the projections as custom ops that pick the GEMV kernels or the row
 kernels and cuBLAS by row count when they run (`linear`), the fused KV store (`kv_store`), q/k-norm +
 RoPE + KV store in one kernel (`rope_store`), split-KV decode attention for small batches
-(`decode_attention`), and programmatic dependent launch of the decode step's kernels (`pdl`). Without
+(`decode_attention`), and programmatic dependent launch of the decode step's kernels (`pdl`); and FP8
+numerics (`fp8`: block and per-token-group quantization, `fp8_linear`, emulated in float32 on every
+device until a GPU FP8 GEMM plugs in there). Without
 Triton (CPU installs) every caller falls back to plain torch ops; the tests run the kernels on CPU
 tensors under Triton's interpreter."""

@@ -2,6 +2,10 @@
 
 A KV location is `page * page_size + offset`; the flat views index by location. The last page
 (index `num_pages`) is the dummy page that padding and the dummy request write into.
+
+The pool's `dtype` is its storage dtype: the model's, or float8_e4m3fn (the setting `kv_cache_dtype:
+fp8_e4m3`). An FP8 pool has one float32 scale per layer for K and one for V (`scales`, FlashInfer's form):
+it stores e4m3 of k / k_scale (`minisgl.kernels.fp8.quantize_kv`) and `gather` reads back e4m3 * k_scale.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from minisgl.kernels.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
 from minisgl.kernels.kv_store import kv_store_applies, store_kv
 
 
@@ -48,9 +53,18 @@ class MHAKVCachePool(BaseKVCachePool):
         dtype: torch.dtype,
         device: torch.device,
         use_kernel: bool = True,
+        scales: torch.Tensor | None = None,
     ) -> None:
+        """`dtype`: the storage dtype; `scales` (num_layers, 2): each layer's K and V scale of an FP8 pool
+        (default 1.0)."""
         # store_kv runs the Triton KV-store kernel where it applies (False: two index_copy_, ablation)
         self.use_kernel = use_kernel
+        self.is_fp8 = dtype == FP8_DTYPE
+        if scales is None:
+            scales = torch.ones(num_layers, 2)
+        if tuple(scales.shape) != (num_layers, 2):
+            raise ValueError(f"scales must be (num_layers, 2) = ({num_layers}, 2), got {tuple(scales.shape)}")
+        self.scales = scales.to(device=device, dtype=torch.float32)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         # zeroed, so that never-written locations (the dummy page, padding) hold finite values
@@ -76,9 +90,26 @@ class MHAKVCachePool(BaseKVCachePool):
         """The layer's K and V caches indexed by location: two (locations, kv_heads, head_dim) views."""
         return self._k_flat[layer_id], self._v_flat[layer_id]
 
+    def gather(
+        self, layer_id: int, pages: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V pages `pages` (P,) in `dtype`: two (P, page_size, kv_heads, head_dim)."""
+        k_cache, v_cache = self.k_cache(layer_id), self.v_cache(layer_id)
+        if self.is_fp8:  # the bytes are selected (float8 kernels are not everywhere), then dequantized
+            k_scale, v_scale = self.scales[layer_id]
+            keys = k_cache.view(torch.uint8).index_select(0, pages).view(FP8_DTYPE)
+            values = v_cache.view(torch.uint8).index_select(0, pages).view(FP8_DTYPE)
+            return dequantize_kv(keys, k_scale, dtype), dequantize_kv(values, v_scale, dtype)
+        # index_select: much faster than advanced indexing on CPU
+        return k_cache.index_select(0, pages).to(dtype), v_cache.index_select(0, pages).to(dtype)
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         k_flat, v_flat = self.flat(layer_id)
-        if self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both
+        if self.is_fp8:  # index_copy_ has no float8 kernels: the bytes are copied
+            k_scale, v_scale = self.scales[layer_id]
+            k_flat.view(torch.uint8).index_copy_(0, out_loc, quantize_kv(k, k_scale).view(torch.uint8))
+            v_flat.view(torch.uint8).index_copy_(0, out_loc, quantize_kv(v, v_scale).view(torch.uint8))
+        elif self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both
             store_kv(k, v, out_loc, k_flat, v_flat)
         else:
             k_flat.index_copy_(0, out_loc, k)

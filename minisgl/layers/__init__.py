@@ -10,9 +10,11 @@ from minisgl.layers.basic import (
     rms_norm,
     silu_mul_linear,
 )
+from minisgl.layers.fp8 import Fp8Linear
 from minisgl.layers.rope import apply_rope, build_rope_cache, rope_cos_sin
 
 __all__ = [
+    "Fp8Linear",
     "add_rms_norm",
     "apply_rope",
     "attention",

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from minisgl.compile import fused_kernels_mode, gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
+from minisgl.kernels.fp8 import fp8_linear
 from minisgl.kernels.gemv import gemv_fits
 from minisgl.kernels.linear import linear_op, norm_linear_op, silu_mul_linear_op
+from minisgl.layers.fp8 import Fp8Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,17 +34,23 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). Half precision on CUDA goes through the op `minisgl::linear`, which runs
-    a single row on the Triton GEMV kernel and more on cuBLAS (not in an engine with
-    ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must get the bits it gets inside
-    a batch; those run `F.linear`)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Linear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias). An FP8 weight (`Fp8Linear`) runs `fp8_linear`. Half precision on CUDA goes
+    through the op `minisgl::linear`, which runs a single row on the Triton GEMV kernel and more on
+    cuBLAS (not in an engine with ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must
+    get the bits it gets inside a batch; those run `F.linear`)."""
+    if isinstance(weight, Fp8Linear):
+        return fp8_linear(x, weight.weight, weight.scale, weight.block, weight.group, bias)
     if gemv_fits(x, weight) and gemv_kernel_mode():
         return linear_op(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _fused_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _fused_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Linear) -> bool:
+    if isinstance(weight, Fp8Linear):  # the fused GEMV kernels take half-precision weights only
+        return False
     return gemv_fits(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
 
 
@@ -51,7 +59,7 @@ def norm_linear(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Linear,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x + residual (of x alone when residual is None), then `linear`. Returns (output, new
@@ -66,7 +74,7 @@ def norm_linear(
     return linear(normed, weight, bias), residual
 
 
-def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor | Fp8Linear) -> torch.Tensor:
     """The second half of the SwiGLU MLP, whose gate and up projections are one weight of 2 *
     intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`.
     On the GEMV kernel's path with ``use_fused_kernels`` on, the op `minisgl::silu_mul_linear` runs one

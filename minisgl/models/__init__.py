@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from minisgl.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from minisgl.models.config import SUPPORTED_ARCHITECTURES, Fp8Config, ModelConfig
 from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
+from minisgl.models.fp8 import init_dummy_fp8
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl.models.weights import init_dummy_weights, load_checkpoint
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_MODEL_ALIAS",
     "SUPPORTED_ARCHITECTURES",
+    "Fp8Config",
     "ModelConfig",
     "build_model",
     "default_model_path",
@@ -52,11 +54,25 @@ def build_model(
     dummy: bool = False,
 ) -> nn.Module:
     """Allocates the model's parameters on `device` in `dtype`, then fills them from the checkpoint
-    (or with dummy weights, without touching the disk)."""
+    (or with dummy weights, without touching the disk). With `cfg.quantization` the projections are FP8
+    (see minisgl.models.fp8): read from an FP8 checkpoint, quantized at load, or random."""
     with torch.device(device), _default_dtype(dtype):
         model = MODEL_FAMILIES[cfg.family](cfg, max_seq_len)
+    if cfg.quantization is not None:
+        logger.info("%s", cfg.quantization.describe())
+        if device.type == "cuda":
+            logger.warning(
+                "FP8 linear layers run minisgl's float32 emulation on CUDA (a placeholder until the GPU "
+                "FP8 GEMM lands, docs/quantization.md): correct, but slower than bf16"
+            )
     if dummy:
-        init_dummy_weights(dict(model.named_parameters()))
+        fp8 = init_dummy_fp8(model)
+        init_dummy_weights({name: p for name, p in model.named_parameters() if name not in fp8})
     else:
-        load_checkpoint(model.checkpoint_map(), model_path, ignored=model.checkpoint_ignored())
+        load_checkpoint(
+            model.checkpoint_map(),
+            model_path,
+            ignored=model.checkpoint_ignored(),
+            optional=model.checkpoint_optional(),
+        )
     return model.eval()

@@ -13,10 +13,17 @@ The upper bounds lie far above any released model and only catch absurd values:
   the largest int32 position
 
 An optional key set to null takes its default, as in transformers.
+
+A ``quantization_config`` is read too, and refused unless minisgl implements it: ``quant_method: fp8``
+(e4m3 weights with float32 scales per block of ``weight_block_size`` or per tensor, as Qwen's and
+DeepSeek's FP8 releases write them) becomes `Fp8Config`; any other method (AWQ, GPTQ, bitsandbytes,
+compressed-tensors...) is an error naming it, since loading such a checkpoint as plain weights would
+give garbage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -34,11 +41,53 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
+# the quantization methods minisgl implements: quantization_config.quant_method, the setting `quantization`
+QUANT_METHODS = ("fp8",)
+# the projections of each decoder layer that an FP8 model holds in FP8 (everything else stays in the
+# model's dtype: embeddings, norms, the LM head, biases)
+FP8_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# the weight blocks of the setting `quantization: fp8` (Qwen's FP8 releases use the same)
+FP8_DEFAULT_BLOCK = (128, 128)
+
 # upper bounds of the integer keys (see the module docstring)
 MAX_WIDTH = 2**20
 MAX_VOCAB = 2**24
 MAX_COUNT = 2**16
 MAX_POSITIONS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """FP8 projections (`FP8_PROJECTIONS`): e4m3 weights with one float32 scale per block of `block`
+    (rows, columns) of each checkpoint weight, or one per weight where `block` is None (per-tensor
+    scales); activations are quantized per token in groups on the fly (minisgl.kernels.fp8).
+    `in_checkpoint`: the checkpoint holds the FP8 weights and their scales (`weight_scale_inv` per
+    block, `weight_scale` per tensor); otherwise its weights are quantized at load (the setting
+    `quantization: fp8`), or made so (dummy weights)."""
+
+    block: tuple[int, int] | None = FP8_DEFAULT_BLOCK
+    in_checkpoint: bool = False
+
+    @property
+    def scale_name(self) -> str:
+        """The suffix of a weight's scale tensor in the checkpoint (after the module name)."""
+        return "weight_scale_inv" if self.block is not None else "weight_scale"
+
+    def describe(self) -> str:
+        blocks = (
+            "per-tensor scales" if self.block is None else f"{self.block[0]}x{self.block[1]} block scales"
+        )
+        return f"FP8 e4m3 weights with {blocks}, " + (
+            "from the checkpoint" if self.in_checkpoint else "quantized at load"
+        )
 
 
 @dataclass(frozen=True)
@@ -69,6 +118,22 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # FP8 projections (config.json's quantization_config, or the setting `quantization`); None: none
+    quantization: Fp8Config | None = None
+
+    def with_quantization(self, method: str | None) -> ModelConfig:
+        """This config under the setting `quantization`: 'fp8' quantizes a model whose checkpoint is not
+        quantized at load, in 128x128 blocks (an FP8 checkpoint stays as it is); None changes nothing."""
+        if method is None or self.quantization is not None:
+            return self
+        if method not in QUANT_METHODS:
+            raise ValueError(f"quantization={method!r} is not valid: use one of {', '.join(QUANT_METHODS)}")
+        if self.family == "qwen3_moe":
+            raise ValueError(
+                f"quantization={method!r} is not supported for {self.architecture} yet (its experts have "
+                "no FP8 path); leave quantization unset"
+            )
+        return dataclasses.replace(self, quantization=Fp8Config())
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         """True where the layer's MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
@@ -89,6 +154,7 @@ class ModelConfig:
 
         hidden_size = keys.integer("hidden_size", le=MAX_WIDTH)
         num_layers = keys.integer("num_hidden_layers")
+        quantization = _quantization(keys, arch, family, num_layers)
         num_heads = keys.integer("num_attention_heads")
         num_kv_heads = keys.integer("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
@@ -123,6 +189,7 @@ class ModelConfig:
                 "bos_token_id", None, ge=0, le=vocab_size - 1, why=f" (vocab_size={vocab_size})"
             ),
             torch_dtype=dtype or torch_dtype,
+            quantization=quantization,
             **(_moe(keys, num_layers) if family == "qwen3_moe" else {}),
         )
 
@@ -260,6 +327,63 @@ def _check_unsupported_features(keys: _Keys) -> None:
         raise ValueError(f"{keys.source}: mlp_bias=true is not supported")
     if keys.flag("use_sliding_window"):
         raise ValueError(f"{keys.source}: use_sliding_window=true is not supported")
+
+
+def _quantization(keys: _Keys, arch: str, family: str, num_layers: int) -> Fp8Config | None:
+    """The checkpoint's FP8 format from `quantization_config`; every other quantization is refused."""
+    source = keys.source
+    if keys.raw.get("compression_config") is not None:  # compressed-tensors' older key
+        raise ValueError(
+            f"{source}: compression_config (compressed-tensors quantization) is not supported; minisgl "
+            'implements quantization_config.quant_method "fp8" only'
+        )
+    raw, given = keys.get("quantization_config", None)
+    if not given:
+        return None
+    if not isinstance(raw, dict):
+        raise keys.error("quantization_config", raw, "a JSON object or null")
+    quant = _Keys(raw, source, names={k: f"quantization_config.{k}" for k in raw})
+    method = raw.get("quant_method")
+    supported = 'minisgl implements quant_method "fp8" only (e4m3 weights with block or per-tensor scales)'
+    if method is None:
+        raise ValueError(f"{source}: quantization_config has no quant_method; {supported}")
+    if method not in QUANT_METHODS:
+        raise ValueError(
+            f"{source}: quantization_config.quant_method={_show(method)} is not supported; {supported}. "
+            "Load the model's unquantized checkpoint instead (the setting quantization: fp8 quantizes it "
+            "at load)"
+        )
+    if family == "qwen3_moe":
+        raise ValueError(
+            f'{source}: quantization_config.quant_method="fp8" is not supported for {arch} yet (its '
+            "experts have no FP8 path); load the unquantized checkpoint"
+        )
+    fmt = quant.text("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise quant.error("fmt", fmt, '"e4m3": minisgl reads float8_e4m3fn weights only')
+    scheme = quant.text("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise quant.error("activation_scheme", scheme, '"dynamic" or "static"')
+    block, given = quant.get("weight_block_size", None)
+    if given and not (
+        isinstance(block, list) and len(block) == 2 and all(_is_int(b) and 1 <= b <= MAX_WIDTH for b in block)
+    ):
+        raise quant.error(
+            "weight_block_size", block, f"null or [rows, columns], integers in [1, {MAX_WIDTH}]"
+        )
+    projections = [f"model.layers.{i}.{name}" for i in range(num_layers) for name in FP8_PROJECTIONS]
+    for key in ("modules_to_not_convert", "ignored_layers"):
+        entries, listed = quant.get(key, [])
+        if listed and not (isinstance(entries, list) and all(isinstance(e, str) for e in entries)):
+            raise quant.error(key, entries, "a list of module names")
+        # transformers skips a module whose name contains an entry
+        hit = next((e for e in entries if any(e in name for name in projections)), None)
+        if hit is not None:
+            raise ValueError(
+                f"{source}: quantization_config.{key} lists {hit!r}, which leaves some projections of the "
+                "decoder layers unquantized; minisgl's FP8 models hold every projection in FP8"
+            )
+    return Fp8Config(block=tuple(block) if given else None, in_checkpoint=True)
 
 
 def _head_dim(keys: _Keys, hidden_size: int, num_heads: int) -> int:

@@ -9,6 +9,12 @@ matching input columns of o_proj, its part of the intermediate rows of gate_up a
 a vocabulary slice of the embedding and LM head. o_proj and down are row-parallel: their outputs are
 partial sums, all-reduced in `forward`. Norms (q/k norms included) are replicated. `checkpoint_map`
 describes each rank's part as a `Shard` of the checkpoint tensor, so each rank reads only its part.
+
+FP8 (`cfg.quantization`): the four projections of each layer are `Fp8Linear` weights (e4m3 values and
+float32 block scales, sliced with the weights under tensor parallelism; see `minisgl.models.fp8`); the
+embedding, norms, biases and LM head stay in the model's dtype. The model also holds one K and one V
+scale per layer (`kv_scales`) for an FP8 KV cache: 1.0, or the checkpoint's `self_attn.k_scale` and
+`self_attn.v_scale` where it has them.
 """
 
 from __future__ import annotations
@@ -32,7 +38,17 @@ from minisgl.layers import (
     rope_cos_sin,
     silu_mul_linear,
 )
+from minisgl.layers.fp8 import Fp8Linear
 from minisgl.models.config import ModelConfig
+from minisgl.models.fp8 import (
+    KvScale,
+    Part,
+    Projection,
+    check_fp8_split,
+    fp8_checkpoint_ignored,
+    make_projection,
+    projection_map,
+)
 from minisgl.models.weights import Shard
 
 
@@ -40,47 +56,61 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def layer_projections(cfg: ModelConfig, tp: DistributedInfo) -> dict[str, Projection]:
+    """This rank's part of each projection of a dense decoder layer (see the module docstring)."""
+    heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+    q = Part(heads.num_heads * cfg.head_dim, tp.rank, tp.size)
+    kv = Part(heads.num_kv_heads * cfg.head_dim, heads.kv_part, heads.kv_parts)
+    inter = Part(divide(cfg.intermediate_size, tp.size, "intermediate_size"), tp.rank, tp.size)
+    hidden = Part(cfg.hidden_size)
+    return {
+        "qkv_proj": Projection(
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, kv, kv), hidden
+        ),
+        "o_proj": Projection(("self_attn.o_proj",), (hidden,), q),
+        "gate_up_proj": Projection(("mlp.gate_proj", "mlp.up_proj"), (inter, inter), hidden),
+        "down_proj": Projection(("mlp.down_proj",), (hidden,), inter),
+    }
+
+
+def check_tensor_parallel_fp8(cfg: ModelConfig, tp: DistributedInfo) -> None:
+    """Raises where `tp` would split the FP8 weight blocks of a dense layer's projections."""
+    if cfg.quantization is not None:
+        check_fp8_split(list(layer_projections(cfg, tp).values()), cfg, tp.size)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tp = tp = get_tp_info()
-        self.heads = heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.heads = shard_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        self.projections = projections = layer_projections(cfg, tp)
         hidden, head_dim = cfg.hidden_size, cfg.head_dim
-        q_size, kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
-        inter = divide(cfg.intermediate_size, tp.size, "intermediate_size")
+        qkv_rows = projections["qkv_proj"].rows
         self.input_norm = _param(hidden)
-        self.qkv_proj = _param(q_size + 2 * kv_size, hidden)
-        self.qkv_bias = _param(q_size + 2 * kv_size) if cfg.qkv_bias else None
+        self.qkv_proj = make_projection(projections["qkv_proj"], cfg, tp.size)
+        self.qkv_bias = _param(qkv_rows) if cfg.qkv_bias else None
         self.q_norm = _param(head_dim) if cfg.qk_norm else None
         self.k_norm = _param(head_dim) if cfg.qk_norm else None
-        self.o_proj = _param(hidden, q_size)
+        self.o_proj = make_projection(projections["o_proj"], cfg, tp.size)
         self.o_bias = _param(hidden) if cfg.o_bias else None  # added once, after the all-reduce
         self.post_norm = _param(hidden)
-        self.gate_up_proj = _param(2 * inter, hidden)
-        self.down_proj = _param(hidden, inter)
+        self.gate_up_proj = make_projection(projections["gate_up_proj"], cfg, tp.size)
+        self.down_proj = make_projection(projections["down_proj"], cfg, tp.size)
 
     def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor | Shard]:
-        rank, size, heads = self.tp.rank, self.tp.size, self.heads
-        q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
-        # (local rows, part, parts) of each of q, k and v
-        qkv = {
-            "q": (slice(0, q_size), rank, size),
-            "k": (slice(q_size, q_size + kv_size), heads.kv_part, heads.kv_parts),
-            "v": (slice(q_size + kv_size, None), heads.kv_part, heads.kv_parts),
-        }
-        inter = self.down_proj.shape[1]
         out: dict[str, torch.Tensor | Shard] = {
             f"{prefix}.input_layernorm.weight": self.input_norm,
             f"{prefix}.post_attention_layernorm.weight": self.post_norm,
-            f"{prefix}.self_attn.o_proj.weight": Shard(self.o_proj, 1, rank, size),
-            f"{prefix}.mlp.gate_proj.weight": Shard(self.gate_up_proj[:inter], 0, rank, size),
-            f"{prefix}.mlp.up_proj.weight": Shard(self.gate_up_proj[inter:], 0, rank, size),
-            f"{prefix}.mlp.down_proj.weight": Shard(self.down_proj, 1, rank, size),
         }
-        for name, (rows, part, parts) in qkv.items():
-            out[f"{prefix}.self_attn.{name}_proj.weight"] = Shard(self.qkv_proj[rows], 0, part, parts)
+        for attr, projection in self.projections.items():
+            weight: torch.Tensor | Fp8Linear = getattr(self, attr)
+            out.update(projection_map(prefix, projection, weight, cfg))
+        qkv = self.projections["qkv_proj"]
+        for index, name, rows in qkv.row_slices():
+            segment = qkv.segments[index]
             if self.qkv_bias is not None:
-                out[f"{prefix}.self_attn.{name}_proj.bias"] = Shard(self.qkv_bias[rows], 0, part, parts)
+                out[f"{prefix}.{name}.bias"] = Shard(self.qkv_bias[rows], 0, segment.part, segment.parts)
         if self.o_bias is not None:
             out[f"{prefix}.self_attn.o_proj.bias"] = self.o_bias
         if self.q_norm is not None:
@@ -108,6 +138,13 @@ class LlamaForCausalLM(nn.Module):
             build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope, self.embed_tokens.device),
             persistent=False,
         )
+        self._init_kv_scales(cfg.num_layers)
+
+    def _init_kv_scales(self, num_layers: int) -> None:
+        """(layers, 2) float32: each layer's K and V scale of an FP8 KV cache (1.0 unless the checkpoint
+        gives them; unused with a KV cache in the model's dtype)."""
+        ones = torch.ones(num_layers, 2, dtype=torch.float32, device=self.embed_tokens.device)
+        self.register_buffer("kv_scales", ones, persistent=False)
 
     def checkpoint_map(self) -> dict[str, torch.Tensor | Shard]:
         rank, size = self.tp.rank, self.tp.size
@@ -119,11 +156,24 @@ class LlamaForCausalLM(nn.Module):
             out["lm_head.weight"] = Shard(self.lm_head, 0, rank, size, self.cfg.vocab_size)
         for i, layer in enumerate(self.layers):
             out.update(layer.checkpoint_map(f"model.layers.{i}", self.cfg))
+        out.update(self._kv_scale_map())
         return out
+
+    def _kv_scale_map(self) -> dict[str, KvScale]:
+        return {
+            f"model.layers.{i}.self_attn.{kind}_scale": KvScale(self.kv_scales[i, j])
+            for i in range(len(self.layers))
+            for j, kind in enumerate("kv")
+        }
+
+    def checkpoint_optional(self) -> frozenset[str]:
+        """Checkpoint tensors the model takes where they are present: the KV-cache scales."""
+        return frozenset(self._kv_scale_map())
 
     def checkpoint_ignored(self) -> frozenset[str]:
         # tied checkpoints sometimes still store a copy of the embedding as lm_head
-        return frozenset({"lm_head.weight"}) if self.lm_head is None else frozenset()
+        tied = frozenset({"lm_head.weight"}) if self.lm_head is None else frozenset()
+        return tied | fp8_checkpoint_ignored(self.cfg)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None

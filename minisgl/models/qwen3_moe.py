@@ -69,6 +69,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             SparseDecoderLayer(cfg) if cfg.is_sparse_layer(i) else DecoderLayer(cfg)
             for i in range(cfg.num_layers)
         )
+        self._init_kv_scales(cfg.num_layers)
 
     def _mlp(
         self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor

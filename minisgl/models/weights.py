@@ -5,6 +5,11 @@ A model describes its checkpoint as `checkpoint_map()`: checkpoint tensor name -
 then only the rank's part of the checkpoint tensor is read from the file. Each tensor is read, checked
 against its destination's shape and copied into it (converting dtype and moving device on the way), so
 peak host memory stays at the model plus the largest tensor. Only safetensors are read: never pickles.
+
+A destination may also be any `Destination`: an object with the checkpoint tensor's `full_shape` and a
+`load(source)` that reads what it needs from the lazy safetensors slice (the FP8 weights, their scales
+and the quantization at load of `minisgl.models.fp8`). A destination that finds the tensor unusable
+raises `BadTensor`; the loader names the tensor and its file.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -42,6 +48,28 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
         hint = f" (found {', '.join(pickles)}: minisgl never loads pickled checkpoints)" if pickles else ""
         raise FileNotFoundError(f"no *.safetensors files in model folder {str(folder)!r}{hint}")
     return files
+
+
+class BadTensor(ValueError):
+    """A checkpoint tensor its destination cannot take; the message completes "checkpoint tensor NAME in
+    FILE ..." (the loader adds the name and the file)."""
+
+
+class Destination(Protocol):
+    """Where one checkpoint tensor goes, beyond a plain tensor (see the module docstring)."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]: ...
+
+    def load(self, source: Any) -> None: ...
+
+
+def source_dtype(source: Any) -> str:
+    """The safetensors dtype name of a lazy slice ('BF16', 'F8_E4M3', ...) or of a tensor."""
+    if isinstance(source, torch.Tensor):
+        names = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float16: "F16"}
+        return names.get(source.dtype, str(source.dtype).removeprefix("torch."))
+    return source.get_dtype()
 
 
 @dataclass(frozen=True)
@@ -76,15 +104,20 @@ class Shard:
 
 @torch.no_grad()
 def load_checkpoint(
-    destinations: Mapping[str, torch.Tensor | Shard],
+    destinations: Mapping[str, torch.Tensor | Destination],
     model_path: str | Path,
     ignored: frozenset[str] = frozenset(),
+    optional: frozenset[str] = frozenset(),
 ) -> None:
-    """Fills every destination from the checkpoint; tensors named in `ignored` are skipped quietly."""
+    """Fills every destination from the checkpoint; tensors named in `ignored` are skipped quietly, and
+    destinations named in `optional` keep their values where the checkpoint lacks them. A destination of
+    shape () also takes a tensor of shape (1,) (checkpoints store scalars either way)."""
     seen: set[str] = set()
     unexpected: list[str] = []
     files = checkpoint_files(model_path)
-    with tqdm(total=len(destinations), desc="loading weights", unit="tensor", leave=False) as bar:
+    with tqdm(
+        total=len(set(destinations) - optional), desc="loading weights", unit="tensor", leave=False
+    ) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -95,19 +128,24 @@ def load_checkpoint(
                         continue
                     source = f.get_slice(name)  # reads nothing yet
                     shape = tuple(source.get_shape())
-                    expected = dest.full_shape if isinstance(dest, Shard) else tuple(dest.shape)
-                    if shape != expected:
+                    is_tensor = isinstance(dest, torch.Tensor)
+                    expected = tuple(dest.shape) if is_tensor else tuple(dest.full_shape)
+                    if shape != expected and not (expected == () and shape == (1,)):
+                        note = getattr(dest, "shape_note", "from config.json")
                         raise ValueError(
                             f"checkpoint tensor {name!r} in {file.name} has shape {shape}, expected "
-                            f"{expected} from config.json; the weights do not match the config"
+                            f"{expected} {note}; the weights do not match the config"
                         )
-                    if isinstance(dest, Shard):
-                        dest.load(source)  # reads only this rank's part
-                    else:
-                        dest.copy_(f.get_tensor(name))
+                    try:
+                        if is_tensor:
+                            dest.copy_(f.get_tensor(name).reshape(dest.shape))
+                        else:
+                            dest.load(source)  # a Shard reads only this rank's part
+                    except BadTensor as e:
+                        raise BadTensor(f"checkpoint tensor {name!r} in {file.name} {e}") from None
                     seen.add(name)
                     bar.update(1)
-    missing = sorted(set(destinations) - seen)
+    missing = sorted(set(destinations) - seen - optional)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(

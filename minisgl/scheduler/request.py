@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import Req, SamplingParams, TokenLogprob
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.stops import StopScanner
@@ -37,6 +37,10 @@ class RequestState:
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s
     stops: StopScanner | None = None  # where the search for its stop strings stands in `text`
     grammar: GrammarState | None = None  # structured output: its matcher (`minisgl.scheduler.grammar`)
+    # with SamplingParams.logprobs: one entry per output token; with prompt_logprobs: one per prompt
+    # token, None for the first (nothing scores it), filled as the prefill's chunks run
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": what failed
     admit_time: float | None = None  # first admission (not moved by a preemption)
@@ -44,9 +48,20 @@ class RequestState:
     last_token_time: float | None = None
     finish_time: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        """Every prompt token's log probability is in (or none was asked for)."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_ids)
 
     @property
     def reserved_pages(self) -> int:
@@ -68,9 +83,13 @@ class RequestState:
 
 @dataclass
 class Update:
-    """What one step did for one request: new token ids, new text (when detokenizing), finished or not."""
+    """What one step did for one request: new token ids, new text (when detokenizing), finished or not;
+    with log probabilities asked, those of the new tokens, and with the first update (once the prefill
+    is done) the prompt's, whole."""
 
     state: RequestState
     token_ids: list[int]
     text: str
     finished: bool
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -26,6 +26,9 @@ Each `step()` runs one forward:
   decode), so running requests wait at most one prefill chunk, and a newly admitted request starts its
   prefill within two steps. A prefill step takes prompt chunks first come, first served, up to
   `max_prefill_tokens` tokens in all; a prompt longer than what is left is cut and continues next time.
+- Prompt log probabilities (`SamplingParams.prompt_logprobs`) need the logits of every prompt position:
+  such a request takes no cached prefix (a hit has no logits), and its chunks are cut to
+  `prompt_logprob_chunk` tokens so that their logits fit `PROMPT_LOGPROB_BYTES` (docs/gpu.md#log-probabilities).
 - A decode step runs every request whose prefill is complete, one token each.
 - Finished requests (EOS, a stop token, a stop string, max_tokens) leave at once and free their pages;
   so does a request given to `abort()`, and one whose step failed (finish reason "error", see `step`;
@@ -68,9 +71,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.core import FATAL_ERRORS, Batch, FatalEngineError, Phase, Req, SamplingParams, as_token_ids
+from minisgl.core import (
+    FATAL_ERRORS,
+    Batch,
+    FatalEngineError,
+    Phase,
+    Req,
+    SamplingParams,
+    TokenLogprob,
+    as_token_ids,
+)
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
-from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.engine.sample import BatchSamplingArgs, LogprobArgs
 from minisgl.kvcache import RadixCache
 from minisgl.kvcache.radix import Match
 from minisgl.scheduler.config import CACHE_TYPES
@@ -81,6 +93,10 @@ from minisgl.scheduler.request import FinishReason, RequestState, Update
 from minisgl.scheduler.stats import DeviceTimer, SchedulerMetrics, StepRecord
 
 logger = logging.getLogger(__name__)
+
+# what the logits of a prefill chunk scored for prompt log probabilities may take (about three copies
+# of rows x vocabulary float32): such a request's chunks are cut to fit
+PROMPT_LOGPROB_BYTES = 512 << 20
 
 # how long rank 0, after a collective failed, looks for the rank that caused it (its report or exit)
 RANK_FAILURE_GRACE_S = 2.0
@@ -100,6 +116,7 @@ class _InFlight:
     scheduled: float  # when scheduling was done: the step-seconds metric counts from here
     launch_s: float
     timer: DeviceTimer | None
+    scoring: LogprobArgs | None = None  # what its log probabilities are of
 
 
 class Scheduler:
@@ -135,6 +152,9 @@ class Scheduler:
         self.prefix_lookup_tokens = 0  # prompt tokens of requests as their prefill began
         self.prefix_cached_tokens = 0  # of those, the tokens found in the prefix cache
         self.max_prefill_tokens = max_prefill_tokens
+        # a chunk of a prompt scored for log probabilities: its logits fit PROMPT_LOGPROB_BYTES
+        vocab = engine.config.model_config.vocab_size
+        self.prompt_logprob_chunk = max(16, PROMPT_LOGPROB_BYTES // (12 * vocab))
         self.output = OutputProcessor(tokenizer, eos_token_ids)
         self.grammars = Grammars(
             tokenizer if grammar_tokenizer is None else grammar_tokenizer,
@@ -278,7 +298,8 @@ class Scheduler:
         while self.waiting and self.prep.table_idxs.num_free > 0:
             state = self.waiting[0]
             tokens, params = self._admission_tokens(state)
-            prefix = self.prep.match_prefix(tokens)
+            # a prompt scored for log probabilities is computed whole: it needs every position's logits
+            prefix = self.prep.match_prefix(tokens if params.prompt_logprobs is None else [])
             if not self._fits(state, prefix):
                 self.prep.unlock_prefix(prefix)
                 break  # first come, first served: later requests wait behind it
@@ -331,6 +352,8 @@ class Scheduler:
             state.params,
             max_tokens=state.params.max_tokens - done,
             min_tokens=max(0, state.params.min_tokens - done),
+            # the prompt's log probabilities are in: its recomputation needs no more than the last row
+            prompt_logprobs=None if state.prompt_logprobs_done else state.params.prompt_logprobs,
         )
         return state.prompt_ids + state.output_ids, params
 
@@ -478,6 +501,8 @@ class Scheduler:
             req = state.req
             room = (state.held_pages + free) * page_size - req.cached_len  # tokens its pages could hold
             chunk = min(req.num_prompt_tokens - req.cached_len, budget, room)
+            if req.sampling_params.prompt_logprobs is not None:
+                chunk = min(chunk, self.prompt_logprob_chunk)
             if chunk <= 0:
                 break
             chosen.append(state)
@@ -489,7 +514,7 @@ class Scheduler:
     def _look_up(self, state: RequestState) -> None:
         """As a request's prefill begins: a longer cached prefix than at its admission, if requests
         prefilled since then put one in the tree; counts the prompt tokens looked up and found."""
-        if self.prep.cache is not None:
+        if self.prep.cache is not None and state.req.sampling_params.prompt_logprobs is None:
             self.prep.rematch(state.req)
             state.held_pages = self.prep.pages_needed(state.req.cached_len)
         state.prefix_found = state.req.cached_len
@@ -597,7 +622,17 @@ class Scheduler:
         launch_s = time.perf_counter() - started
         reqs = [state.req for state in states]
         return _InFlight(
-            states, reqs, produces, output, batch.phase, mode, num_tokens, scheduled, launch_s, timer
+            states,
+            reqs,
+            produces,
+            output,
+            batch.phase,
+            mode,
+            num_tokens,
+            scheduled,
+            launch_s,
+            timer,
+            args.logprobs,
         )
 
     def _collect(self, launched: _InFlight) -> list[Update]:
@@ -619,12 +654,16 @@ class Scheduler:
         if self.link is not None:  # checked by the following ranks
             self.last_token_digest = token_digest(tokens)
         now = self.tokens_time = time.perf_counter()
+        scored = _Scored(launched) if launched.output.logprobs is not None else None
         updates, failed = [], []
-        for state, req, token, produces in zip(launched.states, launched.reqs, tokens, launched.produces):
+        for i, (state, req, token, produces) in enumerate(
+            zip(launched.states, launched.reqs, tokens, launched.produces)
+        ):
+            logprob = None if scored is None else scored.take(i, state, req, token)
             # finished (stopped one step earlier with overlap, aborted or failed) or preempted since
             if produces and not state.finished and state.req is req:
                 try:
-                    updates.append(self._process(state, token, now))
+                    updates.append(self._process(state, token, now, logprob))
                 except Exception as e:  # this request's own output processing: it alone fails
                     failed += self._fail([state], e, "processing its token")
         batch_size, num_generated = len(launched.states), len(updates)
@@ -655,15 +694,53 @@ class Scheduler:
             )
         return updates + failed
 
-    def _process(self, state: RequestState, token: int, now: float) -> Update:
+    def _process(self, state: RequestState, token: int, now: float, logprob: TokenLogprob | None) -> Update:
+        if self.follows:  # rank 0 decides when a request stops, and says so in the next step's message
+            state.req.input_ids.append(token)
+            state.output_ids.append(token)
+            self.metrics.token(state, now)
+            return Update(state, [token], "", False)
+        prompt_logprobs = state.prompt_logprobs if state.output_ids == [] else None
+        if state.params.max_tokens == 0:  # the prompt was all it asked for (scored): no output token
+            self._finish(state, "length", now)
+            return Update(state, [], "", True, None, prompt_logprobs)
         if state.grammar is not None:  # raises when the grammar refuses it: the request fails alone
             state.grammar.accept(token)
         state.req.input_ids.append(token)
         state.output_ids.append(token)
         self.metrics.token(state, now)
-        if self.follows:  # rank 0 decides when a request stops, and says so in the next step's message
-            return Update(state, [token], "", False)
+        logprobs = None
+        if state.logprobs is not None and logprob is not None:
+            state.logprobs.append(logprob)
+            logprobs = [logprob]
         reason = self.output.check_stop(state, token)
         if reason is not None:
             self._finish(state, reason, now)
-        return Update(state, [token], self.output.take_delta(state), state.finished)
+        return Update(
+            state, [token], self.output.take_delta(state), state.finished, logprobs, prompt_logprobs
+        )
+
+
+class _Scored:
+    """A forward's log probabilities on the host, handed out request by request in batch order: prompt
+    entries go to the request's `prompt_logprobs` (those it has not got yet: a chunk recomputed after a
+    preemption scores its positions again), the sampled token's is returned."""
+
+    def __init__(self, launched: _InFlight) -> None:
+        assert launched.scoring is not None and launched.output.logprobs is not None
+        self.plan = launched.scoring.plan
+        self.chosen, self.ids, self.values = (t.tolist() for t in launched.output.logprobs)
+        self.at = 0  # the row of the next request's first entry
+
+    def entry(self, token: int, k: int) -> TokenLogprob:
+        row = self.at
+        self.at += 1
+        return TokenLogprob(token, self.chosen[row], tuple(zip(self.ids[row][:k], self.values[row][:k])))
+
+    def take(self, i: int, state: RequestState, req: Req, token: int) -> TokenLogprob | None:
+        start, prompt_rows, sampled, k_prompt, k_sampled = self.plan[i]
+        for p in range(start, start + prompt_rows):
+            entry = self.entry(req.input_ids[p + 1], k_prompt)
+            if state.prompt_logprobs is not None and p + 1 == len(state.prompt_logprobs):
+                state.prompt_logprobs.append(entry)
+        return self.entry(token, k_sampled) if sampled else None

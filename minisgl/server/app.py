@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, TokenLogprob
 from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import Grammars
@@ -49,9 +50,11 @@ from minisgl.server.connections import (
     loop_exception_handler,
     protocol_class,
 )
+from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.protocol import APIError
 from minisgl.server.tokenize import PromptTooLong, TemplateFailed, TokenizerPool, default_workers
 from minisgl.server.worker import (
+    decode_logprobs,
     encode_params,
     frame_ids,
     ids_frame,
@@ -113,6 +116,13 @@ class Choice:
     reported: bool = False  # its final chunk was handed out (streaming)
     times: list[float | None] | None = None  # the scheduler's [arrived, admitted, first token, finished]
     stops: StopScanner | None = None  # the search for the stop strings (made with the first check)
+    # with log probabilities asked: one per token of token_ids; the prompt's (None first) with echo
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_ids: list[int] | None = None  # with prompt_logprobs
+    emitted_logprobs: int = 0  # entries of `logprobs` already handed out (streaming)
+    text_offset: int = 0  # characters of the text handed out with their logprobs (streamed completions)
+    hidden_last: bool = False  # its last token (EOS or a stop token) is not part of the text
 
     @property
     def finished(self) -> bool:
@@ -126,6 +136,7 @@ class Choice:
             last = finished and k == len(ids) - 1
             self.token_ids.append(token)
             if last and reason == "stop":  # EOS or a stop token: kept in token_ids, out of the text
+                self.hidden_last = True
                 break
             if self.detokenizer is not None:
                 self.detokenizer.add(token)
@@ -160,6 +171,17 @@ class Choice:
         new_ids = self.token_ids[self.emitted_ids :]
         self.emitted_ids = len(self.token_ids)
         return delta, new_ids
+
+    def text_logprobs(self) -> list[TokenLogprob]:
+        """The log probabilities of the tokens of its text (without a final EOS or stop token)."""
+        assert self.logprobs is not None
+        return self.logprobs[: len(self.logprobs) - self.hidden_last] if self.finished else self.logprobs
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The entries of `text_logprobs` not handed out yet."""
+        entries = self.text_logprobs()[self.emitted_logprobs :]
+        self.emitted_logprobs += len(entries)
+        return entries
 
 
 class Job:
@@ -374,12 +396,17 @@ class SchedulerClient:
         counts = header["n"]
         starts = None if counts is None else [0, *itertools.accumulate(counts)]
         done = {row: rest for row, *rest in header["done"]}
+        scored, prompts = header.get("lp"), dict(header.get("plp", ()))
         choices = self.choices
         for row, rid in enumerate(served):
             ids = tokens[row : row + 1] if starts is None else tokens[starts[row] : starts[row + 1]]
             choice = choices.get(rid)
             if choice is None:
                 continue
+            if row in prompts and choice.prompt_logprobs is not None:
+                choice.prompt_logprobs += decode_logprobs(choice.prompt_ids[1:], prompts[row])
+            if scored is not None and scored[row] is not None and choice.logprobs is not None:
+                choice.logprobs += decode_logprobs(ids, scored[row])
             finished = row in done
             if finished:
                 reason, error, choice.times = done[row]
@@ -484,6 +511,7 @@ class ServerState:
         self.decoder: Any = None  # tokenizer used on the event loop (detokenizing)
         self.grammars: Grammars | None = None  # structured output's grammars, checked before queueing
         self.tp_size = settings.tp_size
+        self._token_texts: TokenTexts | None = None
         self.outstanding = 0  # choices admitted by the front end and not finished
         self.body_bytes = 0  # bytes of request bodies being read now
         self.draining = False
@@ -536,6 +564,13 @@ class ServerState:
 
     ready = False
     client_class = SchedulerClient  # what `start` makes (perf/cpu/test_front_end.py puts a fake here)
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Each token's text and bytes (log probabilities), made at the first use."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.decoder)
+        return self._token_texts
 
     def write_trace(self, job: Job, request_id: str, prompt_tokens: int) -> None:
         if self.trace is not None:
@@ -847,8 +882,14 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         Choice(next(client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None, job)
         for i, p in enumerate(params)
     ]
+    for choice in job.choices:
+        if choice.params.logprobs is not None:
+            choice.logprobs = []
+        if choice.params.prompt_logprobs is not None:
+            choice.prompt_logprobs, choice.prompt_ids = [None], prompt_ids
     state.outstanding += len(job.choices)
     thinking = _thinking(state, req, prompt_ids)
+    echo = _echo(state, req, prompt_ids)
     prompt = ids_frame(prompt_ids)
     for choice in job.choices:
         client.add(choice, prompt)
@@ -856,7 +897,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, kind, request_id, created, job, len(prompt_ids), thinking),
+            _stream(state, req, kind, request_id, created, job, prompt_ids, thinking, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -868,7 +909,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
                 request_id,
                 state.served_model,
                 len(prompt_ids),
-                [_Generation(c, thinking) for c in job.choices],
+                [_Generation(c, thinking, echo, state.token_texts, kind) for c in job.choices],
                 return_token_ids=req.wants_token_ids,
                 created=created,
             )
@@ -883,16 +924,38 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
 class _Generation:
     choice: Choice
     thinking: bool | None = None  # separate_reasoning: whether the reply starts inside <think>
+    echo: str | None = None  # completions with echo: the prompt's text, before the reply's
+    texts: TokenTexts | None = None  # with log probabilities
+    kind: str = "completion"
+
+    @cached_property
+    def _split(self) -> tuple[str, str]:
+        """(reasoning, content) of the reply, split once (separate_reasoning)."""
+        assert self.thinking is not None
+        return split_reasoning(self.choice.text, self.thinking)
 
     @property
     def text(self) -> str:
         if self.thinking is None:
-            return self.choice.text
-        return split_reasoning(self.choice.text, self.thinking)[1]
+            return (self.echo or "") + self.choice.text
+        return self._split[1]
+
+    @property
+    def logprobs(self) -> dict[str, Any] | None:
+        choice = self.choice
+        if choice.logprobs is None or self.texts is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.texts, choice.text_logprobs())
+        entries: list[TokenLogprob | None] = list(choice.text_logprobs())
+        ids = choice.token_ids[: len(entries)]
+        if self.echo is not None and choice.prompt_logprobs is not None and choice.prompt_ids is not None:
+            entries, ids = choice.prompt_logprobs + entries, choice.prompt_ids + ids
+        return completion_logprobs(self.texts, entries, ids)
 
     @property
     def reasoning(self) -> str | None:  # None: not asked for, or none in the reply (as SGLang)
-        return None if self.thinking is None else split_reasoning(self.choice.text, self.thinking)[0] or None
+        return None if self.thinking is None else self._split[0] or None
 
     @property
     def token_ids(self) -> list[int]:
@@ -914,6 +977,15 @@ def _thinking(state: ServerState, req: Any, prompt_ids: list[int]) -> bool | Non
         return None
     tail = state.decoder.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
     return tail.endswith(THINK_OPEN)
+
+
+def _echo(state: ServerState, req: Any, prompt_ids: list[int]) -> str | None:
+    """Completions with echo: the prompt's text (a token-id prompt decoded); None without echo."""
+    if not getattr(req, "echo", False):
+        return None
+    if isinstance(req.prompt, str):
+        return req.prompt
+    return "" if state.decoder is None else state.decoder.decode(prompt_ids)
 
 
 def _check_rejected(choice: Choice) -> None:
@@ -985,12 +1057,16 @@ async def _stream(
     request_id: str,
     created: int,
     job: Job,
-    prompt_tokens: int,
+    prompt_ids: list[int],
     thinking: bool | None,
+    echo: str | None,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: each time the job is woken, one write with every choice's
     news (text and token ids, final chunks), then the delay since the step that made them is recorded.
-    `thinking` (separate_reasoning; see `_thinking`): each text is split into reasoning and content."""
+    `thinking` (separate_reasoning; see `_thinking`): each text is split into reasoning and content.
+    `echo` (completions): each choice's first chunk is the prompt's text (with its log probabilities
+    once the prefill has them). Chunks with log probabilities are built whole (`_chunk`)."""
+    prompt_tokens = len(prompt_ids)
     model = state.served_model
     wants_ids = req.wants_token_ids
     choices = job.choices
@@ -1016,7 +1092,19 @@ async def _stream(
                     continue
                 if choice.finish_reason == "rejected":
                     raise protocol.invalid_request(ValueError(choice.error))
+                if echo is not None and not choice.text_offset:  # the prompt first, once scored
+                    if choice.prompt_logprobs is not None and len(choice.prompt_logprobs) < prompt_tokens:
+                        if not choice.finished:
+                            continue
+                    scored = _streamed_logprobs(state, kind, choice, echo)
+                    parts.append(
+                        protocol.sse(
+                            _chunk(kind, request_id, model, choice.index, echo, None, None, created, scored)
+                        )
+                    )
+                    choice.text_offset = max(len(echo), 1)
                 text, ids = choice.take()
+                scored = None if choice.logprobs is None else _streamed_logprobs(state, kind, choice)
                 if splitters is not None:  # reasoning_content and content
                     reasoning, text = splitters[choice.index].feed(text, choice.finished)
                     if reasoning or text or (wants_ids and ids):
@@ -1028,6 +1116,22 @@ async def _stream(
                             reasoning_content=reasoning or None,
                             token_ids=ids if wants_ids else None,
                             created=created,
+                            logprobs=scored,
+                        )
+                        parts.append(protocol.sse(chunk))
+                        tokens = True
+                elif scored is not None:
+                    if text or ids:
+                        chunk = _chunk(
+                            kind,
+                            request_id,
+                            model,
+                            choice.index,
+                            text,
+                            ids if wants_ids else None,
+                            None,
+                            created,
+                            scored,
                         )
                         parts.append(protocol.sse(chunk))
                         tokens = True
@@ -1058,7 +1162,15 @@ async def _stream(
 
 
 def _chunk(
-    kind: str, rid: str, model: str, index: int, text: str, ids: Any, reason: Any, created: int
+    kind: str,
+    rid: str,
+    model: str,
+    index: int,
+    text: str,
+    ids: Any,
+    reason: Any,
+    created: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if kind == "chat":
         return protocol.chat_chunk(
@@ -1069,10 +1181,29 @@ def _chunk(
             finish_reason=reason,
             token_ids=ids,
             created=created,
+            logprobs=logprobs,
         )
     return protocol.completion_chunk(
-        rid, model, index, text, finish_reason=reason, token_ids=ids, created=created
+        rid, model, index, text, finish_reason=reason, token_ids=ids, created=created, logprobs=logprobs
     )
+
+
+def _streamed_logprobs(
+    state: ServerState, kind: str, choice: Choice, echo: str | None = None
+) -> dict[str, Any] | None:
+    """The `logprobs` of a streamed chunk: its new tokens' (`Choice.take_logprobs`), or with `echo`
+    the prompt's (completions; None without prompt log probabilities)."""
+    texts = state.token_texts
+    if echo is not None:
+        if choice.prompt_logprobs is None or choice.prompt_ids is None:
+            return None
+        return completion_logprobs(texts, choice.prompt_logprobs, choice.prompt_ids)
+    entries = choice.take_logprobs()
+    if kind == "chat":
+        return chat_logprobs(texts, entries)
+    scored = completion_logprobs(texts, entries, [e.token_id for e in entries], choice.text_offset)
+    choice.text_offset += sum(len(t) for t in scored["tokens"])
+    return scored
 
 
 # ------------------------------------------------------------------------------------------------ serving

@@ -439,6 +439,7 @@ async def run_benchmark(
     return_token_ids: bool = True,
     client_processes: int | None = None,
     use_uvloop: bool = True,
+    extra_body: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Sends `requests` and returns the report (`summarize`). Stops by itself after `timeout` seconds
     (the model lookup and the start of client processes included): unfinished requests are cancelled
@@ -450,7 +451,8 @@ async def run_benchmark(
     or a loaded tokenizer) to decode them here. `stream=False` sends non-streamed requests (TTFT = E2E).
     `n`: choices per request. `return_token_ids`: ask minisgl's server for the `token_ids` of each chunk.
     `client_processes`: spread the requests over that many spawned processes (None:
-    `default_client_processes()`; 1: this process)."""
+    `default_client_processes()`; 1: this process). `extra_body`: fields added to every request's body
+    (e.g. ``{"logprobs": 5}`` or penalties), over the ones made here."""
     if not requests:
         raise ValueError("the workload is empty")
     if not request_rate > 0:
@@ -487,7 +489,7 @@ async def run_benchmark(
     shape = dict(endpoint=endpoint, prompt_format=prompt_format, stream=stream, n=n)
     sampling = dict(temperature=temperature, ignore_eos=ignore_eos, return_token_ids=return_token_ids)
     for i, r in enumerate(requests):
-        body = request_body(r, model=model, **shape, **sampling)
+        body = request_body(r, model=model, **shape, **sampling) | (extra_body or {})
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
         items.append(
             (

@@ -39,6 +39,10 @@ The request's fields onto `minisgl.core.SamplingParams`:
 - ``response_format`` (both endpoints; ``text``, ``json_object``, ``json_schema``) and ``regex``,
   ``ebnf`` (extra, SGLang's) -> ``json_object``, ``json_schema``, ``regex``, ``ebnf``
   (``minisgl.server.structured``; docs/structured-output.md).
+- Log probabilities (of the model's own distribution, before logit_bias, penalties and temperature):
+  completions ``logprobs`` k (0 to 20) -> ``logprobs`` k, and with ``echo`` also ``prompt_logprobs`` k
+  (``echo`` puts the prompt before the text; with it ``max_tokens`` may be 0, to score a prompt); chat
+  ``logprobs: true`` with ``top_logprobs`` k -> ``logprobs`` k. Shapes: `minisgl.server.logprobs`.
 - ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
   a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
   models without a tokenizer, whose text is empty), false otherwise.
@@ -46,9 +50,9 @@ The request's fields onto `minisgl.core.SamplingParams`:
 Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
 strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
 
-Parameters of OpenAI's API that minisgl does not implement (logprobs, echo, tools,
+Parameters of OpenAI's API that minisgl does not implement (best_of, suffix, tools,
 ...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
-asks for nothing (see ``_UNSUPPORTED``: ``presence_penalty: 0``, ``logprobs: false``, ``tools: []``...).
+asks for nothing (see ``_UNSUPPORTED``: ``best_of: 1``, ``tools: []``...).
 Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
 ``safety_identifier``; chat: ``parallel_tool_calls``) is type-checked and ignored. Any other field is
 refused with a 400 (code "unknown_parameter"). A batch of several prompts is refused with a 400: one
@@ -83,7 +87,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from minisgl.core import INT64_MAX, SamplingParams
+from minisgl.core import INT64_MAX, MAX_LOGPROBS, SamplingParams
 from minisgl.server.structured import GRAMMAR_PARAMS, ResponseFormat, StructuredOutputError, grammar_fields
 from minisgl.templates import check_template_kwargs
 
@@ -436,6 +440,8 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`: `prompt` is a text or a list of token ids."""
 
     prompt: Annotated[str | list[int], BeforeValidator(_prompt)]
+    logprobs: int | None = None  # k: each token's log probability and the k most likely alternatives
+    echo: bool | None = None  # the prompt before the text (and, with logprobs, its log probabilities)
 
     @property
     def wants_token_ids(self) -> bool:
@@ -450,6 +456,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: Annotated[list[dict[str, str]], BeforeValidator(_messages)]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # alternatives per token, with logprobs
     parallel_tool_calls: bool | None = None  # ignored: no tools
     # the chat template's own variables (vLLM's and SGLang's field), e.g. {"enable_thinking": false}
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_template_kwargs)] = None
@@ -466,10 +474,6 @@ def _is_none(v: Any) -> bool:
     return v is None
 
 
-def _is_zero(v: Any) -> bool:
-    return v is None or (type(v) in (int, float) and v == 0)
-
-
 def _is_false(v: Any) -> bool:
     return v is None or v is False
 
@@ -484,15 +488,11 @@ _UNSUPPORTED_BOTH: dict[str, Callable[[Any], bool]] = {
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
     **_UNSUPPORTED_BOTH,
-    "logprobs": _is_none,  # an integer here; 0 asks for the chosen tokens' logprobs
-    "echo": _is_false,
     "best_of": lambda v: v is None or (type(v) is int and v == 1),
     "suffix": _is_empty,
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     **_UNSUPPORTED_BOTH,
-    "logprobs": _is_false,
-    "top_logprobs": _is_zero,
     "tools": _is_empty,
     "tool_choice": lambda v: v is None or v == "none",
     "functions": _is_empty,
@@ -621,10 +621,14 @@ def sampling_params(
     if room < 1:
         raise context_exceeded(prompt_len, max_context, prompt_param)
     name, max_tokens = request.max_tokens_param()
+    echo = bool(getattr(request, "echo", False))
     if max_tokens is None:
         max_tokens = room
-    elif max_tokens < 1:
-        raise APIError(f"{name} must be at least 1, got {name}={max_tokens}", param=name)
+    elif max_tokens < (0 if echo else 1):
+        raise APIError(
+            f"{name} must be at least 1 (0 only with echo, to score a prompt), got {name}={max_tokens}",
+            param=name,
+        )
     elif max_tokens > room:
         raise APIError(
             f"{name}={max_tokens} and the prompt's {prompt_len} tokens make {prompt_len + max_tokens}, "
@@ -646,6 +650,7 @@ def sampling_params(
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
+        **_logprob_params(request),
     }
     temperature = 1.0 if request.temperature is None else request.temperature
     try:
@@ -659,7 +664,10 @@ def sampling_params(
             **{key: value for key, value in given.items() if value is not None},
         )
     except (TypeError, ValueError) as e:
-        raise invalid_request(e, {"max_tokens": name}) from None
+        logprobs = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+        raise invalid_request(
+            e, {"max_tokens": name, "logprobs": logprobs, "prompt_logprobs": "logprobs"}
+        ) from None
     n = request.n or 1
     if params.seed is None:
         return [params] * n
@@ -670,6 +678,29 @@ def sampling_params(
             param="seed",
         )
     return [replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def _logprob_params(request: CompletionRequest | ChatCompletionRequest) -> dict[str, int | None]:
+    """SamplingParams' `logprobs` and `prompt_logprobs` of a request (their ranges checked there)."""
+    if isinstance(request, ChatCompletionRequest):
+        k = request.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the alternatives given per "
+                f"token), got top_logprobs={k}",
+                param="top_logprobs",
+            )
+        if not request.logprobs:
+            if k:
+                raise APIError(
+                    f"top_logprobs={k} needs logprobs: true (it says how many alternatives each token's "
+                    "log probability comes with)",
+                    param="top_logprobs",
+                )
+            return {}
+        return {"logprobs": k or 0}
+    k = request.logprobs
+    return {"logprobs": k, "prompt_logprobs": k if request.echo else None}
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -770,7 +801,7 @@ def _response(
         choice: dict[str, Any] = {
             "index": index,
             **content(gen),
-            "logprobs": None,
+            "logprobs": getattr(gen, "logprobs", None),
             "finish_reason": openai_finish_reason(gen.finish_reason, gen.error),
         }
         if return_token_ids:
@@ -793,13 +824,22 @@ def completion_chunk(
     finish_reason: Literal["stop", "length"] | None = None,
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed `text_completion` chunk: new text of choice `index` (the last one with its
-    finish_reason); `token_ids` (the new tokens) when the request wants them."""
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    finish_reason); `token_ids` (the new tokens) when the request wants them; `logprobs`, theirs."""
+    choice = _chunk_choice(index, "text", text, logprobs, finish_reason, token_ids)
+    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
+
+
+def _chunk_choice(
+    index: int, key: str, value: Any, logprobs: Any, finish_reason: Any, token_ids: Sequence[int] | None
+) -> dict[str, Any]:
+    """A streamed chunk's one choice: its text (`key` "text") or delta ("delta"), and the rest."""
+    choice = {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = list(token_ids)
-    return {**_envelope(request_id, "text_completion", model, created), "choices": [choice]}
+    return choice
 
 
 def chat_chunk(
@@ -813,6 +853,7 @@ def chat_chunk(
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
     reasoning_content: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A `chat.completion.chunk` for choice `index`: the first carries ``role="assistant"`` (and
     ``content=""``), later ones ``content`` (and, with separate_reasoning, ``reasoning_content``), the
@@ -824,14 +865,7 @@ def chat_chunk(
         delta["reasoning_content"] = reasoning_content
     if content is not None:
         delta["content"] = content
-    choice: dict[str, Any] = {
-        "index": index,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = list(token_ids)
+    choice = _chunk_choice(index, "delta", delta, logprobs, finish_reason, token_ids)
     return {**_envelope(request_id, "chat.completion.chunk", model, created), "choices": [choice]}
 
 

@@ -28,7 +28,10 @@ scheduler -> front end
                                                                new tokens (n[i] each; null: one each),
                                                                which finished, each with its times in
                                                                the scheduler [arrived, admitted, first
-                                                               token, finished] (null: never reached)
+                                                               token, finished] (null: never reached);
+                                                               with log probabilities asked, "lp": per
+                                                               row null or its tokens' (`encode_logprobs`)
+                                                               and "plp": [[row, the prompt's], ...]
     {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
     {"op": "metrics", "id": int, "text": str}
     {"op": "flush", "id": int, "pages": int}                   the KV pages the flush freed
@@ -51,7 +54,7 @@ from typing import Any
 
 import zmq
 
-from minisgl.core import FATAL_ERRORS, SamplingParams
+from minisgl.core import FATAL_ERRORS, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,16 @@ def decode_params(data: dict[str, Any]) -> SamplingParams:
     data["stop"] = tuple(data.get("stop", ()))
     data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
     return SamplingParams(**data)
+
+
+def encode_logprobs(entries: list[TokenLogprob]) -> list[list[Any]]:
+    """Log probabilities as JSON: per token [logprob, [alternative ids], [their logprobs]]."""
+    return [[e.logprob, [t for t, _ in e.top], [v for _, v in e.top]] for e in entries]
+
+
+def decode_logprobs(ids: list[int], data: list[list[Any]]) -> list[TokenLogprob]:
+    """`encode_logprobs`' entries again, for the tokens `ids`."""
+    return [TokenLogprob(t, lp, tuple(zip(alt, vals))) for t, (lp, alt, vals) in zip(ids, data)]
 
 
 def ids_frame(ids: list[int]) -> bytes:
@@ -250,7 +263,7 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
             raise
         if not updates:
             continue
-        served, counts, tokens, done = [], [], [], []
+        served, counts, tokens, done, scored, prompts = [], [], [], [], [], []
         for update in updates:
             state = update.state
             rid = rids.get(state.uid)
@@ -261,6 +274,9 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
                 done.append([len(served), state.finish_reason, state.error, times])
                 states.pop(rid, None)
                 rids.pop(state.uid, None)
+            if update.prompt_logprobs is not None:
+                prompts.append([len(served), encode_logprobs(update.prompt_logprobs[1:])])
+            scored.append(None if update.logprobs is None else encode_logprobs(update.logprobs))
             served.append(rid)
             counts.append(len(update.token_ids))
             tokens += update.token_ids
@@ -273,4 +289,8 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
                 "n": n,
                 "done": done,
             }
+            if any(entry is not None for entry in scored):
+                header["lp"] = scored
+            if prompts:
+                header["plp"] = prompts
             outbox.send(header, ids_frame(served), ids_frame(tokens))

@@ -2,7 +2,7 @@
 sampler replaced by a stub that returns the tokens at once, so what is timed is only the host work
 the GPU path also does each step (scheduling, the decode batch and its page-table writes, the sampling
 arguments and the suppressed-token rows, reading the tokens, the per-token processing with its
-metrics). The FlashInfer plan, the other host cost of a GPU step, needs a GPU
+metrics; with `logprobs5`, each request's log probability and 5 alternatives read as well). The FlashInfer plan, the other host cost of a GPU step, needs a GPU
 (`python -m perf.gpu.attention`).
 
 Run with `nox -s perf -- -k host_step` (or `python -m pytest perf/cpu/test_host_step.py
@@ -29,12 +29,22 @@ def _stub_forward(batch, args):
     for req in batch.reqs:
         req.complete_one()
     tokens = torch.full((len(batch.reqs),), 7, dtype=torch.int32)
-    return ForwardOutput(tokens, tokens, _CompletedEvent())
+    scoring, logprobs = args.logprobs, None
+    if scoring is not None:  # log probabilities of the scored rows, as `Sampler.logprobs` shapes them
+        rows = len(scoring.lp_rows)
+        logprobs = (
+            torch.full((rows,), -0.5),
+            torch.arange(scoring.top).repeat(rows, 1),
+            torch.full((rows, scoring.top), -1.0),
+        )
+    return ForwardOutput(tokens, tokens, _CompletedEvent(), logprobs)
 
 
 @pytest.mark.parametrize("page_size", [16, 256])
-@pytest.mark.parametrize("temperature", [0.0, 0.6], ids=["greedy", "sampled"])
-def test_host_step_batch_256(benchmark, temperature, page_size):
+@pytest.mark.parametrize(
+    ("temperature", "logprobs"), [(0.0, None), (0.6, None), (0.6, 5)], ids=["greedy", "sampled", "logprobs5"]
+)
+def test_host_step_batch_256(benchmark, temperature, logprobs, page_size):
     engine = Engine(
         EngineConfig(
             model_path=str(default_model_path()),
@@ -47,7 +57,9 @@ def test_host_step_batch_256(benchmark, temperature, page_size):
     )
     try:
         sched = Scheduler(engine, eos_token_ids=[2], overlap=True)
-        params = SamplingParams(max_tokens=MAX_LEN - 16, temperature=temperature, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=MAX_LEN - 16, temperature=temperature, ignore_eos=True, logprobs=logprobs
+        )
         for i in range(BATCH):
             sched.add_request([5 + i % 50] * 16, params)
         for _ in range(20):  # the real prefill (the default chunk takes them in a few steps)
