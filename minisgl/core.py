@@ -7,6 +7,7 @@ protocols, which `minisgl.attention.BaseAttnBackend` and `minisgl.kvcache.BaseKV
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Iterator
@@ -101,6 +102,12 @@ class SamplingParams:
     Generation stops after ``max_tokens`` tokens, or earlier at the model's EOS token (unless
     ``ignore_eos``), at a token of ``stop_token_ids`` or when the text contains a string of ``stop``
     (the text is cut before it); none of those stop it before ``min_tokens`` tokens.
+
+    Structured output (docs/structured-output.md), at most one of: ``json_schema`` (a JSON schema, as a
+    dict or its JSON text; kept as compact JSON text), ``json_object`` (any JSON object), ``regex`` (a
+    regular expression the whole output matches), ``ebnf`` (a grammar in xgrammar's EBNF, from its rule
+    ``root``). The scheduler (`LLM`, the server) compiles it and masks the logits with it; EOS is then
+    allowed only where the grammar may end, so ``ignore_eos`` cannot be combined with one.
     """
 
     temperature: float = 0.0
@@ -122,6 +129,11 @@ class SamplingParams:
     # transformers' and vLLM's, over prompt and generated tokens: a seen token's logit is divided by it
     # when positive, multiplied by it when negative (1: off)
     repetition_penalty: float = 1.0
+    # structured output: at most one (see the class docstring)
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
     # log probabilities (of the model's own distribution: before logit_bias, penalties, a grammar's mask
     # and temperature): `logprobs` k gives each generated token's and the k most likely alternatives;
     # `prompt_logprobs` k the same for every prompt token after the first (0..20; None: none)
@@ -160,7 +172,28 @@ class SamplingParams:
             raise TypeError(f"stop_token_ids must be a list of token ids, got stop_token_ids={stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(as_token_ids(stop_ids, "stop_token_ids")))
         object.__setattr__(self, "logit_bias", _as_logit_bias(self.logit_bias))
+        object.__setattr__(self, "json_schema", _as_json_schema(self.json_schema))
+        self._check_grammar()
         self._check_ranges()
+
+    def _check_grammar(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"json_object must be True or False, got json_object={self.json_object!r}")
+        for name in ("regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string or None, got {name}={short_repr(value)}")
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[0]} and {given[1]} were both given: structured output takes at most one of "
+                f"{', '.join(GRAMMAR_FIELDS)}"
+            )
+        if given and self.ignore_eos:
+            raise ValueError(
+                f"{given[0]} cannot be combined with ignore_eos=True: a structured output ends where its "
+                "grammar does (EOS is allowed there only); leave ignore_eos out"
+            )
 
     def _check_ranges(self) -> None:
         t = self.temperature
@@ -213,8 +246,56 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The structured output asked for, as (field, text): ("json_schema", its JSON text),
+        ("json_object", ""), ("regex", the regex) or ("ebnf", the grammar); None when there is none."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.ebnf is not None:
+            return "ebnf", self.ebnf
+        return None
+
 
 MAX_LOGIT_BIAS = 100.0
+# the structured-output fields of SamplingParams, in the order of `SamplingParams.grammar`
+GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_json_schema(value: Any) -> str | None:
+    """A JSON schema as compact JSON text (key order kept: it is the order the properties are
+    generated in): from a dict, or from JSON text holding an object."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"json_schema is not valid JSON text ({e}); give a JSON schema object") from None
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"json_schema must be a JSON schema: a dict or its JSON text, got {type(value).__name__} "
+            f"{short_repr(value)}"
+        )
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(
+            f"json_schema must hold JSON values only (dicts with string keys, lists, strings, finite "
+            f"numbers, booleans, None): {e}"
+        ) from None
+
+
 MAX_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit)
 
 

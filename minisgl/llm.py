@@ -166,6 +166,7 @@ class LLM:
             overlap=scheduler_config.overlap_scheduling,
             eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
             tokenizer=self.tokenizer if detokenize else None,
+            grammar_tokenizer=self.tokenizer,
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
             cache_type=scheduler_config.cache_type,

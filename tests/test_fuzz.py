@@ -6,15 +6,17 @@ value, or a MemoryError naming the setting that asked too much) or generates nor
 normal request gives the same tokens as before. Examples are bounded in number and size and have no
 deadline, so the run takes the same time on a slow machine."""
 
+import json
 import math
 
+import httpx2 as httpx
 import pytest
 from conftest import llm_clean, make_tiny_model_with_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
-from minisgl.llm import LLM
+from minisgl.llm import LLM, RequestError
 from minisgl.settings import SettingsError
 
 VOCAB = 49152  # the tokenizer's, as the default model's
@@ -225,3 +227,196 @@ def test_any_settings_either_raise_clearly_or_serve(tiny_folder, kwargs):
     finally:
         llm_clean(llm)
         llm.shutdown()
+
+
+# ------------------------------------------------------------------------------- structured output
+
+SCHEMA_KEYS = ["type", "properties", "items", "enum", "required", "minItems", "maxItems", "maxLength"]
+SCHEMA_KEYS += ["pattern", "const", "anyOf", "minimum", "maximum", "additionalProperties", "$ref", "format"]
+JSON_ANY = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+    | st.sampled_from(["object", "array", "string", "integer", "number", "boolean", "null"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(SCHEMA_KEYS) | st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+SCHEMAS = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["object", "array", "string", "integer", "boolean"])},
+        optional={
+            "properties": st.dictionaries(st.text(max_size=3), JSON_ANY, max_size=2),
+            "items": JSON_ANY,
+            "maxLength": st.integers(0, 5),
+            "maxItems": st.integers(0, 3),
+            "enum": st.lists(JSON_ANY, max_size=3),
+            "pattern": st.text(alphabet="ab.*+?()[]|^$\\{}0-9", max_size=8),
+        },
+    ),
+    st.dictionaries(st.sampled_from(SCHEMA_KEYS) | st.text(max_size=3), JSON_ANY, max_size=3),
+)
+REGEXES = st.one_of(st.text(alphabet="ab.*+?()[]|^$\\{},-09dsw", max_size=10), st.text(max_size=6))
+EBNFS = st.one_of(
+    st.text(alphabet='ab "|()*+?[]-', max_size=12).map(lambda body: f"root ::= {body}"),
+    st.sampled_from(['root ::= "a" root | "b"', 'root ::= x\nx ::= [a-c]+ ("," x)?', "root ::= "]),
+    st.text(max_size=10),
+)
+GRAMMAR_VALUES = {
+    "json_schema": st.one_of(SCHEMAS, SCHEMAS.map(json.dumps)),
+    "json_object": st.booleans(),
+    "regex": REGEXES,
+    "ebnf": EBNFS,
+}
+
+
+@st.composite
+def grammar_kwargs(draw: st.DrawFn) -> dict:
+    """One structured-output field (now and then two, or a value of the wrong kind), a few tokens, maybe
+    min_tokens, a temperature and (now and then) ignore_eos."""
+    kwargs: dict = {"max_tokens": draw(st.integers(3, 6))}
+    names = draw(st.lists(st.sampled_from(sorted(GRAMMAR_VALUES)), min_size=2, max_size=2, unique=True))
+    for name in names[: 1 + (draw(st.integers(0, 5)) == 0)]:
+        wrong_kind = draw(st.integers(0, 4)) == 0
+        kwargs[name] = draw(ANYTHING if wrong_kind else GRAMMAR_VALUES[name])
+    if draw(st.booleans()):
+        kwargs["min_tokens"] = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        kwargs["temperature"] = 1.0
+    if draw(st.integers(0, 5)) == 0:
+        kwargs["ignore_eos"] = draw(st.booleans())
+    return kwargs
+
+
+def generate_one(llm: LLM, params: SamplingParams, stream: bool) -> tuple[str, str, str | None]:
+    """(text, finish reason, error) of one request, streamed or not."""
+    if not stream:
+        [out] = llm.generate("Hi", params)
+        return out.text, out.finish_reason, out.error
+    deltas = llm.stream("Hi", params)
+    text = ""
+    try:
+        for delta in deltas:
+            text += delta
+    except RequestError:
+        pass
+    return text, deltas.finish_reason, deltas.state.error
+
+
+@FUZZ
+@given(kwargs=grammar_kwargs(), stream=st.booleans())
+def test_any_structured_output_either_raises_clearly_or_generates(tiny_llm, kwargs, stream):
+    """A grammar either raises up front, naming the field at fault, or generates: "stop" (then a JSON
+    grammar's text is JSON) or "length", or "error" only where the grammar allows no token."""
+    params = sampling_params(kwargs)
+    if params is not None:
+        try:
+            text, reason, error = generate_one(tiny_llm, params, stream)
+        except (TypeError, ValueError) as e:
+            assert any(name in str(e) for name in kwargs), e
+            llm_clean(tiny_llm)  # refused: nothing was queued
+            event(f"structured output refused: {type(e).__name__}")
+        else:
+            event(f"structured output: {reason}")
+            assert reason in ("stop", "length") or "allows no token" in (error or ""), (reason, error)
+            if reason == "stop" and params.grammar[0] in ("json_schema", "json_object"):
+                json.loads(text)
+    llm_clean(tiny_llm)
+    assert tiny_llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids == tiny_llm.normal
+    llm_clean(tiny_llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_folder):
+    from test_server import Server
+
+    srv = Server(
+        "--model", str(tiny_folder), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8"
+    )
+    srv.model = httpx.get(srv.url + "/models", timeout=10).json()["data"][0]["id"]
+    srv.normal = _http_normal(srv)
+    yield srv
+    log = srv.output()
+    assert srv.stop() == 0, log
+    assert "Traceback" not in log, log
+
+
+def _http_normal(srv) -> str:
+    body = {
+        "model": srv.model,
+        "prompt": NORMAL_PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(srv.url + "/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+JSON_VALUE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+SCHEMA_FORMATS = st.fixed_dictionaries(
+    {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.text(max_size=8)})},
+).flatmap(
+    lambda base: SCHEMAS.map(
+        lambda schema: {**base, "json_schema": {**base["json_schema"], "schema": schema}}
+    )
+)
+RESPONSE_FORMATS = st.one_of(
+    SCHEMA_FORMATS,
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema"]) | JSON_VALUE},
+        optional={"json_schema": JSON_VALUE},
+    ),
+)
+STRUCTURED_VALUES = {"response_format": RESPONSE_FORMATS, "regex": REGEXES, "ebnf": EBNFS}
+
+
+@st.composite
+def structured_fields(draw: st.DrawFn) -> dict:
+    """response_format, regex or ebnf (now and then two of them, or a JSON value of any kind)."""
+    names = draw(st.lists(st.sampled_from(sorted(STRUCTURED_VALUES)), min_size=2, max_size=2, unique=True))
+    fields = {}
+    for name in names[: 1 + (draw(st.integers(0, 5)) == 0)]:
+        wrong_kind = draw(st.integers(0, 4)) == 0
+        fields[name] = draw(JSON_VALUE if wrong_kind else STRUCTURED_VALUES[name])
+    return fields
+
+
+@settings(FUZZ, max_examples=100)
+@given(fields=structured_fields(), chat=st.booleans(), stream=st.booleans())
+def test_any_structured_output_fields_over_http_get_200_or_a_clear_400(tiny_server, fields, chat, stream):
+    """response_format, regex and ebnf of any value and type: a 200 whose choice ends normally, or a 400
+    with OpenAI's error body; a 200 stream carries no error event; the server stays usable."""
+    route, prompt = (
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+        if chat
+        else ("completions", {"prompt": "Hi"})
+    )
+    body = {"model": tiny_server.model, "max_tokens": 4, "stream": stream, **prompt, **fields}
+    r = httpx.post(f"{tiny_server.url}/{route}", json=body, timeout=60)
+    assert r.status_code in (200, 400), (r.status_code, r.text[:300], fields)
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        event(f"400 on {error['param']}")
+    elif stream:
+        assert '"error"' not in r.text and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+        event("200 streamed")
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text[:300]
+        event("200")
+    assert _http_normal(tiny_server) == tiny_server.normal

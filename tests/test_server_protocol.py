@@ -269,7 +269,7 @@ def test_n_out_of_range_and_seed_overflow_are_400():
         ("completion", "suffix", " end"),
         ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("chat", "tool_choice", "auto"),
-        ("chat", "response_format", {"type": "json_object"}),
+        ("chat", "prediction", {"type": "content", "content": "x"}),
         ("chat", "modalities", ["text", "audio"]),
         ("chat", "reasoning_effort", "low"),
         ("chat", "store", True),

@@ -28,6 +28,7 @@ from torch._dynamo.decorators import mark_unbacked
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.token_mask import apply_token_mask
 
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)
 TOP_K_ALL = 2**62
@@ -214,6 +215,9 @@ class BatchSamplingArgs:
     bias_values: torch.Tensor | None = None
     # presence, frequency and repetition penalties: None when no request of the batch has one
     penalties: PenaltyArgs | None = None
+    # structured output: (B, ceil(V / 32)) int32 packed allowed tokens, on the device (every bit set in
+    # the rows of requests without a grammar); None when no request of the batch has one
+    token_mask: torch.Tensor | None = None
     # log probabilities: None when no request of the batch asks for any in this forward
     logprobs: LogprobArgs | None = None
 
@@ -440,16 +444,20 @@ class Sampler:
         """Next token ids, int32 of shape (B,), on the device of ``logits``.
 
         ``logits`` is (B, V) with V >= ``vocab_size``; columns past ``vocab_size`` (padding) are
-        ignored. Rows with temperature 0 take the argmax of the logits. The other rows draw from
-        ``softmax(logits / T)`` restricted to the tokens that every active filter keeps, each filter
-        judged on the unfiltered weights (`keep_mask`). Nothing here syncs with the host.
+        ignored. The transforms, in order: the structured-output mask (`token_mask`), logit_bias, the
+        penalties, the suppressed tokens (min_tokens); then rows with temperature 0 take the argmax of
+        the logits and the other rows draw from ``softmax(logits / T)`` restricted to the tokens that
+        every active filter keeps, each filter judged on the unfiltered weights (`keep_mask`). Nothing
+        here syncs with the host.
         """
         if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be (batch, >= vocab_size={self.vocab_size}), got shape {tuple(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
-        if args.bias_ids is not None:  # logit_bias first; padding (-1) goes to an extra column
+        if args.token_mask is not None:  # structured output first: what follows sees the masked logits
+            logits = apply_token_mask(logits, args.token_mask)
+        if args.bias_ids is not None:  # then logit_bias; padding (-1) goes to an extra column
             ids = torch.where(args.bias_ids < 0, self.vocab_size, args.bias_ids)
             logits = torch.cat(
                 [logits.float(), logits.new_zeros(logits.shape[0], 1, dtype=torch.float32)], dim=1

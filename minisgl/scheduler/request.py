@@ -8,6 +8,7 @@ from typing import Literal
 
 from minisgl.core import Req, SamplingParams, TokenLogprob
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
+from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.stops import StopScanner
 
 # "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`;
@@ -35,6 +36,7 @@ class RequestState:
     text: str = ""  # text so far (complete once finished)
     emitted_len: int = 0  # characters of `text` already handed out by `Update`s
     stops: StopScanner | None = None  # where the search for its stop strings stands in `text`
+    grammar: GrammarState | None = None  # structured output: its matcher (`minisgl.scheduler.grammar`)
     # with SamplingParams.logprobs: one entry per output token; with prompt_logprobs: one per prompt
     # token, None for the first (nothing scores it), filled as the prefill's chunks run
     logprobs: list[TokenLogprob] | None = None

@@ -45,6 +45,12 @@ wastes nothing. A request preempted while its token is in flight loses that toke
 forward is read, recomputed after its re-admission); freeing its pages and table_idx at once is safe
 as an abort's is: the device runs the forwards in order.
 
+Structured output (`minisgl.scheduler.grammar`, docs/structured-output.md) turns overlap off for the
+steps that need it: a constrained request's token mask for step N+1 depends on its token of step N, so a
+step that launched a forward with a constrained request reads that forward's tokens before it returns
+(the next step prepares its masks from them). Batches without a constrained request keep overlapping;
+a constrained request is therefore never in flight when it is preempted or aborted.
+
 `Scheduler(record_steps=N)` (or setting `scheduler.record_steps = N` later) keeps a `StepRecord` of each
 of the last N forwards in `scheduler.step_records`: phase, mode, sizes, host and device times.
 
@@ -80,6 +86,7 @@ from minisgl.engine.sample import BatchSamplingArgs, LogprobArgs
 from minisgl.kvcache import RadixCache
 from minisgl.kvcache.radix import Match
 from minisgl.scheduler.config import CACHE_TYPES
+from minisgl.scheduler.grammar import Grammars, has_grammar
 from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
@@ -125,12 +132,15 @@ class Scheduler:
         record_steps: int = 0,
         link: Leader | Follower | None = None,
         cache_type: str = "radix",
+        grammar_tokenizer: Any = None,
     ) -> None:
         """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off).
         `model_name` labels the metrics (default: the model folder's name). `link`: under tensor
         parallelism, this rank's side of the lockstep (`minisgl.scheduler.lockstep`): rank 0 leads,
         the others follow (they take requests and finishes from rank 0 only). `cache_type`: 'radix'
-        (a prefix cache over the KV pages, docs/prefix-cache.md) or 'naive' (every prompt computed)."""
+        (a prefix cache over the KV pages, docs/prefix-cache.md) or 'naive' (every prompt computed).
+        `grammar_tokenizer`: the tokenizer structured output compiles its grammars against (default:
+        `tokenizer`; `LLM(detokenize=False)` gives one without detokenizing)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
         if cache_type not in CACHE_TYPES:
@@ -146,6 +156,12 @@ class Scheduler:
         vocab = engine.config.model_config.vocab_size
         self.prompt_logprob_chunk = max(16, PROMPT_LOGPROB_BYTES // (12 * vocab))
         self.output = OutputProcessor(tokenizer, eos_token_ids)
+        self.grammars = Grammars(
+            tokenizer if grammar_tokenizer is None else grammar_tokenizer,
+            engine.config.model_config.vocab_size,
+            eos_token_ids,
+            tensor_parallel=link is not None,
+        )
         self.metrics = SchedulerMetrics(model_name or Path(engine.config.model_path).name)
         self.overlap = overlap is not False  # None: on (the overlap_scheduling setting)
         self.link = link
@@ -220,6 +236,7 @@ class Scheduler:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         self.prep.check_request(prompt_ids, params)
         self.output.check(params, stream, self.engine.config.model_config.vocab_size)
+        self.grammars.check(params)
 
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, stream: bool = False
@@ -234,6 +251,7 @@ class Scheduler:
             # drawn here, once: the tokens are a function of (seed, position), the same on every rank
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         state = self._queue(prompt, params, self.output.detokenizer(params, stream))
+        state.grammar = self.grammars.new_state(params)
         if self.link is not None:
             self.link.added(state)
         return state
@@ -397,6 +415,10 @@ class Scheduler:
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
+            updates += self._collect(launched)
+        if self._in_flight is not None and has_grammar(self._in_flight.states):
+            # structured output: the next step's token masks need this forward's tokens
+            launched, self._in_flight = self._in_flight, None
             updates += self._collect(launched)
         # nothing ran, nothing runs: nobody may be stuck (a following rank waits for rank 0's verdict)
         if not states and self._in_flight is None and not self.follows:
@@ -575,6 +597,7 @@ class Scheduler:
         args.suppress = self.output.suppressed(
             states, self.engine.config.model_config.vocab_size, self.engine.device
         )
+        args.token_mask = self.grammars.token_mask(states, self.engine.device)
         return batch, args
 
     def _forward(
@@ -681,6 +704,8 @@ class Scheduler:
         if state.params.max_tokens == 0:  # the prompt was all it asked for (scored): no output token
             self._finish(state, "length", now)
             return Update(state, [], "", True, None, prompt_logprobs)
+        if state.grammar is not None:  # raises when the grammar refuses it: the request fails alone
+            state.grammar.accept(token)
         state.req.input_ids.append(token)
         state.output_ids.append(token)
         self.metrics.token(state, now)

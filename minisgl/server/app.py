@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 from minisgl.core import SamplingParams, TokenLogprob
 from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
+from minisgl.scheduler.grammar import Grammars
 from minisgl.scheduler.stops import StopScanner, stop_strings
 from minisgl.server import protocol
 from minisgl.server.connections import (
@@ -508,6 +509,8 @@ class ServerState:
         self.encoder: Any = None  # the model's tokenizer, for its chat template (None: the model has none)
         self.tokenizers: TokenizerPool | None = None  # where prompts are tokenized
         self.decoder: Any = None  # tokenizer used on the event loop (detokenizing)
+        self.grammars: Grammars | None = None  # structured output's grammars, checked before queueing
+        self.tp_size = settings.tp_size
         self._token_texts: TokenTexts | None = None
         self.outstanding = 0  # choices admitted by the front end and not finished
         self.body_bytes = 0  # bytes of request bodies being read now
@@ -543,6 +546,10 @@ class ServerState:
             self.tokenizers = TokenizerPool(path, workers)
             await self.tokenizers.warm(info["max_context"])
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
+        # structured output's check before a request is sent on (compiles lazily: nothing until used)
+        self.grammars = Grammars(
+            self.encoder, info["vocab_size"], info["eos_token_ids"], tensor_parallel=self.tp_size > 1
+        )
         self.limits = replace(self.limits, max_context=info["max_context"])
         self.delivery = HotHistogram(
             "minisgl_token_delivery_seconds",
@@ -847,6 +854,11 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         del raw, args
         prompt_ids = await _prompt_ids(state, req, kind)
         params = protocol.sampling_params(req, len(prompt_ids), state.client.info["max_context"])
+        if params[0].grammar is not None:  # compiled here first (off the event loop): a 400, never a stream
+            try:
+                await asyncio.to_thread(state.grammars.check, params[0])
+            except ValueError as e:
+                raise protocol.invalid_request(e) from None
         if params[0].stop and state.decoder is None:
             raise APIError(
                 "stop strings need a tokenizer; this model has none: use stop_token_ids", param="stop"

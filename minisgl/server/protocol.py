@@ -36,6 +36,9 @@ The request's fields onto `minisgl.core.SamplingParams`:
   vocabulary, checked by the scheduler).
 - ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (extra,
   in (0, 10]) -> the same fields.
+- ``response_format`` (both endpoints; ``text``, ``json_object``, ``json_schema``) and ``regex``,
+  ``ebnf`` (extra, SGLang's) -> ``json_object``, ``json_schema``, ``regex``, ``ebnf``
+  (``minisgl.server.structured``; docs/structured-output.md).
 - Log probabilities (of the model's own distribution, before logit_bias, penalties and temperature):
   completions ``logprobs`` k (0 to 20) -> ``logprobs`` k, and with ``echo`` also ``prompt_logprobs`` k
   (``echo`` puts the prompt before the text; with it ``max_tokens`` may be 0, to score a prompt); chat
@@ -85,6 +88,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from minisgl.core import INT64_MAX, MAX_LOGPROBS, SamplingParams
+from minisgl.server.structured import GRAMMAR_PARAMS, ResponseFormat, StructuredOutputError, grammar_fields
 from minisgl.templates import check_template_kwargs
 
 MAX_N = 128  # choices per request
@@ -137,9 +141,8 @@ def invalid_request(exc: Exception, aliases: Mapping[str, str] | None = None) ->
     message = str(exc)
     first = message.split(" ", 1)[0]
     param = first if first in _SAMPLING_FIELDS else None
-    if param is not None and aliases:
-        param = aliases.get(param, param)
-    return APIError(message, param=param)
+    aliases = {**GRAMMAR_PARAMS, **(aliases or {})}  # structured output: the request's own field names
+    return APIError(message, param=param and aliases.get(param, param))
 
 
 MAX_DEPTH = 64  # nesting of arrays and objects in a request body (OpenAI's bodies need a handful)
@@ -407,6 +410,10 @@ class _GenerationRequest(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # the engines' extra field (transformers' definition)
     return_token_ids: bool | None = None
+    # structured output (minisgl.server.structured): OpenAI's response_format, SGLang's regex and ebnf
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # metadata: checked, then ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -490,7 +497,6 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v is None or v == "none",
     "functions": _is_empty,
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": _is_none,
     "prediction": _is_none,
@@ -647,6 +653,10 @@ def sampling_params(
         **_logprob_params(request),
     }
     temperature = 1.0 if request.temperature is None else request.temperature
+    try:
+        given.update(grammar_fields(request.response_format, request.regex, request.ebnf))
+    except StructuredOutputError as e:
+        raise APIError(str(e), param=e.param) from None
     try:
         params = SamplingParams(
             temperature=temperature,

@@ -1,0 +1,276 @@
+"""Structured output through xgrammar (docs/structured-output.md): a request's grammar (a JSON schema, any
+JSON object, a regex or an EBNF grammar: `SamplingParams.grammar`) is compiled once per distinct grammar
+against the model's tokenizer; each constrained request has a matcher (`GrammarState`, in its
+`RequestState`) that accepts each of its output tokens as the scheduler processes it and fills the
+request's row of the step's token mask (`Grammars.token_mask`), which the sampler applies to the
+logits first (`minisgl.engine.token_mask`).
+
+- Compiled when the request is checked (`Grammars.check`, from `Scheduler.check_request`; the server's
+  front end checks with a `Grammars` of its own first), so an invalid grammar raises a ValueError naming
+  its field before anything is queued. An LRU cache keeps the last `GRAMMAR_CACHE_SIZE` distinct
+  grammars (and the errors of invalid ones); xgrammar's own cache is off. xgrammar is imported, and the
+  tokenizer's vocabulary read, at the first grammar only.
+- JSON is generated without free whitespace (xgrammar's ``any_whitespace=False``: ``", "`` and ``": "``
+  between items, nothing else), so that a small model cannot loop on blanks; properties come in the
+  schema's order and only those the schema names (xgrammar's strict mode).
+- The tokenizer's special tokens (other than EOS) are never allowed; EOS only where the grammar may end.
+- Until a request has min_tokens tokens its EOS and stop_token_ids are held back (as without a grammar):
+  a grammar that can then only end leaves no token to draw, and the request finishes with "error".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.engine.token_mask import BITS, mask_words
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 128  # distinct compiled grammars kept (least recently used out first)
+JSON_OBJECT_SCHEMA = '{"type":"object"}'  # json_object: any JSON object
+# from this many constrained rows on, their masks are filled by xgrammar's threads (when it has two or
+# more: `threads`); else one after the other in the scheduler's own thread
+BATCH_FILL_ROWS = 4
+# "[12:00:00] /project/cpp/regex_converter.cc:94: " before xgrammar's own words
+_XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def threads(half: bool = False) -> int:
+    """xgrammar's threads: the host's cores (half of them to fill masks, as xgrammar's "auto"), 1 to 8."""
+    cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2 if half else cores))
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its time and source location, on one line."""
+    text = " ".join(str(error).split("\n"))
+    return _XGRAMMAR_PREFIX.sub("", text).strip() or type(error).__name__
+
+
+def _invalid(field: str, error: Exception) -> str:
+    what = {"json_schema": "a JSON schema", "regex": "a regex", "ebnf": "an EBNF grammar"}.get(field, field)
+    return f"{field} is not {what} xgrammar can compile: {_reason(error)}"
+
+
+class GrammarState:
+    """One constrained request's matcher: its state after the output tokens processed so far (kept
+    across a preemption, since the tokens are). `dead`: why no token may follow (set by
+    `Grammars.token_mask`; the token that forward samples finishes the request with "error")."""
+
+    __slots__ = ("matcher", "field", "dead")
+
+    def __init__(self, matcher: Any, field: str) -> None:
+        self.matcher = matcher
+        self.field = field
+        self.dead: str | None = None
+
+    def accept(self, token: int) -> None:
+        """Advances the matcher by one output token; a ValueError when the grammar allows none here or
+        refuses this one (the request then finishes with "error")."""
+        if self.dead is not None:
+            raise ValueError(self.dead)
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} does not continue the output allowed by its {self.field}")
+
+
+def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int]) -> Any:
+    """xgrammar's view of the vocabulary: the model's `vocab_size` tokens, `stop_ids` (EOS) as its stop
+    tokens, and the tokenizer's other special tokens blanked (xgrammar never allows an empty token, and
+    would otherwise take ``<|im_start|>`` as text)."""
+    stops = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+    vocab = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if 0 <= index < vocab_size:
+            vocab[index] = token
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special)
+    for index in special - set(stops):
+        if 0 <= index < vocab_size:
+            vocab[index] = ""
+    return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, base.dump_metadata())
+
+
+class Grammars:
+    """The scheduler's structured output: compiles and caches grammars, makes each constrained request's
+    `GrammarState` and fills the token mask of each batch that has one (see the module docstring).
+    `tokenizer`: the model's (a Hugging Face tokenizer; None: grammars are refused); `vocab_size`: the
+    model's; `eos_token_ids`: the engine's, the grammars' stop tokens; `tensor_parallel`: the engine runs
+    over several ranks (grammars are refused: the following ranks have no tokenizer)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+        tensor_parallel: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tensor_parallel = tensor_parallel
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.cache_size = cache_size
+        self.words = mask_words(vocab_size)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled grammar or error str
+        self._compiler: Any = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first large batch
+        self._lock = threading.Lock()  # the server's front end checks from several threads
+        self.compiled = 0  # grammars compiled so far (cache misses)
+
+    def check(self, params: SamplingParams) -> None:
+        """Raises a ValueError naming the field if the request's grammar cannot be used: compiles it
+        (or finds it in the cache), and makes sure its first token has a choice (a grammar whose
+        language is empty, or holds only the empty text while min_tokens asks for more, has none)."""
+        grammar = params.grammar
+        if grammar is None:
+            return
+        field = grammar[0]
+        if self.tensor_parallel:
+            raise ValueError(
+                f"{field}: structured output is not supported under tensor parallelism (tp_size > 1) yet; "
+                "run the model on one GPU for it"
+            )
+        import xgrammar as xgr
+
+        row = torch.empty((1, self.words), dtype=torch.int32)
+        xgr.GrammarMatcher(self._compiled(*grammar)).fill_next_token_bitmask(row, 0)
+        self._clear_tail(row)
+        if not row.any():
+            raise ValueError(
+                f"{field} allows no output at all: no text of this vocabulary is in its language"
+            )
+        if params.min_tokens > 0:
+            self._clear(row[0], self._held_back(params))
+            if not row.any():
+                raise ValueError(
+                    f"{field} allows only the empty output, and min_tokens={params.min_tokens} holds its end "
+                    "back: no token could be drawn; lower min_tokens"
+                )
+
+    def new_state(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh matcher for a request (None without a grammar); after `check`."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        import xgrammar as xgr
+
+        return GrammarState(xgr.GrammarMatcher(self._compiled(*grammar)), grammar[0])
+
+    def _compiled(self, field: str, text: str) -> Any:
+        with self._lock:
+            return self._compiled_locked(field, text)
+
+    def _compiled_locked(self, field: str, text: str) -> Any:
+        key = (field, text)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(field, text)
+            self._cache[key] = entry
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(entry, str):
+            raise ValueError(entry)
+        return entry
+
+    def _compile(self, field: str, text: str) -> Any:
+        """The compiled grammar, or the error message of an invalid one (cached as well)."""
+        compiler = self._get_compiler(field)
+        self.compiled += 1
+        try:
+            if field == "json_schema":
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if field == "json_object":
+                return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
+            if field == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError, ValueError, its own errors...
+            return _invalid(field, e)
+
+    def _get_compiler(self, field: str) -> Any:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError(f"{field} needs the model's tokenizer, and this model folder has none")
+            import xgrammar as xgr
+
+            info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=threads(), cache_enabled=False)
+            logger.info("structured output: xgrammar compiler ready (%d tokens)", self.vocab_size)
+        return self._compiler
+
+    def token_mask(self, states: Sequence[Any], device: torch.device) -> torch.Tensor | None:
+        """The token mask of a batch (`states`: its `RequestState`s), (B, words) int32 packed bits
+        copied to `device` without blocking, or None when no request of the batch has a grammar
+        (nothing is made). Rows of requests without a grammar, and of prefill chunks whose token is
+        dropped, allow every token. A request whose grammar allows no token here (min_tokens holds back
+        the end it has reached: see the module docstring) is marked `dead` and its row allows every
+        token: its token finishes it with "error" when processed."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.req.is_partial]
+        if not rows:
+            return None
+        mask = torch.empty((len(states), self.words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        if len(rows) < len(states):  # written through numpy: torch's intra-op threads stay out of it
+            constrained = set(rows)
+            mask.numpy()[[i for i in range(len(states)) if i not in constrained]] = -1
+        matchers = [states[i].grammar.matcher for i in rows]
+        if len(rows) >= BATCH_FILL_ROWS and threads(half=True) > 1:  # one thread: no hand-off to a pool
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(threads(half=True))
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        else:
+            for i, matcher in zip(rows, matchers):
+                matcher.fill_next_token_bitmask(mask, i)
+        self._clear_tail(mask)
+        for i in rows:
+            state = states[i]
+            # a matcher always allows a token (the end, at least): only min_tokens can take them all
+            if state.req.device_len - len(state.prompt_ids) < state.params.min_tokens:
+                self._clear(mask[i], self._held_back(state.params))
+                if not mask[i].any():
+                    mask[i] = -1
+                    state.grammar.dead = self._dead_message(state)
+        return mask.to(device, non_blocking=True)
+
+    def _clear_tail(self, mask: torch.Tensor) -> None:
+        """Clears the bits past the vocabulary in the last word of each row (they never count)."""
+        tail = self.vocab_size % BITS
+        if tail:
+            mask[:, -1] &= (1 << tail) - 1
+
+    def _held_back(self, params: SamplingParams) -> set[int]:
+        """The tokens min_tokens holds back: EOS and the stop tokens (as `OutputProcessor.suppressed`)."""
+        return {t for t in self.eos_token_ids | set(params.stop_token_ids) if 0 <= t < self.vocab_size}
+
+    @staticmethod
+    def _clear(row: torch.Tensor, tokens: Iterable[int]) -> None:
+        """Clears the bits of `tokens` in one packed int32 row."""
+        for token in tokens:
+            bit = token % BITS
+            row[token // BITS] &= ~(1 << bit) if bit < BITS - 1 else (1 << (BITS - 1)) - 1
+
+    @staticmethod
+    def _dead_message(state: Any) -> str:
+        done = state.req.device_len - len(state.prompt_ids)
+        return (
+            f"its {state.grammar.field} allows no token after {done} tokens but the end, which "
+            f"min_tokens={state.params.min_tokens} holds back (EOS and stop_token_ids); lower min_tokens"
+        )
+
+
+def has_grammar(states: Iterable[Any]) -> bool:
+    """Whether any of `states` is constrained."""
+    return any(state.grammar is not None for state in states)

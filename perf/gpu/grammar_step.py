@@ -1,0 +1,143 @@
+"""A decode step with structured output on the GPU: 64 requests constrained by one JSON schema against the
+same 64 requests unconstrained (goal: the constrained step at most 1.25x the unconstrained one).
+
+    python -m perf.gpu.grammar_step [--model PATH] [--batch 64] [--steps 32] [--dtype bfloat16]
+
+The model needs a tokenizer (structured output compiles its grammars against it): the embedded
+SmolLM2-135M-Instruct by default, or any local folder with one (the dummy-weight presets have none).
+Each variant queues the batch, runs until every request decodes, then times `--steps` scheduler steps
+of the whole batch back to back (wall clock, the device synchronized at both ends) and aborts the
+requests; three runs of each, alternating, and the median. The
+unconstrained steps overlap (the default); the constrained ones cannot (docs/structured-output.md), so
+the difference is the mask's device work (`apply_token_mask`, timed alone) plus the host work no longer
+hidden behind the forward: filling the 64 masks (`Grammars.token_mask`, timed alone), accepting the
+tokens, and the step's own scheduling. A plain script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.engine.token_mask import apply_token_mask
+from minisgl.llm import LLM
+
+# a long string keeps every request decoding through the timed steps (at least ~100 tokens each)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "story": {"type": "string", "minLength": 600, "maxLength": 900},
+    },
+    "required": ["title", "year", "story"],
+}
+GOAL = 1.25
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int) -> float:
+    """Seconds a scheduler step once all of `prompts` decode: `steps` steps back to back, the device
+    synchronized before the first and after the last (so overlap scheduling keeps its overlap), divided
+    by their number. Then the requests are aborted."""
+    sched, device = llm.scheduler, llm.engine.device
+    states = [sched.add_request(p, params) for p in prompts]
+    for _ in range(1000):  # prefill (in chunks), then a few decode steps to settle
+        sched.step()
+        if all(s.prefilled for s in states) and all(len(s.output_ids) >= 4 for s in states):
+            break
+    assert all(s.prefilled and not s.finished for s in states), "the batch did not reach its decode steps"
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    _sync(device)
+    seconds = (time.perf_counter() - started) / steps
+    assert not any(s.finished for s in states), "a request finished during the timed steps: raise minLength"
+    for state in states:
+        sched.abort(state)
+    while sched.has_work():
+        sched.step()
+    return seconds
+
+
+def mask_costs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
+    """(host ms to fill the batch's masks, device ms to apply them to (B, V) logits), medians."""
+    sched, device = llm.scheduler, llm.engine.device
+    states = [sched.add_request(p, params) for p in prompts]
+    while not all(s.prefilled and len(s.output_ids) >= 4 for s in states):
+        sched.step()
+    saved = [s.req.device_len for s in states]
+    for state in states:  # as a decode batch prepares them: each computes its last token
+        state.req.device_len = len(state.req.input_ids)
+    fills = []
+    for _ in range(50):
+        started = time.perf_counter()
+        mask = sched.grammars.token_mask(states, device)
+        fills.append(time.perf_counter() - started)
+    assert mask is not None
+    for state, device_len in zip(states, saved):
+        state.req.device_len = device_len
+        sched.abort(state)
+    while sched.has_work():
+        sched.step()
+    vocab = llm.engine.config.model_config.vocab_size
+    logits = torch.randn(len(states), vocab, device=device)
+    for _ in range(3):
+        apply_token_mask(logits, mask)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(50):
+        apply_token_mask(logits, mask)
+    _sync(device)
+    return statistics.median(fills) * 1e3, (time.perf_counter() - started) / 50 * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a folder with a tokenizer (default: SmolLM2-135M)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_running_req=args.batch)
+    try:
+        prompts = [
+            llm.chat_prompt(
+                [{"role": "user", "content": f"Write story number {i} about a lighthouse as JSON."}]
+            )
+            for i in range(args.batch)
+        ]
+        free = SamplingParams(max_tokens=400, ignore_eos=True)
+        constrained = SamplingParams(json_schema=SCHEMA, max_tokens=400)
+        time_steps(llm, prompts, free, 4)  # warm-up: graphs, compiled paths, the grammar's compile
+        time_steps(llm, prompts, constrained, 4)
+        results = {"unconstrained": [], "json_schema": []}
+        for _ in range(3):  # alternating, the median of three
+            for name, params in (("unconstrained", free), ("json_schema", constrained)):
+                results[name].append(time_steps(llm, prompts, params, args.steps) * 1e3)
+        results = {name: statistics.median(ms) for name, ms in results.items()}
+        fill_ms, apply_ms = mask_costs(llm, prompts, constrained)
+        ratio = results["json_schema"] / results["unconstrained"]
+        print(f"{args.batch} requests, {llm.model_name}, {args.dtype}, {llm.engine.device}")
+        for name, ms in results.items():
+            print(f"  {name:>14}: {ms:7.3f} ms a decode step ({args.steps} steps, median of 3 runs)")
+        print(f"  ratio {ratio:.3f}x (goal <= {GOAL}x: {'met' if ratio <= GOAL else 'NOT met'})")
+        print(
+            f"  of which: filling the {args.batch} masks {fill_ms:.3f} ms (host), applying them {apply_ms:.3f} ms"
+        )
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,520 @@
+"""Structured output (issue 29, parts 3 and 5): JSON schemas, any JSON object, regexes and EBNF grammars
+through xgrammar, on the real default model (SmolLM2-135M-Instruct, float32 on the CPU). Every output
+is checked against what was asked: parsed and validated by `jsonschema`, matched by `re.fullmatch`, or
+read by a hand-written checker; an output cut by max_tokens fails the test. Then: the mask leaves the
+free requests of a mixed batch their own tokens (overlap scheduling on and off), a preempted constrained
+request resumes where it stopped, EOS comes only where the grammar ends, errors name the field before
+anything is queued (LLM) or in a 400 (server), and plain generation never imports xgrammar."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx2 as httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from conftest import llm_clean
+from test_server import MODEL, Server
+
+from minisgl.core import SamplingParams
+from minisgl.engine.token_mask import apply_token_mask, unpack_mask
+from minisgl.llm import LLM
+from minisgl.scheduler.grammar import Grammars
+
+MAX_TOKENS = 96  # each output below needs far fewer: one that hits it fails its test
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
+SCHEMAS = {
+    "person": PERSON,
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "tags": {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": 8},
+                        "minItems": 1,
+                        "maxItems": 3,
+                    },
+                },
+                "required": ["id", "tags"],
+            }
+        },
+        "required": ["user"],
+    },
+    "enums": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+            "in_stock": {"type": "boolean"},
+        },
+        "required": ["color", "size", "in_stock"],
+    },
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+        "required": ["code"],
+    },
+    "array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+}
+QUESTIONS = {
+    "person": "Describe a person as JSON with a name and an age.",
+    "nested": "Give a user record as JSON: an id and a few tags.",
+    "enums": "Describe a T-shirt in stock as JSON.",
+    "pattern": "Give a product code as JSON.",
+    "array": "List a few small numbers as a JSON array.",
+}
+DATE = r"\d{4}-\d{2}-\d{2}"
+ANSWER = r"(yes|no), [a-z]{2,10}\."
+FRUITS = 'root ::= item (", " item){0,2}\nitem ::= ("apple" | "pear" | "plum") " x" [1-9]'
+FRUIT_RE = re.compile(r"(apple|pear|plum) x[1-9](, (apple|pear|plum) x[1-9]){0,2}")
+
+
+def chat(llm: LLM, question: str) -> list[int]:
+    return llm.chat_prompt([{"role": "user", "content": question}])
+
+
+def finished(out) -> str:
+    """The output's text, after checking that the grammar ended it (EOS), not max_tokens or an error."""
+    assert out.finish_reason == "stop", (out.finish_reason, out.error, out.text)
+    return out.text
+
+
+def is_fruit_list(text: str) -> bool:
+    """The language of FRUITS, read by hand: 1 to 3 items "<fruit> x<digit 1-9>" joined by ", "."""
+    items = text.split(", ")
+    return 1 <= len(items) <= 3 and all(
+        len(item.split(" x")) == 2
+        and item.split(" x")[0] in ("apple", "pear", "plum")
+        and len(item.split(" x")[1]) == 1
+        and item.split(" x")[1] in "123456789"
+        for item in items
+    )
+
+
+@pytest.fixture(scope="module")
+def no_overlap(smollm2_path):
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8, overlap_scheduling=False)
+    yield llm
+    llm.shutdown()
+
+
+def test_every_output_validates_under_its_json_schema(llm32) -> None:
+    names = list(SCHEMAS)
+    prompts = [chat(llm32, QUESTIONS[n]) for n in names] * 2
+    params = [SamplingParams(json_schema=SCHEMAS[n], max_tokens=MAX_TOKENS) for n in names] + [
+        SamplingParams(json_schema=SCHEMAS[n], max_tokens=MAX_TOKENS, temperature=0.9, seed=i)
+        for i, n in enumerate(names)
+    ]
+    outputs = llm32.generate(prompts, params)
+    for name, out in zip(names * 2, outputs):
+        value = json.loads(finished(out))
+        jsonschema.validate(value, SCHEMAS[name])
+        assert out.token_ids[-1] in llm32.scheduler.output.eos_token_ids  # the grammar's end, then EOS
+    llm_clean(llm32)
+
+
+def test_json_object_outputs_are_json_objects(llm32) -> None:
+    prompts = [chat(llm32, "Give a tiny JSON object with one key."), "A JSON object:"]
+    params = [
+        SamplingParams(json_object=True, max_tokens=MAX_TOKENS),
+        SamplingParams(json_object=True, max_tokens=MAX_TOKENS, temperature=0.8, seed=5),
+    ]
+    for out in llm32.generate(prompts, params):
+        assert isinstance(json.loads(finished(out)), dict)
+
+
+def test_regex_and_ebnf_outputs_are_in_their_languages(llm32) -> None:
+    prompts = [
+        chat(llm32, "When was the Eiffel Tower finished? Give the date."),
+        chat(llm32, "Is the sky blue? Answer yes or no and one word why."),
+        chat(llm32, "List some fruit with counts."),
+        chat(llm32, "What fruit do you have?"),
+    ]
+    params = [
+        SamplingParams(regex=DATE, max_tokens=MAX_TOKENS),
+        SamplingParams(regex=ANSWER, max_tokens=MAX_TOKENS, temperature=1.0, seed=2),
+        SamplingParams(ebnf=FRUITS, max_tokens=MAX_TOKENS),
+        SamplingParams(ebnf=FRUITS, max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=4),
+    ]
+    date, answer, *fruits = [finished(out) for out in llm32.generate(prompts, params)]
+    assert re.fullmatch(DATE, date) and re.fullmatch(ANSWER, answer)
+    for text in fruits:
+        assert is_fruit_list(text) and FRUIT_RE.fullmatch(text), text
+    assert not is_fruit_list("apple x0") and not is_fruit_list("apple x1, pear x2, plum x3, apple x4")
+
+
+@pytest.mark.parametrize("which", ["overlap", "no_overlap"])
+def test_a_mixed_batch_gives_every_request_the_tokens_it_gets_alone(which, llm32, no_overlap) -> None:
+    llm = llm32 if which == "overlap" else no_overlap
+    assert llm.scheduler.overlap == (which == "overlap")
+    prompts = [
+        chat(llm, QUESTIONS["person"]),
+        "The capital of France is",
+        chat(llm, "Give the date of the moon landing."),
+        "def fibonacci(n):",
+    ]
+    params = [
+        SamplingParams(json_schema=PERSON, max_tokens=MAX_TOKENS),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(regex=DATE, max_tokens=MAX_TOKENS),
+        SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True),
+    ]
+    alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params)
+    assert [out.token_ids for out in together] == alone
+    jsonschema.validate(json.loads(finished(together[0])), PERSON)
+    assert re.fullmatch(DATE, finished(together[2]))
+    llm_clean(llm)
+
+
+def test_a_batch_without_a_grammar_gets_no_mask_and_plain_generation_no_xgrammar(llm32, tmp_path) -> None:
+    from minisgl.scheduler import RequestState
+
+    states = [RequestState(i, [1, 2], SamplingParams(), 0.0) for i in range(3)]
+    assert llm32.scheduler.grammars.token_mask(states, torch.device("cpu")) is None
+    code = (
+        "import sys; from minisgl.llm import LLM; from minisgl.core import SamplingParams\n"
+        "llm = LLM(device='cpu', dtype='float32', max_running_req=2)\n"
+        "out = llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True))[0]\n"
+        "assert len(out.token_ids) == 3\n"
+        "print('xgrammar' in sys.modules)\n"
+        "llm.shutdown()\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_mask_comes_before_top_k_and_the_bias(llm32) -> None:
+    """Top-k 1 of the masked logits is the masked argmax: were the mask applied after top-k, the one
+    token kept would mostly be outside the grammar and the row would have nothing left. A bias of -100
+    on the greedy reply's first token moves the reply to another token the grammar allows."""
+    prompt = chat(llm32, "Is the sky blue? Answer yes or no and one word why.")
+    greedy = llm32.generate([prompt], SamplingParams(regex=ANSWER, max_tokens=MAX_TOKENS))[0]
+    top1 = SamplingParams(regex=ANSWER, max_tokens=MAX_TOKENS, temperature=1.5, top_k=1, seed=11)
+    assert llm32.generate([prompt], top1)[0].token_ids == greedy.token_ids
+    first = greedy.token_ids[0]
+    biased = SamplingParams(regex=ANSWER, max_tokens=MAX_TOKENS, logit_bias={first: -100})
+    out = llm32.generate([prompt], biased)[0]
+    assert out.token_ids[0] != first and re.fullmatch(ANSWER, finished(out))
+
+
+def test_eos_comes_where_the_grammar_ends_and_max_tokens_still_cuts(llm32) -> None:
+    prompt = chat(llm32, "Say something.")
+    eos = llm32.scheduler.output.eos_token_ids
+    out = llm32.generate([prompt], SamplingParams(regex="ok", max_tokens=MAX_TOKENS))[0]
+    assert finished(out) == "ok" and out.token_ids[-1] in eos and not eos & set(out.token_ids[:-1])
+    # a grammar that cannot end within max_tokens: "length", with the tokens so far in the language
+    out = llm32.generate([prompt], SamplingParams(regex="[a-z]{40}", max_tokens=3))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+    assert re.fullmatch("[a-z]+", out.text) and not eos & set(out.token_ids)
+
+
+def test_min_tokens_past_the_grammars_end_fails_that_request_alone(llm32) -> None:
+    prompts = [chat(llm32, "Say something."), "The capital of France is"]
+    params = [
+        SamplingParams(regex="ok", min_tokens=5, max_tokens=MAX_TOKENS),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
+    bad, good = llm32.generate(prompts, params)
+    assert bad.finish_reason == "error" and "min_tokens=5" in bad.error and bad.text == "ok"
+    assert good.finish_reason == "length" and len(good.token_ids) == 6
+    # min_tokens the grammar can meet: EOS waits for it
+    out = llm32.generate([prompts[0]], SamplingParams(regex="[a-z]{1,20}", min_tokens=3, max_tokens=30))[0]
+    assert len(out.token_ids) >= 4 and re.fullmatch("[a-z]{1,20}", finished(out))
+    llm_clean(llm32)
+
+
+def test_a_preempted_constrained_request_resumes_where_it_stopped(smollm2_path) -> None:
+    """Two constrained requests on a KV pool too small for both at once (24 pages of 4 tokens, no prefix
+    cache to share the chat template's pages): the scheduler preempts one, recomputes it later, and
+    both outputs equal the ones they get alone."""
+    pool = {"page_size": 4, "num_page_override": 24, "cache_type": "naive"}
+    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=4, **pool)
+    try:
+        names = ["person", "enums"]
+        prompts = [chat(llm, QUESTIONS[n]) for n in names]
+        params = [SamplingParams(json_schema=SCHEMAS[n], max_tokens=28) for n in names]
+        alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+        assert llm.scheduler.preemptions == 0
+        together = llm.generate(prompts, params)
+        assert llm.scheduler.preemptions > 0  # every running request is constrained: one of them was
+        assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+        for name, out in zip(names, together):
+            jsonschema.validate(json.loads(finished(out)), SCHEMAS[name])
+        llm_clean(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        (dict(json_schema={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json_schema"),
+        (dict(json_schema={"$ref": "#/definitions/missing"}), "json_schema"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(regex="[z-a]"), "regex"),
+        (dict(ebnf='root ::= undefined_rule "x"'), "ebnf"),
+        (dict(ebnf="not a grammar"), "ebnf"),
+    ],
+)
+def test_grammars_xgrammar_cannot_compile_raise_before_anything_is_queued(llm32, params, words) -> None:
+    good = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match=rf"^{words} is not an? .* xgrammar can compile: \S"):
+        llm32.generate(["Hello", "Hi"], [good, SamplingParams(**params)])
+    llm_clean(llm32)  # nothing was queued, not even the good request
+    with pytest.raises(ValueError, match=rf"^{words} "):  # the same error again, from the cache
+        llm32.stream("Hi", SamplingParams(**params))
+    assert llm32.generate(["Hello"], good)[0].finish_reason == "length"
+
+
+def test_a_grammar_without_a_first_token_raises_up_front(llm32) -> None:
+    """An empty language, or only the empty text while min_tokens asks for more: refused at the check
+    (a grammar that runs out later, past its end, fails its request instead: see above)."""
+    for params, words in (
+        (SamplingParams(regex=r"[^\s\S]"), r"^regex allows no output at all"),
+        (SamplingParams(ebnf=r"root ::= [^\x00-\U0010FFFF]"), r"^ebnf allows no output at all"),
+        (SamplingParams(regex="", min_tokens=1), r"^regex allows only the empty output, and min_tokens=1"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            llm32.generate(["Hi"], params)
+        llm_clean(llm32)
+    out = llm32.generate(["Hi"], SamplingParams(regex="", max_tokens=4))[0]  # the empty text: EOS at once
+    assert finished(out) == "" and len(out.token_ids) == 1
+
+
+def test_bad_structured_output_parameters_name_the_field() -> None:
+    for kwargs, words in [
+        (dict(regex="a", ebnf="root ::= 'a'"), "regex and ebnf were both given"),
+        (dict(json_schema={}, json_object=True), "json_schema and json_object"),
+        (dict(regex="a", ignore_eos=True), "regex cannot be combined with ignore_eos"),
+        (dict(json_schema="{not json"), "json_schema is not valid JSON"),
+        (dict(json_schema=[1, 2]), "json_schema must be a JSON schema"),
+        (dict(json_schema={"maximum": float("inf")}), "json_schema must hold JSON values"),
+        (dict(regex=5), "regex must be a string"),
+        (dict(json_object="yes"), "json_object must be True or False"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=words):
+            SamplingParams(**kwargs)
+    # the schema is kept as compact JSON text in the key order given: equal schemas, one cache entry
+    a = SamplingParams(json_schema={"type": "object", "properties": {"b": {}, "a": {}}})
+    b = SamplingParams(json_schema='{ "type": "object", "properties": {"b": {}, "a": {}} }')
+    assert a == b and hash(a) == hash(b) and a.grammar == ("json_schema", a.json_schema)
+    assert list(json.loads(a.json_schema)["properties"]) == ["b", "a"]
+
+
+def test_grammars_compile_once_in_a_bounded_cache(llm32) -> None:
+    vocab = llm32.engine.config.model_config.vocab_size
+    grammars = Grammars(llm32.tokenizer, vocab, llm32.scheduler.output.eos_token_ids, cache_size=2)
+    for regex in ("a+", "b+", "a+", "c+", "a+", "b+"):
+        grammars.check(SamplingParams(regex=regex))
+    # a+ b+ (hit) c+ evicts b+ (hit a+) b+ again: four compiles, two kept
+    assert grammars.compiled == 4 and len(grammars._cache) == 2
+    before = llm32.scheduler.grammars.compiled
+    params = SamplingParams(regex="(red|blue)", max_tokens=8)
+    for _ in range(2):
+        assert finished(llm32.generate([chat(llm32, "A color?")], params)[0]) in ("red", "blue")
+    assert llm32.scheduler.grammars.compiled == before + 1
+
+
+def test_no_tokenizer_or_tensor_parallelism_refuses_grammars(llm32) -> None:
+    vocab, eos = llm32.engine.config.model_config.vocab_size, [2]
+    with pytest.raises(ValueError, match="^regex needs the model's tokenizer"):
+        Grammars(None, vocab, eos).check(SamplingParams(regex="a"))
+    with pytest.raises(ValueError, match="^json_object: structured output is not supported under tensor"):
+        Grammars(llm32.tokenizer, vocab, eos, tensor_parallel=True).check(SamplingParams(json_object=True))
+    Grammars(None, vocab, eos).check(SamplingParams())  # no grammar: nothing to refuse
+
+
+def test_the_token_mask_allows_only_the_grammars_tokens(llm32) -> None:
+    """The host mask of a fresh `.*` matcher: EOS allowed (the empty text is in the language), the
+    tokenizer's other special tokens never; applied, it leaves the allowed logits as they were."""
+    from minisgl.engine import BatchPreparer
+    from minisgl.scheduler import RequestState
+
+    sched = llm32.scheduler
+    eos = sorted(sched.output.eos_token_ids)
+    vocab = llm32.engine.config.model_config.vocab_size
+    states = [RequestState(i, [1, 2, 3], SamplingParams(regex=r), 0.0) for i, r in enumerate([".*", "[0-9]"])]
+    states.append(RequestState(2, [1, 2, 3], SamplingParams(), 0.0))
+    prep = BatchPreparer(llm32.engine)
+    for state in states:
+        state.grammar = sched.grammars.new_state(state.params)
+        state.req = prep.add_request(state.prompt_ids, state.params)
+    try:
+        mask = sched.grammars.token_mask(states, torch.device("cpu"))
+    finally:
+        prep.release([s.req for s in states])
+    allowed = unpack_mask(mask, vocab)
+    special = set(llm32.tokenizer.all_special_ids) - set(eos)
+    assert allowed[0, eos].all() and not allowed[0, sorted(special)].any()
+    digits = {t for t in range(vocab) if re.fullmatch("[0-9]", llm32.tokenizer.decode([t]))}
+    assert set(allowed[1].nonzero().flatten().tolist()) == digits
+    assert allowed[2].all()  # a request without a grammar: every token
+    logits = torch.randn(3, vocab)
+    masked = apply_token_mask(logits, mask)
+    assert torch.equal(masked[allowed], logits[allowed]) and (masked[~allowed] == float("-inf")).all()
+
+
+def test_request_fields_map_onto_sampling_params() -> None:
+    from minisgl.server.protocol import parse_chat_request, parse_completion_request, sampling_params
+
+    def params(**fields) -> SamplingParams:
+        chat = parse_chat_request(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **fields}, "m"
+        )
+        completion = parse_completion_request({"model": "m", "prompt": "x", "max_tokens": 4, **fields}, "m")
+        [a], [b] = sampling_params(chat, 3, 64), sampling_params(completion, 3, 64)
+        assert a == b  # both endpoints take the same fields
+        return a
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    got = params(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert got.grammar == ("json_schema", json.dumps(schema, separators=(",", ":")))
+    assert params(response_format={"type": "json_object"}).grammar == ("json_object", "")
+    assert (
+        params(regex="a+").grammar == ("regex", "a+") and params(ebnf='root ::= "a"').ebnf == 'root ::= "a"'
+    )
+    assert params(response_format={"type": "text"}) == params()
+    assert params().grammar is None
+
+
+# ------------------------------------------------------------------------------------------------- HTTP
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--device", "cpu", "--dtype", "float32", "--max-running-req", "8")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", timeout=300, max_retries=0)
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_chat_and_completions_take_response_format_regex_and_ebnf(client, llm32) -> None:
+    messages = [{"role": "user", "content": QUESTIONS["person"]}]
+    fmt = _schema_format(PERSON)
+    request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS, response_format=fmt)
+    got = client.chat.completions.create(**request)
+    assert got.choices[0].finish_reason == "stop"
+    # the same tokens as LLM (the server runs the same float32 model)
+    want = llm32.chat(messages, SamplingParams(json_schema=PERSON, max_tokens=MAX_TOKENS))
+    assert got.choices[0].message.content == finished(want)
+    stream = client.chat.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Return {"ok": true} as JSON.'}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        response_format={"type": "json_object"},
+    )
+    assert got.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+    code = SCHEMAS["pattern"]
+    for extra, check in (
+        ({"response_format": _schema_format(code)}, lambda text: jsonschema.validate(json.loads(text), code)),
+        ({"regex": DATE}, lambda text: re.fullmatch(DATE, text) is not None),
+        ({"ebnf": FRUITS}, is_fruit_list),
+    ):
+        done = client.completions.create(
+            model=MODEL,
+            prompt="The code, the date or the fruit:",
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            extra_body=extra,
+        )
+        assert done.choices[0].finish_reason == "stop", (extra, done)
+        assert check(done.choices[0].text) is not False, (extra, done)
+    # {"type": "text"} asks for nothing: the reply of a request without it
+    plain = [
+        client.completions.create(model=MODEL, prompt="Hi", temperature=0, max_tokens=3, extra_body=extra)
+        for extra in ({"response_format": {"type": "text"}}, {})
+    ]
+    assert plain[0].choices[0].text == plain[1].choices[0].text
+
+
+BAD_REQUESTS = [
+    (
+        {"response_format": _schema_format({"type": "nonsense"})},
+        "response_format.json_schema.schema",
+        "xgrammar",
+    ),
+    ({"regex": "(unclosed"}, "regex", "xgrammar"),
+    ({"ebnf": "root ::= missing"}, "ebnf", "xgrammar"),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf", "at most one"),
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex", "at most one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+        "missing",
+    ),
+    (
+        {"response_format": {"type": "json_object", "json_schema": {"schema": {}}}},
+        "response_format.json_schema",
+        "goes with",
+    ),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+        "response_format.json_schema.schema",
+        "dict",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}},
+        "response_format.json_schema.x",
+        "unknown",
+    ),
+    ({"regex": 5}, "regex", "string"),
+    ({"regex": "a", "ignore_eos": True}, "regex", "ignore_eos"),
+    ({"regex": r"[^\s\S]"}, "regex", "allows no output at all"),
+    ({"regex": "", "min_tokens": 1}, "regex", "min_tokens=1"),
+]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_bad_structured_output_is_a_400_naming_the_field(server, route) -> None:
+    """Streamed or not: the front end reads the grammar with xgrammar before it answers anything."""
+    prompt = {"prompt": "Hi"} if route == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    for stream in (False, True):
+        for extra, param, words in BAD_REQUESTS:
+            body = {"model": MODEL, "max_tokens": 4, "stream": stream, **prompt, **extra}
+            r = httpx.post(f"{server.url}/{route}", json=body, timeout=60)
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and words in error["message"], (extra, error)
+            assert error["type"] == "invalid_request_error"
+    ok = httpx.post(f"{server.url}/{route}", json={"model": MODEL, "max_tokens": 2, **prompt}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
