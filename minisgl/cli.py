@@ -44,6 +44,10 @@ def _settings_options(command: Callable) -> Callable:
                 metavar="N",
                 help=f"{help_text} Rank 0 runs here, N-1 ranks in spawned processes.",
             )(command)
+        elif name == "dp_size":
+            command = click.option(
+                "--dp", "--dp-size", "dp_size", default=None, metavar="N", help=f"{help_text} serve only."
+            )(command)
         elif field.annotation in (bool, "bool"):
             command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
         else:
@@ -309,16 +313,18 @@ def bench(workload, temperature, seed, as_json, single_request, passes, keep_cac
 @_settings_options
 def serve(quiet: bool, **kwargs: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health, /metrics) on --host (127.0.0.1) and --port until SIGINT or SIGTERM."""
+    /v1/models, /health, /metrics; SGLang's /generate) on --host (127.0.0.1) and --port until SIGINT or
+    SIGTERM; --dp N runs N replicas behind it (docs/scale-out.md)."""
     from minisgl.server.app import serve as run_server
+    from minisgl.server.replicas import replica_settings
 
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO, format="%(message)s", stream=sys.stderr
     )
     explicit = _explicit(kwargs)
-    try:
-        EngineSettings.load(kwargs["config"], **explicit)  # bad settings fail here, before any process
-    except (SettingsError, FileNotFoundError) as e:
+    try:  # bad settings fail here, before any process
+        replica_settings(EngineSettings.load(kwargs["config"], **explicit), explicit)
+    except (SettingsError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     run_server(explicit, kwargs["config"])
 

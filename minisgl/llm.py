@@ -141,6 +141,12 @@ class LLM:
                 )
             settings = {"tp_size": launched[1], "distributed_addr": "env://", **settings}
         self.settings = EngineSettings.load(config, **settings)
+        if self.settings.dp_size != 1:
+            raise ValueError(
+                f"dp_size={self.settings.dp_size} (from {self.settings.sources()['dp_size']}): data-parallel "
+                "replicas are `minisgl-run serve --dp N`'s; an LLM is one replica (make one LLM per device, "
+                "or leave dp_size at 1)"
+            )
         self._rendezvous_dir: str | None = None
         if launched is None and self.settings.tp_size > 1 and self.settings.distributed_addr == "auto":
             # the ranks meet at a new file in a private folder: no port to collide, nothing listening

@@ -78,6 +78,12 @@ class LaunchConfig:
     tp_size: int = setting(
         1, "Tensor-parallel size: number of ranks, one GPU each (each rank's EngineConfig.tp_info).", ge=1
     )
+    dp_size: int = setting(
+        1,
+        "Data-parallel replicas of `minisgl-run serve`: N scheduler processes (each an engine, or a group "
+        "of tp_size ranks) behind one front end; replica i on GPUs i*tp_size..(i+1)*tp_size-1.",
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -106,7 +112,8 @@ class ServerConfig:
     )
     api_key: str | None = setting(
         None,
-        "Require `Authorization: Bearer KEY` on /v1/* (401 otherwise); unset = no key. Never printed.",
+        "Require `Authorization: Bearer KEY` on every route but /health and /metrics (401 otherwise); "
+        "unset = no key. Never printed.",
     )
     max_waiting_requests: int = setting(
         1024,
@@ -522,8 +529,8 @@ Every setting is one field of the config that reads it: `EngineConfig` (one engi
 tensor-parallel rank), `SchedulerConfig` (the scheduler over it) or `LaunchConfig` (how many ranks run),
 declared once with its type, default, description and bounds (`minisgl/config_fields.py` describes the
 style). The keys form one flat set, and each is spelled four ways: `key: value` in a YAML file, the
-environment variable `MINISGL_KEY`, the option `--key` of `minisgl-run` (dashes for underscores; `--model`
-and `--tp` are short for `--model-path` and `--tp-size`), and the keyword `LLM(key=...)`.
+environment variable `MINISGL_KEY`, the option `--key` of `minisgl-run` (dashes for underscores; `--model`,
+`--tp` and `--dp` are short for `--model-path`, `--tp-size` and `--dp-size`), and the keyword `LLM(key=...)`.
 
 `minisgl.settings.EngineSettings` layers them: explicit values (`LLM` keywords, `minisgl-run` options,
 `EngineSettings.load(**values)`) > `MINISGL_*` environment variables > a YAML file (`--config`,

@@ -3,7 +3,7 @@
 Bottom to top (a module may import from its own layer and the layers below it, never from above):
 
     entry        cli, __main__ (`python -m minisgl`), bench.__main__ (`python -m minisgl.bench`)
-    server       server (the OpenAI-compatible HTTP server: its protocol, later its processes)
+    server       server (the HTTP server: OpenAI protocol, SGLang native API, scheduler processes, replicas)
     bench        bench (the offline benchmark library)
     llm          llm (the LLM front end: tokenizer, scheduler, TP ranks)
     launch       launch (tensor-parallel ranks as processes; later the server's processes)

@@ -37,32 +37,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """`python -m minisgl.cli serve` in a subprocess; `url` is its /v1 base."""
+class Process:
+    """A command in a subprocess, its output in a log file; `stop` sends SIGTERM (SIGKILL after 60 s)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, preexec_fn=None) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.url = self.base + "/v1"
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"minisgl-serve-{self.port}.log", "w+")
+    def __init__(self, command: list[str], log_name: str, env=None, preexec_fn=None) -> None:
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / log_name, "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minisgl.cli", "serve", "--port", str(self.port), *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
-            preexec_fn=preexec_fn,
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
+
+    def wait_until(self, ready, timeout: float, what: str) -> None:
+        """Polls `ready()` (a transport error counts as not yet) for `timeout` s; stops the process and
+        fails if it never holds or the process exits first."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited early:\n{self.output()}"
+            assert self.proc.poll() is None, f"the process exited early:\n{self.output()}"
             try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                if ready():
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
         self.stop()
-        raise AssertionError(f"the server did not become healthy in {START_TIMEOUT_S} s:\n{self.output()}")
+        raise AssertionError(f"{what} did not happen in {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
         self.log.flush()
@@ -71,17 +68,6 @@ class Server:
 
     def children(self) -> list[int]:
         return _descendants(self.proc.pid)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.base + "/metrics", timeout=10).text
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                key = sample.name + "".join(
-                    f",{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name"
-                )
-                values[key] = sample.value
-        return values
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -93,6 +79,34 @@ class Server:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+class Server(Process):
+    """`python -m minisgl.cli serve` in a subprocess; `url` is its /v1 base."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, preexec_fn=None) -> None:
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/v1"
+        super().__init__(
+            [sys.executable, "-m", "minisgl.cli", "serve", "--port", str(self.port), *args],
+            f"minisgl-serve-{self.port}.log",
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
+            preexec_fn=preexec_fn,
+        )
+        healthy = lambda: httpx.get(self.base + "/health", timeout=2).status_code == 200  # noqa: E731
+        self.wait_until(healthy, START_TIMEOUT_S, "the server becoming healthy")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = sample.name + "".join(
+                    f",{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name"
+                )
+                values[key] = sample.value
+        return values
 
 
 def _descendants(pid: int) -> list[int]:

@@ -71,8 +71,9 @@ def test_fields_mirror_the_configs() -> None:
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     scheduler = {f.name for f in dataclasses.fields(SchedulerConfig)}
     server = {f.name for f in dataclasses.fields(ServerConfig)}
-    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | {"tp_size"} | server
-    assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size"]
+    launch = {"tp_size", "dp_size"}
+    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | launch | server
+    assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size", "dp_size"]
 
 
 @pytest.mark.parametrize("config_cls", CONFIG_CLASSES, ids=lambda cls: cls.__name__)

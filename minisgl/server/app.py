@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -43,7 +44,7 @@ from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import Grammars
 from minisgl.scheduler.stops import StopScanner, stop_strings
-from minisgl.server import protocol
+from minisgl.server import native, protocol
 from minisgl.server.connections import (
     connection_cap,
     log_limited,
@@ -52,6 +53,7 @@ from minisgl.server.connections import (
 )
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.protocol import APIError
+from minisgl.server.replicas import Replicas, replica_settings
 from minisgl.server.tokenize import PromptTooLong, TemplateFailed, TokenizerPool, default_workers
 from minisgl.server.worker import (
     decode_logprobs,
@@ -90,8 +92,12 @@ DELIVERY_BUCKETS = (
 )
 
 
-def _scheduler_entry(*args: Any) -> None:
+def _scheduler_entry(devices: str | None, *args: Any) -> None:
     set_parent_death_signal()
+    # a terminal's Ctrl-C reaches the whole process group: the front end drains, then stops this one
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if devices is not None:  # a data-parallel replica's GPUs (before anything here touches CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
     scheduler_main(*args)
 
 
@@ -123,6 +129,7 @@ class Choice:
     emitted_logprobs: int = 0  # entries of `logprobs` already handed out (streaming)
     text_offset: int = 0  # characters of the text handed out with their logprobs (streamed completions)
     hidden_last: bool = False  # its last token (EOS or a stop token) is not part of the text
+    cost: int = 0  # tokens it adds to its scheduler's load while the front end holds it (prompt + max)
 
     @property
     def finished(self) -> bool:
@@ -292,9 +299,18 @@ def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: fl
 
 class SchedulerClient:
     """The front end's side of the scheduler process: starts it, sends requests and aborts, and routes
-    each step's tokens to the choices waiting for them."""
+    each step's tokens to the choices waiting for them. `devices`: the process's CUDA_VISIBLE_DEVICES
+    (a data-parallel replica's GPUs; None: this process's)."""
 
-    def __init__(self, settings: dict[str, Any], config: str | None) -> None:
+    load_tokens = 0  # the `cost` of the choices the front end holds here: what routing compares
+
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        config: str | None,
+        devices: str | None = None,
+        name: str = "minisgl-scheduler",
+    ) -> None:
         self.settings, self.config = settings, config
         self.info: dict[str, Any] | None = None
         self.failed: str | None = None
@@ -317,8 +333,8 @@ class SchedulerClient:
         self._inbox: _Inbox | None = None
         self.proc = mp.get_context("spawn").Process(
             target=_scheduler_entry,
-            args=(dict(settings), config, inbox, outbox, os.getpid()),
-            name="minisgl-scheduler",
+            args=(devices, dict(settings), config, inbox, outbox, os.getpid()),
+            name=name,
         )
         self.proc.start()
         loop = asyncio.get_running_loop()
@@ -339,6 +355,31 @@ class SchedulerClient:
     def abort(self, rid: int) -> None:
         if self.choices.pop(rid, None) is not None:
             self._send({"op": "abort", "rid": rid})
+
+    def submit(self, choices: list[Choice], prompt: bytes, prompt_len: int) -> None:
+        """Queues the choices of one request (`add`); each costs its prompt and its max_tokens."""
+        for choice in choices:
+            choice.cost = prompt_len + choice.params.max_tokens
+            self.load_tokens += choice.cost
+            self.add(choice, prompt)
+
+    def release(self, choice: Choice, abort: bool) -> None:
+        """The front end is done with `choice` (its response ended): `abort` it in the scheduler if it
+        was still running there, and take its cost off the load."""
+        if abort:
+            self.abort(choice.rid)
+        else:
+            self.choices.pop(choice.rid, None)
+        self.load_tokens -= choice.cost
+        choice.cost = 0
+
+    def loads(self) -> list[dict[str, Any]]:
+        """`GET /get_load`'s entries (SGLang's shape): requests held and their cost in tokens."""
+        return [{"dp_rank": 0, "num_reqs": len(self.choices), "num_tokens": self.load_tokens}]
+
+    def status(self) -> dict[str, Any]:
+        """What `/health` adds to its body (a data-parallel front end lists its replicas)."""
+        return {}
 
     async def metrics(self) -> str:
         """The scheduler process's Prometheus series, as text (scrapes at the same time share one
@@ -503,7 +544,9 @@ class ServerState:
     def __init__(self, settings: Any, explicit: dict[str, Any], config: str | None) -> None:
         self.server = settings.to_server_config()
         self.explicit, self.config = explicit, config
-        self.client: SchedulerClient | None = None
+        self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
+        self.replicas = replica_settings(settings, explicit)  # per replica: settings, GPUs
+        self.client: SchedulerClient | Replicas | None = None
         self.served_model = self.server.served_model_name
         self.limits = protocol.Limits(self.server.max_stop_strings, self.server.max_stop_string_length)
         self.encoder: Any = None  # the model's tokenizer, for its chat template (None: the model has none)
@@ -526,7 +569,10 @@ class ServerState:
             self.trace = open(self.server.request_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     async def start(self) -> None:
-        self.client = self.client_class(self.explicit, self.config)
+        if self.dp_size == 1:
+            self.client = self.client_class(self.explicit, self.config)
+        else:
+            self.client = Replicas(self.replicas, self.config, self.client_class)
         self.client.on_failure = self.on_failure
         asyncio.create_task(self._when_ready())
 
@@ -657,11 +703,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         unavailable = _unavailable(state)
+        replicas = {} if state.client is None else state.client.status()  # --dp: the replicas' states
         if unavailable is None:
-            return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "ok", **replicas})
         failed = state.client is not None and state.client.failed is not None
         status = "failed" if failed else "starting" if not state.ready else "shutting down"
-        return JSONResponse({"status": status, **protocol.error_body(unavailable)}, status_code=503)
+        body = {**replicas, "status": status, **protocol.error_body(unavailable)}
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -703,10 +751,51 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(state, request, "chat")
 
+    # SGLang's native API and what its router asks workers for (minisgl/server/native.py)
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await _native_generate(state, request)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        return _answer(
+            state,
+            lambda info: native.server_info(
+                info["model_path"],
+                state.served_model,
+                state.tp_size,
+                state.dp_size,
+                info["max_running_req"],
+                info["max_context"],
+            ),
+        )
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        return _answer(state, lambda info: native.model_info(info["model_path"], state.encoder is not None))
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return _answer(state, lambda info: state.client.loads())
+
     return app
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# with an API key, these need it too (besides /v1/*): all but /health and /metrics
+KEYED_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/generate",
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_model_info",
+        "/get_load",
+    }
+)
 
 
 def _is_loopback(host: str) -> bool:
@@ -734,7 +823,7 @@ class _Guard:
       names: a DNS-rebinding page on another name gets 403);
     - no `Origin` but the allowed ones (`cors_allow_origins`; none by default): a page of another site
       gets 403, and an allowed one gets CORS headers and its preflight answered;
-    - with an API key, `Authorization: Bearer KEY` on /v1/* and /flush_cache (scheme in any case; 401);
+    - with an API key, `Authorization: Bearer KEY` on /v1/* and KEYED_PATHS (scheme in any case; 401);
     - a POST body declared `Content-Type: application/json` (415), which a browser cannot send to
       another site without a preflight."""
 
@@ -778,7 +867,7 @@ class _Guard:
         elif origin is not None and scope["method"] == "OPTIONS":  # a CORS preflight of an allowed origin
             headers = _cors_headers(origin.decode("latin-1"), True)
             return await Response(status_code=204, headers=headers)(scope, receive, send)
-        elif self.key is not None and (scope["path"].startswith("/v1/") or scope["path"] == "/flush_cache"):
+        elif self.key is not None and (scope["path"].startswith("/v1/") or scope["path"] in KEYED_PATHS):
             scheme, _, given = (auth or b"").strip().partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
                 error = (
@@ -825,6 +914,12 @@ def _with_cors(send: Any, origin: str) -> Any:
     return send_with_cors
 
 
+def _answer(state: ServerState, make: Any) -> Response:
+    """`make(the scheduler's facts)` as JSON once the server serves; else the 503 that says why."""
+    unavailable = _unavailable(state)
+    return _error(unavailable) if unavailable is not None else JSONResponse(make(state.client.info))
+
+
 def _unavailable(state: ServerState) -> APIError | None:
     client = state.client
     if client is not None and client.failed is not None:
@@ -838,22 +933,26 @@ def _unavailable(state: ServerState) -> APIError | None:
     return None
 
 
-async def _generate(state: ServerState, request: Request, kind: str) -> Response:
-    job = Job(time.perf_counter())
+async def _prepare(
+    state: ServerState, request: Request, parse: Any, tokenize: Any, plan: Any
+) -> tuple[Any, list[int], list[SamplingParams]] | Response:
+    """What every generation route checks before anything runs: the server available, the body read and
+    parsed (`parse(body, served_model, limits)`), the prompt's ids (`await tokenize(req)`), one
+    SamplingParams per choice (`plan(req, prompt_len, max_context)`) and room for them. Returns the
+    request, the prompt's ids and the params, or the error response."""
     try:
         unavailable = _unavailable(state)
         if unavailable is not None:
             raise unavailable
         raw = await _read_body(state, request)
-        parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
         args = (parse, raw, state.served_model, state.limits)
         if len(raw) <= LARGE_BODY_BYTES:
             req = _parse_body(*args)
         else:  # on a thread: the event loop goes on (but for json.loads itself, one C call)
             req = await asyncio.to_thread(_parse_body, *args)
         del raw, args
-        prompt_ids = await _prompt_ids(state, req, kind)
-        params = protocol.sampling_params(req, len(prompt_ids), state.client.info["max_context"])
+        prompt_ids = await tokenize(req)
+        params = plan(req, len(prompt_ids), state.client.info["max_context"])
         if params[0].grammar is not None:  # compiled here first (off the event loop): a 400, never a stream
             try:
                 await asyncio.to_thread(state.grammars.check, params[0])
@@ -870,13 +969,18 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
                 type="server_error",
                 code="server_overloaded",
             )
+        return req, prompt_ids, params
     except APIError as e:
         return _error(e, {"Retry-After": "1"} if e.status == 503 else None)
     except ClientDisconnect:  # nobody to answer
         log_limited("disconnect", logging.INFO, "a client disconnected before its request arrived in full")
         return Response(status_code=400)
+
+
+def _admit(state: ServerState, job: Job, params: list[SamplingParams], prompt_ids: list[int]) -> None:
+    """Makes the job's choices, one per SamplingParams, and sends them to the scheduler (a replica's,
+    under data parallelism)."""
     job.tokenized = time.perf_counter()
-    request_id = protocol.new_request_id(kind)
     client = state.client
     job.choices = [
         Choice(next(client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None, job)
@@ -888,12 +992,23 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         if choice.params.prompt_logprobs is not None:
             choice.prompt_logprobs, choice.prompt_ids = [None], prompt_ids
     state.outstanding += len(job.choices)
+    client.submit(job.choices, ids_frame(prompt_ids), len(prompt_ids))
+    job.sent = time.perf_counter()
+
+
+async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    job = Job(time.perf_counter())
+    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
+    prepared = await _prepare(
+        state, request, parse, lambda req: _prompt_ids(state, req, kind), protocol.sampling_params
+    )
+    if isinstance(prepared, Response):
+        return prepared
+    req, prompt_ids, params = prepared
+    request_id = protocol.new_request_id(kind)
+    _admit(state, job, params, prompt_ids)
     thinking = _thinking(state, req, prompt_ids)
     echo = _echo(state, req, prompt_ids)
-    prompt = ids_frame(prompt_ids)
-    for choice in job.choices:
-        client.add(choice, prompt)
-    job.sent = time.perf_counter()
     created = int(time.time())
     if req.stream:
         return StreamingResponse(
@@ -918,6 +1033,43 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         return _error(e)
     finally:
         _release(state, job, request_id, len(prompt_ids))
+
+
+async def _native_generate(state: ServerState, request: Request) -> Response:
+    """`POST /generate`, SGLang's native form (`minisgl/server/native.py`): one choice, answered whole
+    or streamed as the text and token ids so far."""
+    job = Job(time.perf_counter())
+    prepared = await _prepare(
+        state,
+        request,
+        native.parse_generate,
+        lambda req: req.checked(_prompt_ids(state, req.request, "completion")),
+        lambda req, prompt_len, max_context: req.sampling_params(prompt_len, max_context),
+    )
+    if isinstance(prepared, Response):
+        return prepared
+    req, prompt_ids, params = prepared
+    _admit(state, job, params, prompt_ids)
+    elapsed = lambda: time.perf_counter() - job.received  # noqa: E731
+    release = lambda: _release(state, job, req.rid, len(prompt_ids))  # noqa: E731
+    if req.stream:
+        written = lambda: state.delivery.observe(job.written(time.perf_counter()))  # noqa: E731
+        return StreamingResponse(
+            native.stream_events(req, job, len(prompt_ids), elapsed, written, release),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        await _wait_all(job)
+        [choice] = job.choices
+        answer = native.generate_response(
+            req, choice, choice.text, choice.token_ids, len(prompt_ids), elapsed()
+        )
+        return JSONResponse(answer)
+    except APIError as e:
+        return _error(e)
+    finally:
+        release()
 
 
 @dataclass
@@ -1008,11 +1160,10 @@ def _release(state: ServerState, job: Job, request_id: str, prompt_tokens: int) 
     the request's trace line."""
     client = state.client
     for choice in job.choices:
-        if not choice.finished:
+        running = not choice.finished
+        if running:
             choice.end("abort")
-            client.abort(choice.rid)
-        else:
-            client.choices.pop(choice.rid, None)
+        client.release(choice, running)
     state.outstanding -= len(job.choices)
     job.done = time.perf_counter()
     state.write_trace(job, request_id, prompt_tokens)

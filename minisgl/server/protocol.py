@@ -505,6 +505,20 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _is_none,
 }
 
+# SGLang's own fields, which its router (sglang-router) adds to every request it forwards, at these
+# values (docs/scale-out.md); other values ask for what minisgl does not do
+_SGLANG_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "no_stop_trim": _is_false,
+    "skip_special_tokens": lambda v: v is None or v is True,
+    "return_hidden_states": _is_false,
+}
+_UNSUPPORTED_COMPLETION.update(_SGLANG_FIELDS)
+_UNSUPPORTED_CHAT.update(
+    _SGLANG_FIELDS,
+    continue_final_message=_is_false,
+    stream_reasoning=lambda v: v is None or v is True,  # reasoning streams as it comes
+)
+
 
 def short(value: Any, limit: int = 60) -> str:
     """A value the client sent, for an error message: repr-quoted, at most `limit` characters."""
@@ -546,6 +560,19 @@ def _validation_error(e: ValidationError) -> APIError:
     return APIError(f"invalid {quoted}: {message}, got {short(err['input'])}", param=param)
 
 
+def check_unsupported(name: str, value: Any, unsupported: Mapping[str, Callable[[Any], bool]]) -> None:
+    """A field the request model does not have: accepted if `unsupported[name]` takes its value (it
+    asks for nothing); else a 400 naming it, "unsupported_parameter" or "unknown_parameter"."""
+    if name not in unsupported:
+        raise APIError(f"unknown parameter {short(name)}; leave it out", param=name, code="unknown_parameter")
+    if not unsupported[name](value):
+        raise APIError(
+            f"parameter '{name}' is not supported by this server (got {name}={short(value)}); leave it out",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
 def _parse(
     cls: type[_GenerationRequest],
     body: Any,
@@ -559,18 +586,8 @@ def _parse(
     for name, value in body.items():
         if name in cls.model_fields:
             known[name] = value
-        elif name in unsupported:
-            if not unsupported[name](value):
-                raise APIError(
-                    f"parameter '{name}' is not supported by this server (got {name}={short(value)}); "
-                    "leave it out",
-                    param=name,
-                    code="unsupported_parameter",
-                )
         else:
-            raise APIError(
-                f"unknown parameter {short(name)}; leave it out", param=name, code="unknown_parameter"
-            )
+            check_unsupported(name, value, unsupported)
     try:
         request = cls.model_validate(known, context={"limits": limits})
     except ValidationError as e:

@@ -1,0 +1,326 @@
+"""Data-parallel replicas (`minisgl-run serve --dp N`): N scheduler processes behind one front end.
+
+Each replica is a scheduler process of its own (`app.SchedulerClient`), with its own engine (or its
+own tensor-parallel group of `tp_size` ranks, meeting at its own rendezvous), prefix cache and KV
+pages; on CUDA replica i sees the GPUs i*tp_size .. (i+1)*tp_size-1 of the front end's
+(`CUDA_VISIBLE_DEVICES`), on the CPU each gets its share of the cores. `Replicas` stands where one
+`SchedulerClient` stands for the front end:
+
+- a request goes to the serving replica holding the fewest outstanding tokens (its choices' prompts
+  and max_tokens, from admission to the end of their responses; ties to the lowest rank), all of its
+  choices to the same one;
+- `/metrics` merges the replicas' series, each sample labelled `dp_rank` (`merge_metrics`), and adds
+  `minisgl_dp_replica_up` and `minisgl_dp_replica_restarts_total`; `/flush_cache` flushes every
+  serving replica;
+- a replica that dies fails its own requests only (its client ends them with the error); it stops
+  getting requests and is started again after a back-off (1, 2, 4 ... 30 s; from 1 s again once a
+  start has served for a minute); `/health` answers 200 while one replica serves (its body lists the
+  replicas, `down` names the others) and 503 when none does;
+- a replica that cannot start at all (before the server first served) ends the server with its
+  reason, as one scheduler process does: a setting that cannot work does not go round in restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_S = 60.0  # a replica that served this long starts its back-off from BACKOFF_FIRST_S again
+
+
+def _cuda_ids() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them (or their indexes)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [part.strip() for part in visible.split(",") if part.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def replica_settings(settings: Any, explicit: dict[str, Any]) -> list[tuple[dict[str, Any], str | None]]:
+    """Each replica's explicit settings and CUDA_VISIBLE_DEVICES (None: the front end's), for the
+    effective `settings` (EngineSettings) and the ones given explicitly. ValueError, naming the values,
+    when dp_size cannot work with the others."""
+    dp, tp = settings.dp_size, settings.tp_size
+    if dp == 1:
+        return [(dict(explicit), None)]
+    if tp > 1 and settings.distributed_addr != "auto":
+        raise ValueError(
+            f"distributed_addr={settings.distributed_addr!r} with dp_size={dp}: every replica's "
+            f"tensor-parallel group would meet there; leave distributed_addr at auto (each group then "
+            "meets at a file of its own)"
+        )
+    import torch
+
+    device = settings.device
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+    base = {**explicit, "dp_size": 1}
+    if kind == "cpu":
+        if settings.host_threads is None:  # each replica on its share of the cores
+            base["host_threads"] = max(1, len(os.sched_getaffinity(0)) // dp)
+        return [(dict(base), None) for _ in range(dp)]
+    if torch.device(device).index is not None:
+        raise ValueError(
+            f"device={device!r} names one GPU; with dp_size={dp} leave device at auto or cuda: replica i "
+            f"takes GPUs i*{tp}..(i+1)*{tp}-1 of those this process sees (set CUDA_VISIBLE_DEVICES to choose)"
+        )
+    ids = _cuda_ids()
+    if len(ids) < dp * tp:
+        raise ValueError(
+            f"dp_size={dp} x tp_size={tp} needs {dp * tp} GPUs and this process sees {len(ids)} "
+            f"({', '.join(ids) or 'none'}): lower dp_size or tp_size, or set CUDA_VISIBLE_DEVICES"
+        )
+    return [(dict(base), ",".join(ids[i * tp : (i + 1) * tp])) for i in range(dp)]
+
+
+@dataclass(eq=False)
+class Replica:
+    """One replica: its scheduler client while it runs, and its history."""
+
+    rank: int
+    settings: dict[str, Any]
+    devices: str | None
+    client: Any = None  # its SchedulerClient; None between a death and the restart
+    serving: bool = False
+    pid: int | None = None
+    error: str | None = None  # why it went down last
+    restarts: int = 0
+    failures: int = 0  # deaths in a row: the back-off doubles with each
+    up_since: float = 0.0  # time.monotonic() when it last became ready (0: not serving)
+    retry_at: float | None = None  # time.monotonic() of the next start
+
+
+@dataclass(eq=False)
+class Replicas:
+    """The front end's side of `dp_size` scheduler processes, in the shape of one `SchedulerClient`
+    (`add`/`abort` are per replica: the front end uses `submit` and `release`). `make_client(settings,
+    config, devices, name)` makes one replica's client."""
+
+    specs: list[tuple[dict[str, Any], str | None]]
+    config: str | None
+    make_client: Callable[..., Any]
+    info: dict[str, Any] | None = None  # replica 0's facts, max_running_req summed, once all are up
+    on_failure: Any = None  # called once if the server cannot start
+    replicas: list[Replica] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ready = asyncio.Event()
+        self.rids = itertools.count()
+        self._failed: str | None = None
+        self._owner: dict[int, Any] = {}  # rid -> the client its choice was sent to
+        self._tasks: set[asyncio.Task] = set()
+        self._restarts: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+        self.replicas = [Replica(i, s, d) for i, (s, d) in enumerate(self.specs)]
+        for replica in self.replicas:
+            self._start(replica)
+
+    # -- lifetime
+
+    def _start(self, replica: Replica) -> None:
+        client = self.make_client(
+            replica.settings, self.config, replica.devices, f"minisgl-scheduler-dp{replica.rank}"
+        )
+        client.on_failure = functools.partial(self._down, replica, client)
+        replica.client, replica.pid = client, client.proc.pid
+        self._spawn(self._when_ready(replica, client), self._tasks)
+
+    def _spawn(self, coroutine: Any, tasks: set[asyncio.Task]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _when_ready(self, replica: Replica, client: Any) -> None:
+        await client.ready.wait()
+        if replica.client is not client or client.failed is not None:
+            return
+        replica.serving, replica.error, replica.up_since = True, None, time.monotonic()
+        logger.info("replica dp_rank=%d serving (pid %d)", replica.rank, replica.pid)
+        if self.info is None and all(r.serving for r in self.replicas):
+            info = dict(client.info)
+            info["max_running_req"] = sum(r.client.info["max_running_req"] for r in self.replicas)
+            self.info = info
+            self.ready.set()
+
+    def _down(self, replica: Replica, client: Any) -> None:
+        """`client`'s process failed or died (its requests got the error): no more requests for it; a
+        restart after the back-off."""
+        if replica.client is not client:
+            return
+        replica.client, replica.serving, replica.error = None, False, client.failed
+        if self.info is None:  # it never served: the settings cannot work
+            self._failed = f"replica dp_rank={replica.rank}: {client.failed}"
+            self._spawn(client.close(), self._restarts)
+            if self.on_failure is not None:
+                self.on_failure()
+            return
+        now = time.monotonic()
+        if replica.up_since and now - replica.up_since >= STABLE_S:
+            replica.failures = 0
+        replica.up_since = 0.0
+        replica.failures += 1
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (replica.failures - 1))
+        replica.retry_at = now + delay
+        logger.error(
+            "replica dp_rank=%d is down (%s); starting it again in %.0f s", replica.rank, client.failed, delay
+        )
+        self._spawn(self._restart(replica, client, delay), self._restarts)
+
+    async def _restart(self, replica: Replica, dead: Any, delay: float) -> None:
+        await dead.close()  # its process joined, its sockets and folder removed
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), delay)
+        if self._stop.is_set():
+            return
+        replica.restarts += 1
+        replica.retry_at = None
+        logger.info("replica dp_rank=%d: starting again (restart %d)", replica.rank, replica.restarts)
+        self._start(replica)
+
+    async def close(self) -> None:
+        """Stops every replica (each stops the ranks it spawned) and waits for them."""
+        self._stop.set()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._restarts), return_exceptions=True)
+        await asyncio.gather(*(r.client.close() for r in self.replicas if r.client is not None))
+
+    # -- state
+
+    @property
+    def failed(self) -> str | None:
+        """Why no request can be served: the server could not start, or no replica serves now."""
+        if self._failed is not None:
+            return self._failed
+        if self.info is not None and not any(r.serving for r in self.replicas):
+            return (
+                "no replica is serving ("
+                + "; ".join(f"dp_rank={r.rank}: {r.error}" for r in self.replicas)
+                + ")"
+            )
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """`/health`'s body: every replica's state; `down` and status "degraded" when one is not serving."""
+        now = time.monotonic()
+        replicas = []
+        for r in self.replicas:
+            entry: dict[str, Any] = {
+                "dp_rank": r.rank,
+                "state": "serving" if r.serving else "restarting" if r.restarts or r.error else "starting",
+                "pid": r.pid,
+                "restarts": r.restarts,
+            }
+            if r.error is not None and not r.serving:
+                entry["error"] = r.error
+            if r.retry_at is not None:
+                entry["restart_in_s"] = round(max(0.0, r.retry_at - now), 1)
+            replicas.append(entry)
+        down = [r.rank for r in self.replicas if not r.serving]
+        body: dict[str, Any] = {"replicas": replicas}
+        if down and self.info is not None:
+            body |= {"status": "degraded", "down": down}
+        return body
+
+    def loads(self) -> list[dict[str, Any]]:
+        """`GET /get_load`'s entries, one per serving replica."""
+        return [{**r.client.loads()[0], "dp_rank": r.rank} for r in self.replicas if r.serving]
+
+    # -- requests
+
+    def submit(self, choices: list[Any], prompt: bytes, prompt_len: int) -> None:
+        """Sends a request's choices to the serving replica with the fewest outstanding tokens; with
+        none serving (all died since the request was checked) they end with the error."""
+        serving = [r for r in self.replicas if r.serving]
+        if not serving:
+            for choice in choices:
+                choice.end("error", self.failed)
+                choice.job.wake.set()
+            return
+        client = min(serving, key=lambda r: r.client.load_tokens).client
+        for choice in choices:
+            self._owner[choice.rid] = client
+        client.submit(choices, prompt, prompt_len)
+
+    def release(self, choice: Any, abort: bool) -> None:
+        client = self._owner.pop(choice.rid, None)
+        if client is not None:
+            client.release(choice, abort)
+
+    def abort_all(self) -> None:
+        for r in self.replicas:
+            if r.client is not None:
+                r.client.abort_all()
+
+    async def metrics(self) -> str:
+        """The serving replicas' series, labelled with their dp_rank, and the replicas' own."""
+        serving = [r for r in self.replicas if r.serving]
+        texts = await asyncio.gather(*(r.client.metrics() for r in serving), return_exceptions=True)
+        parts = [(r.rank, text) for r, text in zip(serving, texts) if isinstance(text, str)]
+        up = "\n".join(f'minisgl_dp_replica_up{{dp_rank="{r.rank}"}} {int(r.serving)}' for r in self.replicas)
+        restarts = "\n".join(
+            f'minisgl_dp_replica_restarts_total{{dp_rank="{r.rank}"}} {r.restarts}' for r in self.replicas
+        )
+        own = (
+            "# HELP minisgl_dp_replica_up Whether the data-parallel replica serves (1) or is down (0).\n"
+            f"# TYPE minisgl_dp_replica_up gauge\n{up}\n"
+            "# HELP minisgl_dp_replica_restarts_total Times the front end started the replica again.\n"
+            f"# TYPE minisgl_dp_replica_restarts_total counter\n{restarts}\n"
+        )
+        return merge_metrics(parts) + own
+
+    async def flush_cache(self) -> int:
+        """Empties every serving replica's prefix cache; the KV pages freed in all."""
+        serving = [r for r in self.replicas if r.serving]
+        freed = await asyncio.gather(*(r.client.flush_cache() for r in serving), return_exceptions=True)
+        return sum(pages for pages in freed if isinstance(pages, int))  # one that died meanwhile: none
+
+
+def _labelled(line: str, rank: int) -> str:
+    """A sample line `name{labels} value` (or `name value`) with dp_rank="rank" first among its labels."""
+    cut = min(i for i in (line.find("{"), line.find(" ")) if i >= 0)
+    if line[cut] == " ":
+        return f'{line[:cut]}{{dp_rank="{rank}"}}{line[cut:]}'
+    rest = line[cut + 1 :]
+    return f'{line[:cut]}{{dp_rank="{rank}"{"" if rest.startswith("}") else ","}{rest}'
+
+
+def merge_metrics(texts: list[tuple[int, str]]) -> str:
+    """Prometheus text of several replicas (dp_rank, text) as one exposition: each family's HELP and
+    TYPE once, then its samples from every replica together, each labelled with its dp_rank."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name -> (HELP and TYPE lines, samples)
+    for rank, text in texts:
+        current = families.setdefault("", ([], []))
+        mine: set[str] = set()  # the families whose head this text gives
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                words = line.split(" ", 3)
+                if len(words) >= 3 and words[1] in ("HELP", "TYPE"):
+                    if words[2] not in families:
+                        families[words[2]] = ([], [])
+                        mine.add(words[2])
+                    current = families[words[2]]
+                    if words[2] in mine:
+                        current[0].append(line)
+                continue
+            current[1].append(_labelled(line, rank))
+    lines = []
+    for head, samples in families.values():
+        if samples or head:
+            lines += head + samples
+    return "\n".join(lines) + "\n" if lines else ""
