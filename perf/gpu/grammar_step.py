@@ -1,7 +1,10 @@
 """A decode step with structured output on the GPU: 64 requests constrained by one JSON schema against the
 same 64 requests unconstrained (goal: the constrained step at most 1.25x the unconstrained one).
 
-    python -m perf.gpu.grammar_step [--model PATH] [--batch 64] [--steps 32] [--dtype bfloat16]
+    python -m perf.gpu.grammar_step [--model PATH | --config YAML] [--batch 64] [--steps 32]
+
+The issue's setting is the 0.6B preset's dummy weights with the SmolLM2 tokenizer: `--config` a copy of
+configs/h200-qwen3-0.6b.yaml whose model folder holds its config.json beside SmolLM2's tokenizer files.
 
 The model needs a tokenizer (structured output compiles its grammars against it): the embedded
 SmolLM2-135M-Instruct by default, or any local folder with one (the dummy-weight presets have none).
@@ -106,10 +109,13 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a folder with a tokenizer (default: SmolLM2-135M)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--config", default=None, help="a settings YAML (its model_path needs a tokenizer)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_running_req=args.batch)
+    llm = LLM(
+        args.model, config=args.config, device=args.device, dtype=args.dtype, max_running_req=args.batch
+    )
     try:
         prompts = [
             llm.chat_prompt(
