@@ -14,12 +14,13 @@ The formats (docs/quantization.md):
 
 Every division rounds to e4m3 once (round to nearest even), after clamping to [-448, 448].
 
-`fp8_linear` is the one place a linear layer with an FP8 weight runs. Today every device runs the float32
-emulation: activations quantized per token group, both operands dequantized to float32, one float32
-GEMM, the result rounded to x's dtype once. It is the reference the CPU tests check and the place where
-a GPU FP8 GEMM (a Triton block-scaled GEMM, `torch._scaled_mm`, FlashInfer's) will plug in, as a
-branch for CUDA tensors that must agree with this emulation within FP8 GEMM rounding. On CUDA the
-emulation is a placeholder: correct, but it materialises each weight in float32 at every call.
+`fp8_linear` here is the float32 emulation: activations quantized per token group, both operands
+dequantized to float32, one float32 GEMM, the result rounded to x's dtype once. It is the reference
+the tests check the GPU kernels against, and it runs wherever they do not: the layers call
+`minisgl.kernels.fp8_gemm.fp8_linear`, which sends CUDA tensors in the format the kernels take (bf16 or
+fp16 activations, 128-column weight blocks and activation groups) to its Triton GEMV / GEMM and
+`torch._scaled_mm`, and everything else (the CPU, other block widths) here. These agree within FP8
+GEMM rounding (docs/quantization.md, "The GPU GEMM").
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x (.., K) @ W^T (+ bias) -> (.., N) in x's dtype, for the FP8 weight W = `weight` (N, K) e4m3 with
     block scales `scale` (ceil(N / block[0]), ceil(K / block[1])) float32; x is quantized per token in
-    groups of `group` columns first. The float32 emulation on every device (see the module docstring:
-    the GPU FP8 GEMM goes here)."""
+    groups of `group` columns first. The float32 emulation, the reference (the layers run
+    `minisgl.kernels.fp8_gemm.fp8_linear`, which calls this where the GPU kernels do not apply)."""
     rows = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_groups(rows, group)
     y = dequantize_blocks(xq, xs, (1, group)) @ dequantize_blocks(weight, scale, block).T

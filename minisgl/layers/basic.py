@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from minisgl.compile import fused_kernels_mode, gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
-from minisgl.kernels.fp8 import fp8_linear
+from minisgl.kernels.fp8_gemm import fp8_linear
 from minisgl.kernels.gemv import gemv_fits
 from minisgl.kernels.linear import linear_op, norm_linear_op, silu_mul_linear_op
 from minisgl.layers.fp8 import Fp8Linear
@@ -37,7 +37,8 @@ def add_rms_norm(
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Linear, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias). An FP8 weight (`Fp8Linear`) runs `fp8_linear`. Half precision on CUDA goes
+    """x @ weight^T (+ bias). An FP8 weight (`Fp8Linear`) runs `minisgl.kernels.fp8_gemm.fp8_linear` (the
+    FP8 kernels on CUDA, the float32 emulation elsewhere). Half precision on CUDA goes
     through the op `minisgl::linear`, which runs a single row on the Triton GEMV kernel and more on
     cuBLAS (not in an engine with ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must
     get the bits it gets inside a batch; those run `F.linear`)."""

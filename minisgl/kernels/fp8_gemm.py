@@ -1,0 +1,609 @@
+"""The FP8 projection on the GPU: Triton kernels and `torch._scaled_mm` for block-scaled e4m3 weights.
+
+The formats are those of `minisgl.kernels.fp8` (docs/quantization.md): a weight W (N, K) in e4m3 with
+float32 scales (ceil(N / block_n), ceil(K / block_k)), activations quantized per token in groups of 128
+columns. The kernels take 128x128 blocks (FP8 checkpoints, the setting `quantization: fp8`), blocks of
+one row (the merged projections of small models, `minisgl.layers.fp8`) and any block_n, block_k a
+multiple of 128 or all of K (per-tensor scales): a weight row's scale row is n // block_n.
+`minisgl.kernels.fp8.fp8_linear` (the float32 emulation) stays the reference; the layers call
+`fp8_linear` here, which sends CUDA tensors in a format the kernels take (`fp8_kernels_fit`) to the op
+`minisgl::fp8_linear` and everything else to the emulation:
+
+- `quantize_rows`: x (M, K) -> e4m3 (M, K) and float32 scales (M, ceil(K / 128)) stored column-major,
+  strides (1, M), the layout `torch._scaled_mm` takes for 1x128 scales. The numbers of
+  `minisgl.kernels.fp8.quantize_groups`, bit for bit.
+- `fp8_gemv`: few rows (decode), M <= `GEMV_MAX_ROWS`. A program owns `block_rows` output rows and
+  sweeps all of K in one unrolled loop of 128-column steps (as `minisgl.kernels.gemv` does), reading the
+  weight at one byte an element; it quantizes the activations itself (every program the same way, as
+  `quantize_groups` does), multiplies the dequantized operands in float32 on the CUDA cores and sums
+  in float32: the emulation's products, summed in another order. Programmatic dependent launch as in
+  `minisgl.kernels.pdl`: the first weight block (and the scales) are loaded before `gdc_wait`.
+- `fp8_gemm_triton`: more rows. `tl.dot` on e4m3 tiles (BLOCK_M x 128 activations, 128 x BLOCK_N
+  weights) gives each 128-column step's partial product in float32, which is multiplied by the
+  activation scale of its row and the weight scale of its column and added to a float32 accumulator.
+  `GEMM_CONFIGS`: the tile shapes, chosen by M.
+- `fp8_gemm_scaled_mm`: cuBLASLt's block-scaled FP8 GEMM through `torch._scaled_mm` (1x128 activation
+  scales, 128x128 weight scales; sm90, CUDA 12.9 or newer). Where it raises (another GPU, an older
+  torch or cuBLAS, a shape it refuses) the Triton GEMM runs instead; the answer is cached per device,
+  shape and dtype, so it is tried once.
+
+`torch.ops.minisgl.fp8_linear(x, weight, scale, bias, block_n, block_k, group, invariant)` picks the
+kernel by row count when it runs (one compiled graph serves every batch size, as the ops of
+`minisgl.kernels.linear`): the GEMV up to `GEMV_MAX_ROWS` rows, else `GEMM_BACKEND` ("scaled_mm" or
+"triton", a module-level choice the benchmark switches). With `invariant` (the engine's GEMV kernels off
+or `batch_invariant`), every row count runs the Triton GEMM in one configuration, so that a row gets the
+same bits alone or in a batch.
+
+Numerics against the emulation: the GEMV differs by float32 summation order only (measured on the CPU
+under Triton's interpreter within 1e-5 of the output's scale). The tensor-core GEMMs (Triton's and
+cuBLAS's) multiply e4m3 exactly but Hopper's FP8 MMA accumulates a 128-column step in reduced precision
+before it reaches the float32 accumulator: bound 1e-3 of the output's largest magnitude, plus the
+output's rounding (tests/gpu/test_gpu_fp8.py).
+
+Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the kernels round float32 to e4m3 in
+float32 arithmetic before the conversion: the interpreter's own conversion (Triton 3.9) rounds wrongly
+where rounding up carries into the exponent (31.6 -> 16 instead of 32). On a GPU the hardware
+conversion (round to nearest even) runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minisgl.compile import gemv_kernel_mode
+from minisgl.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from minisgl.kernels.fp8 import fp8_linear as emulated_fp8_linear
+from minisgl.kernels.pdl import launch_options, pdl_enabled
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the emulation serves every call
+    triton = None
+
+# the only activation group and weight block width the kernels take
+GROUP = 128
+# the widest row (K) the GEMV takes: its sweep is unrolled (K / 128 steps), so this bounds the code size
+MAX_K = 16384
+# the most rows the GEMV kernel takes (its BLOCK_M); the op's threshold is GEMV_MAX_ROWS
+GEMV_ROWS_LIMIT = 16
+# rows up to this run the GEMV, more the GEMM (module-level: perf/gpu/fp8_gemm.py switches it)
+GEMV_MAX_ROWS = 8
+# the GEMM for more rows: "scaled_mm" (cuBLASLt, the Triton GEMM where it is refused) or "triton"
+GEMM_BACKEND = "scaled_mm"
+# Triton GEMM tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), picked by M: the first
+# whose BLOCK_M covers M, else the last; INVARIANT_CONFIG for `invariant` (every row count alike)
+GEMM_CONFIGS: list[tuple[int, int, int, int]] = [(16, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)]
+INVARIANT_CONFIG = (64, 128, 4, 4)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+if triton is not None:
+    _FP8_MAX = tl.constexpr(FP8_MAX)
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+    @triton.jit
+    def _round_e4m3(v):
+        """v (float32, within +-448) rounded to the nearest e4m3 value (ties to even), in float32: adding
+        and subtracting 1.5 * 2^(e + 23), where 2^e is e4m3's spacing at v's magnitude (2^-9 at least:
+        the subnormals), rounds v to a multiple of 2^e in float32's own round-to-nearest-even."""
+        bits = v.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) & 0xFF
+        spacing = tl.maximum(exponent - 130, -9)  # (exponent - 127) - 3 mantissa bits
+        magic = (((spacing + 150) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+        r = (v + magic) - magic
+        # a value that rounds to zero keeps its sign, as the conversion keeps it
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_tile(x, INTERPRET: tl.constexpr):
+        """x (R, GROUP) float32, one group per row -> (e4m3 values (R, GROUP), float32 scales (R,)):
+        scale = max(amax, MIN_AMAX) / 448, x / scale clamped to +-448 and rounded to nearest even, each
+        division correctly rounded, as `minisgl.kernels.fp8.quantize_groups` computes it."""
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+        v = tl.math.div_rn(x, scale[:, None])
+        v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
+        if INTERPRET:
+            v = _round_e4m3(v)
+        return v.to(tl.float8e4nv), scale
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        M,
+        K,
+        x_row_stride,
+        GROUPS: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        INTERPRET: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
+        mask = cols < K
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        q, scale = _quantize_tile(x, INTERPRET)
+        tl.store(q_ptr + row * K + cols, q, mask=mask)
+        tl.store(s_ptr + groups * M + row, scale, mask=groups * GROUP_SIZE < K)  # column-major
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        x_row_stride,
+        K: tl.constexpr,
+        SCALE_BLOCK_N: tl.constexpr,
+        SCALE_BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUP_SIZE: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        USE_PDL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        if USE_PDL:  # see minisgl.kernels.pdl: the next kernel may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+        KB = (K + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K  # scale columns
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < N
+        w_rows = rows.to(tl.int64) * K
+        s_rows = (rows // SCALE_BLOCK_N) * KB
+        tokens = tl.arange(0, BLOCK_M)
+        token_mask = tokens < M
+        x_rows = tokens.to(tl.int64) * x_row_stride
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, GROUP_SIZE], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, GROUP_SIZE):
+            cols = k0 + tl.arange(0, GROUP_SIZE)
+            col_mask = cols < K
+            w = tl.load(
+                w_ptr + w_rows[:, None] + cols[None, :],
+                mask=row_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            )
+            w_scale = tl.load(s_ptr + s_rows + k0 // SCALE_BLOCK_K, mask=row_mask, other=0.0)
+            if USE_PDL:
+                if k0 == 0:  # the first block of weights is in flight: now wait for the activations
+                    tl.extra.cuda.gdc_wait()
+            x = tl.load(
+                x_ptr + x_rows[:, None] + cols[None, :],
+                mask=token_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            xq, x_scale = _quantize_tile(x, INTERPRET)
+            # the dequantized operands, each rounded to float32 as the emulation rounds them
+            wd = w.to(tl.float32) * w_scale[:, None]
+            xd = xq.to(tl.float32) * x_scale[:, None]
+            if BLOCK_M == 1:
+                acc += wd * xd
+            else:
+                acc += tl.sum(wd[:, None, :] * xd[None, :, :], axis=2)
+        if BLOCK_M == 1:
+            y = tl.sum(acc, axis=1)[:, None]
+        else:
+            y = acc
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        out = y_ptr + tokens[None, :].to(tl.int64) * N + rows[:, None]
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & token_mask[None, :])
+
+    @triton.jit
+    def _fp8_gemm_kernel(
+        a_ptr,
+        a_scale_ptr,
+        w_ptr,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        SCALE_BLOCK_N: tl.constexpr,
+        SCALE_BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # programs of one column of tiles are neighbours: they read the same weight tiles
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % tiles_m
+        pid_n = pid // tiles_m
+        KB = tl.cdiv(K, BLOCK_K)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * K + offs_k[:, None]  # (BLOCK_K, BLOCK_N) of W^T
+        a_scale_ptrs = a_scale_ptr + offs_m  # column-major: + k block * M
+        w_scale_ptrs = s_ptr + (offs_n // SCALE_BLOCK_N) * tl.cdiv(K, SCALE_BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in tl.range(0, KB):
+            k_mask = offs_k < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            a_scale = tl.load(a_scale_ptrs + kb * M, mask=m_mask, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + kb * BLOCK_K // SCALE_BLOCK_K, mask=n_mask, other=0.0)
+            partial = tl.dot(a, b)  # float32: this step's 128 columns
+            acc += partial * a_scale[:, None] * w_scale[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_fits(block: tuple[int, int], group: int, k: int) -> bool:
+    """True when the kernels take weights in blocks of `block` (rows, columns) with activation groups of
+    `group` columns, K = k: groups of 128, blocks of any rows and of a multiple of 128 columns or of
+    all k columns (per-tensor and per-row scales)."""
+    block_n, block_k = block
+    return group == GROUP and block_n >= 1 and block_k >= 1 and (block_k % GROUP == 0 or block_k >= k)
+
+
+def _check_operands(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], group: int = GROUP
+) -> None:
+    """Raises ValueError unless x (M, K), weight (N, K) e4m3 contiguous and scale (ceil(N / block[0]),
+    ceil(K / block[1])) float32 contiguous fit together, in a format the kernels take (`block_fits`)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8 GEMM: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
+    if weight.dtype != FP8_DTYPE or not weight.is_contiguous():
+        raise ValueError(f"fp8 GEMM: the weight must be contiguous {FP8_DTYPE}, got {weight.dtype}")
+    n, k = weight.shape
+    if not block_fits(block, group, k):
+        raise ValueError(
+            f"fp8 GEMM: the kernels take activation groups of {GROUP} and weight blocks of a multiple of "
+            f"{GROUP} columns (or all {k}), got group {group} and block {tuple(block)}"
+        )
+    expected = (_cdiv(n, block[0]), _cdiv(k, block[1]))
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(
+            f"fp8 GEMM: scale must be contiguous float32 {expected} for weight {(n, k)} in blocks of "
+            f"{tuple(block)}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16/fp16/fp32 -> (e4m3 (M, K), float32 scales (M, ceil(K / group)) with strides (1, M)):
+    the numbers of `minisgl.kernels.fp8.quantize_groups`, in one Triton kernel."""
+    if group != GROUP:
+        raise ValueError(f"quantize_rows: group must be {GROUP}, got {group}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: x must be 2-D (rows, K), got {tuple(x.shape)}")
+    x = _row_major(x)
+    m, k = x.shape
+    groups = _cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty_strided((m, groups), (1, m), dtype=torch.float32, device=x.device)
+    if m and k:
+        per_program = min(8, triton.next_power_of_2(groups))
+        _quantize_rows_kernel[(m, _cdiv(groups, per_program))](
+            x,
+            q,
+            scales,
+            m,
+            k,
+            x.stride(0),
+            GROUPS=per_program,
+            GROUP_SIZE=group,
+            INTERPRET=_interpreting(),
+            num_warps=4,
+        )
+    return q, scales
+
+
+def gemv_config(m: int, n: int) -> tuple[int, int]:
+    """(output rows per program, warps) of the GEMV for m activation rows and n output rows: fewer
+    output rows per program as m grows (a step's product is rows x m x 128 values), and fewer on narrow
+    matrices so that every SM has programs. A first guess: `python -m perf.gpu.fp8_gemm --sweep` times
+    the others."""
+    block_m = triton.next_power_of_2(m)
+    block_rows = 8 if block_m <= 2 else 4 if block_m <= 8 else 2
+    if n < 2048:
+        block_rows = max(1, block_rows // 2)
+    return block_rows, 4
+
+
+def gemv_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    block_rows: int,
+    num_warps: int,
+    pdl: bool = False,
+) -> None:
+    """Launches the GEMV with an explicit configuration (the benchmark sweeps these) into `out` (M, N);
+    x (M, K) with unit column stride, M <= GEMV_ROWS_LIMIT."""
+    m, k = x.shape
+    n = weight.shape[0]
+    _fp8_gemv_kernel[(triton.cdiv(n, block_rows),)](
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        x.stride(0),
+        K=k,
+        SCALE_BLOCK_N=block[0],
+        SCALE_BLOCK_K=block[1],
+        HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_rows,
+        GROUP_SIZE=GROUP,
+        INTERPRET=_interpreting(),
+        num_warps=num_warps,
+        **launch_options(pdl),
+    )
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x (M, K) @ W^T (+ bias) -> (M, N) in `out_dtype` (x's by default), M <= 16, for the FP8 weight
+    W = `weight` (N, K) e4m3 with scales `scale` (ceil(N / block[0]), ceil(K / block[1])); x is quantized
+    per token group of 128 inside the kernel."""
+    _check_operands(x, weight, scale, block)
+    m, k = x.shape
+    if m > GEMV_ROWS_LIMIT:
+        raise ValueError(f"fp8_gemv takes at most {GEMV_ROWS_LIMIT} rows, got {m}")
+    if k > MAX_K:
+        raise ValueError(f"fp8_gemv takes rows of at most {MAX_K} columns, got {k}")
+    x = _row_major(x)
+    out = torch.empty(m, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    if m and k and weight.shape[0]:
+        block_rows, warps = gemv_config(m, weight.shape[0])
+        gemv_launch(x, weight, scale, block, bias, out, block_rows, warps, pdl=pdl_enabled(x))
+    elif m and weight.shape[0]:  # K = 0: the bias alone
+        out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
+    return out
+
+
+def gemm_config(m: int) -> tuple[int, int, int, int]:
+    """The Triton GEMM's (BLOCK_M, BLOCK_N, num_warps, num_stages) for m rows (`GEMM_CONFIGS`)."""
+    for config in GEMM_CONFIGS:
+        if m <= config[0]:
+            return config
+    return GEMM_CONFIGS[-1]
+
+
+def gemm_launch(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: tuple[int, int, int, int],
+) -> None:
+    """Launches the Triton GEMM on quantized activations (`quantize_rows`: contiguous e4m3 and
+    column-major scales) with an explicit configuration (BLOCK_M, BLOCK_N, num_warps, num_stages) into
+    `out` (M, N)."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    block_m, block_cols, warps, stages = config
+    _fp8_gemm_kernel[(triton.cdiv(m, block_m) * triton.cdiv(n, block_cols),)](
+        xq,
+        x_scale,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        SCALE_BLOCK_N=block[0],
+        SCALE_BLOCK_K=block[1],
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_cols,
+        BLOCK_K=GROUP,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def fp8_gemm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x (M, K) @ W^T (+ bias) -> (M, N) in `out_dtype` (x's by default) on the Triton GEMM: x quantized
+    by `quantize_rows` (or `quantized`, its result), `config` by M (`gemm_config`) unless given."""
+    _check_operands(x, weight, scale, block)
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    if m and k and weight.shape[0]:
+        xq, xs = quantized if quantized is not None else quantize_rows(x)
+        gemm_launch(xq, xs, weight, scale, block, bias, out, config or gemm_config(m))
+    elif m and weight.shape[0]:  # K = 0: the bias alone
+        out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
+    return out
+
+
+# torch._scaled_mm: per (device, M, N, K, dtype, bias): the weight-scale layout it took, or None where it
+# refused every one (then the Triton GEMM runs)
+_scaled_mm_layouts: dict[tuple, str | None] = {}
+# the layouts of the 128x128 weight scales tried, in order. scale_b, for mat_b = W^T (K, N), is
+# (ceil(K / 128), ceil(N / 128)): recent torch checks that its transpose is row-major (`scale.t()`, a
+# view); a version that wants it row-major itself gets a copy at each call
+_SCALE_B_LAYOUTS = ("transposed_view", "contiguous")
+
+
+def _scale_b(scale: torch.Tensor, layout: str) -> torch.Tensor:
+    return scale.t() if layout == "transposed_view" else scale.t().contiguous()
+
+
+def _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout) -> torch.Tensor:
+    return torch._scaled_mm(
+        xq, weight.t(), scale_a=xs, scale_b=_scale_b(scale, layout), bias=bias, out_dtype=out_dtype
+    )
+
+
+def scaled_mm_layout(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> str | None:
+    """The weight-scale layout `torch._scaled_mm` takes for these operands, or None where it refuses
+    them all (or torch has no `_scaled_mm`, or they are not on CUDA). Tried on the first call per device,
+    shape, dtype and bias, then cached: later calls do not try."""
+    key = (xq.device, xq.shape[0], *weight.shape, out_dtype, bias is not None)
+    if key in _scaled_mm_layouts:
+        return _scaled_mm_layouts[key]
+    found = None
+    if hasattr(torch, "_scaled_mm") and xq.is_cuda:
+        for layout in _SCALE_B_LAYOUTS:
+            try:
+                _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout)
+            except (RuntimeError, ValueError, NotImplementedError, TypeError):
+                continue
+            found = layout
+            break
+    _scaled_mm_layouts[key] = found
+    return found
+
+
+def fp8_gemm_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """x (M, K) @ W^T (+ bias) -> (M, N) in x's dtype through `torch._scaled_mm` (1x128 activation
+    scales, 128x128 weight scales); the Triton GEMM where torch refuses these operands
+    (`scaled_mm_layout`). The weight must be in 128x128 blocks."""
+    block = (GROUP, GROUP)
+    _check_operands(x, weight, scale, block)
+    xq, xs = quantized if quantized is not None else quantize_rows(x)
+    layout = scaled_mm_layout(xq, xs, weight, scale, bias, x.dtype) if x.shape[0] else None
+    if layout is None:
+        return fp8_gemm_triton(x, weight, scale, block, bias, quantized=(xq, xs))
+    return _scaled_mm(xq, xs, weight, scale, bias, x.dtype, layout)
+
+
+@torch.library.custom_op("minisgl::fp8_linear", mutates_args=())
+def fp8_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_n: int,
+    block_k: int,
+    group: int,
+    invariant: bool = False,
+) -> torch.Tensor:
+    """x (M, K) @ W^T (+ bias) -> (M, N) in x's dtype for the FP8 weight (`weight` (N, K) e4m3, `scale`
+    (ceil(N / block_n), ceil(K / block_k)) float32; `block_fits`): the GEMV for M <= GEMV_MAX_ROWS,
+    else the GEMM of `GEMM_BACKEND` (cuBLAS's for 128x128 blocks only); with `invariant`, the Triton GEMM
+    in one configuration at every M."""
+    block = (block_n, block_k)
+    _check_operands(x, weight, scale, block, group)
+    if invariant:
+        return fp8_gemm_triton(x, weight, scale, block, bias, config=INVARIANT_CONFIG)
+    m = x.shape[0]
+    if 0 < m <= min(GEMV_MAX_ROWS, GEMV_ROWS_LIMIT) and x.shape[1] <= MAX_K:
+        return fp8_gemv(x, weight, scale, block, bias)
+    if GEMM_BACKEND == "scaled_mm" and block == (GROUP, GROUP):
+        return fp8_gemm_scaled_mm(x, weight, scale, bias)
+    return fp8_gemm_triton(x, weight, scale, block, bias)
+
+
+@fp8_linear_op.register_fake
+def _(x, weight, scale, bias, block_n, block_k, group, invariant=False):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def fp8_kernels_fit(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> bool:
+    """True when the op `minisgl::fp8_linear` takes these operands: CUDA, Triton, x bf16/fp16, a
+    contiguous e4m3 weight of at most MAX_K columns, a format of `block_fits`, a contiguous float32
+    scale, a bias (if any) in x's dtype. Says nothing of x's row count (a compiled graph's batch
+    dimension is symbolic)."""
+    return (
+        triton is not None
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == FP8_DTYPE
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and 0 < weight.shape[1] <= MAX_K
+        and x.shape[-1] == weight.shape[1]
+        and block_fits(block, group, weight.shape[1])
+        and scale.dtype == torch.float32
+        and scale.is_contiguous()
+        and (bias is None or bias.dtype == x.dtype)
+    )
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (.., K) @ W^T (+ bias) -> (.., N) in x's dtype for an FP8 weight, as the layers run it: the op
+    `minisgl::fp8_linear` where `fp8_kernels_fit`, else `minisgl.kernels.fp8.fp8_linear` (the float32
+    emulation, the reference: CPU tensors and formats the kernels do not take). Where the engine's GEMV
+    kernels are off (`use_gemv_kernel` off or `batch_invariant`) the op runs with `invariant`."""
+    if fp8_kernels_fit(x, weight, scale, block, group, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        y = fp8_linear_op(rows, weight, scale, bias, block[0], block[1], group, not gemv_kernel_mode())
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return emulated_fp8_linear(x, weight, scale, block, group, bias)
