@@ -42,8 +42,8 @@ output's rounding (tests/gpu/test_gpu_fp8.py).
 
 Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the kernels round float32 to e4m3 in
 float32 arithmetic before the conversion: the interpreter's own conversion (Triton 3.9) rounds wrongly
-where rounding up carries into the exponent (31.6 -> 16 instead of 32). On a GPU the hardware
-conversion (round to nearest even) runs.
+where rounding up carries into the exponent (31.6 -> 16 instead of 32); likewise bf16 outputs (its
+conversion from float32 truncates). On a GPU the hardware conversions (round to nearest even) run.
 """
 
 from __future__ import annotations
@@ -105,6 +105,14 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _round_bf16(y):
+        """y (float32) rounded to the nearest bf16 value (ties to even), in float32 (the interpreter's
+        conversion truncates)."""
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _quantize_tile(x, INTERPRET: tl.constexpr):
         """x (R, GROUP) float32, one group per row -> (e4m3 values (R, GROUP), float32 scales (R,)):
         scale = max(amax, MIN_AMAX) / 448, x / scale clamped to +-448 and rounded to nearest even, each
@@ -156,6 +164,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
         INTERPRET: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -204,6 +213,8 @@ if triton is not None:
             y = acc
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if ROUND_BF16:
+            y = _round_bf16(y)
         out = y_ptr + tokens[None, :].to(tl.int64) * N + rows[:, None]
         tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & token_mask[None, :])
 
@@ -224,6 +235,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
     ):
         # programs of one column of tiles are neighbours: they read the same weight tiles
         pid = tl.program_id(0)
@@ -253,6 +265,8 @@ if triton is not None:
             w_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            acc = _round_bf16(acc)
         out = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -365,6 +379,7 @@ def gemv_launch(
         BLOCK_N=block_rows,
         GROUP_SIZE=GROUP,
         INTERPRET=_interpreting(),
+        ROUND_BF16=_interpreting() and out.dtype == torch.bfloat16,
         num_warps=num_warps,
         **launch_options(pdl),
     )
@@ -437,6 +452,7 @@ def gemm_launch(
         BLOCK_M=block_m,
         BLOCK_N=block_cols,
         BLOCK_K=GROUP,
+        ROUND_BF16=_interpreting() and out.dtype == torch.bfloat16,
         num_warps=warps,
         num_stages=stages,
     )
@@ -484,6 +500,26 @@ def _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout) -> torch.Tensor:
     )
 
 
+def _probe_scaled_mm(xq, xs, weight, scale, bias, out_dtype) -> tuple[str | None, torch.Tensor | None]:
+    """Tries `torch._scaled_mm` with each weight-scale layout, once per device, shape, dtype and bias
+    (cached): (the layout it took, or None where it refused them all or torch has none; the product of
+    the call that succeeded, so that no call is wasted, or None)."""
+    key = (xq.device, xq.shape[0], *weight.shape, out_dtype, bias is not None)
+    if key in _scaled_mm_layouts:
+        return _scaled_mm_layouts[key], None
+    found, out = None, None
+    if hasattr(torch, "_scaled_mm") and xq.is_cuda:
+        for layout in _SCALE_B_LAYOUTS:
+            try:
+                out = _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout)
+            except (RuntimeError, ValueError, NotImplementedError, TypeError):
+                continue
+            found = layout
+            break
+    _scaled_mm_layouts[key] = found
+    return found, out
+
+
 def scaled_mm_layout(
     xq: torch.Tensor,
     xs: torch.Tensor,
@@ -495,20 +531,7 @@ def scaled_mm_layout(
     """The weight-scale layout `torch._scaled_mm` takes for these operands, or None where it refuses
     them all (or torch has no `_scaled_mm`, or they are not on CUDA). Tried on the first call per device,
     shape, dtype and bias, then cached: later calls do not try."""
-    key = (xq.device, xq.shape[0], *weight.shape, out_dtype, bias is not None)
-    if key in _scaled_mm_layouts:
-        return _scaled_mm_layouts[key]
-    found = None
-    if hasattr(torch, "_scaled_mm") and xq.is_cuda:
-        for layout in _SCALE_B_LAYOUTS:
-            try:
-                _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout)
-            except (RuntimeError, ValueError, NotImplementedError, TypeError):
-                continue
-            found = layout
-            break
-    _scaled_mm_layouts[key] = found
-    return found
+    return _probe_scaled_mm(xq, xs, weight, scale, bias, out_dtype)[0]
 
 
 def fp8_gemm_scaled_mm(
@@ -523,8 +546,12 @@ def fp8_gemm_scaled_mm(
     (`scaled_mm_layout`). The weight must be in 128x128 blocks."""
     block = (GROUP, GROUP)
     _check_operands(x, weight, scale, block)
+    if not x.shape[0]:
+        return fp8_gemm_triton(x, weight, scale, block, bias)
     xq, xs = quantized if quantized is not None else quantize_rows(x)
-    layout = scaled_mm_layout(xq, xs, weight, scale, bias, x.dtype) if x.shape[0] else None
+    layout, out = _probe_scaled_mm(xq, xs, weight, scale, bias, x.dtype)
+    if out is not None:  # the first call: the probe's product
+        return out
     if layout is None:
         return fp8_gemm_triton(x, weight, scale, block, bias, quantized=(xq, xs))
     return _scaled_mm(xq, xs, weight, scale, bias, x.dtype, layout)

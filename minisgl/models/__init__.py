@@ -60,10 +60,11 @@ def build_model(
         model = MODEL_FAMILIES[cfg.family](cfg, max_seq_len)
     if cfg.quantization is not None:
         logger.info("%s", cfg.quantization.describe())
-        if device.type == "cuda":
+        if device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
             logger.warning(
-                "FP8 linear layers run minisgl's float32 emulation on CUDA (a placeholder until the GPU "
-                "FP8 GEMM lands, docs/quantization.md): correct, but slower than bf16"
+                "FP8 linear layers in %s run minisgl's float32 emulation on CUDA (the FP8 kernels take "
+                "bf16 and float16 activations, docs/quantization.md): correct, but slow",
+                dtype,
             )
     if dummy:
         fp8 = init_dummy_fp8(model)
