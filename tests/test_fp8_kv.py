@@ -303,3 +303,71 @@ def test_fa3_is_refused_with_an_fp8_cache(monkeypatch, name, tmp_path):
     folder = make_tiny_model(tmp_path, "llama")
     with pytest.raises(ValueError, match=rf"attention_backend={name!r} cannot read the FP8 KV cache"):
         EngineConfig(model_path=str(folder), device="cpu", kv_cache_dtype="fp8_e4m3", attention_backend=name)
+
+
+class _FakeWrapper:
+    """Stands in for FlashInfer's wrappers (not installed on CPU machines): records plan() and run()."""
+
+    def __init__(self, *args, **kwargs):
+        self.plans, self.runs = [], []
+
+    def plan(self, *args, **kwargs):
+        self.plans.append(kwargs)
+
+    def run(self, q, kv, **kwargs):
+        self.runs.append((kv[0].dtype, kwargs))
+        return q
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a stand-in for flashinfer, for CPU machines")
+def test_flashinfer_backend_plans_and_runs_fp8_kv(monkeypatch):
+    """The FlashInfer backend over an FP8 pool, with a stand-in flashinfer module: plans with q in the
+    model's dtype and KV in e4m3, runs each layer with its scales as numbers (read once at creation);
+    decode batches up to `triton_decode_max_bs` run the Triton kernel over the FP8 pages with the
+    layer's scales, as the torch backend reads them."""
+    import sys
+    import types
+
+    from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
+
+    fake = types.ModuleType("flashinfer")
+    fake.BatchPrefillWithPagedKVCacheWrapper = fake.BatchDecodeWithPagedKVCacheWrapper = _FakeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: types.SimpleNamespace(record=lambda: None))
+    lens, heads, kv_heads, dim = [5, 9], 4, 2, 16
+    scales = torch.tensor([[0.25, 0.5], [0.03, 3.0]])
+    pool, table = _fp8_pool_case(lens, kv_heads, dim, scales.clone())
+    device = torch.device(DEVICE)
+    with pytest.raises(ValueError, match="FP8 KV pool needs q_dtype"):
+        FlashInferAttnBackend(pool, table, device, heads, kv_heads, dim, "fi", "fi")
+    with pytest.raises(ValueError, match="attention_backend='fa,fi' cannot read the FP8 KV cache"):
+        FlashInferAttnBackend(pool, table, device, heads, kv_heads, dim, "fa", "fi", q_dtype=torch.float32)
+    backend = FlashInferAttnBackend(
+        pool, table, device, heads, kv_heads, dim, "fi", "fi", q_dtype=torch.float32, triton_decode_max_bs=1
+    )
+    want = [{"k_scale": k, "v_scale": v} for k, v in scales.tolist()]  # the float32 values, as numbers
+    assert backend.layer_scales == want
+    pool.scales.fill_(7.0)  # read once at creation: later changes do not reach FlashInfer
+    assert backend.layer_scales == want
+    pool.scales.copy_(scales)
+    q = torch.randn(len(lens), heads, dim, generator=_gen(7)).to(DEVICE)
+    prefill = Batch(reqs=[Req([0] * n, i, 0, 1, i) for i, n in enumerate(lens)], phase="prefill")
+    decode = Batch(reqs=[Req([0] * n, i, n - 1, 1, i) for i, n in enumerate(lens)], phase="decode")
+    for batch, wrapper in ((prefill, backend.prefill_wrapper), (decode, backend.decode_wrapper)):
+        backend.prepare_metadata(batch)
+        assert wrapper.plans[-1]["q_data_type"] == torch.float32 and wrapper.plans[-1]["kv_data_type"] == E4M3
+        for layer in range(2):
+            backend.attend(q, layer, batch)
+            assert wrapper.runs[-1] == (
+                E4M3,
+                want[layer],
+            )
+    one = Batch(reqs=[Req([0] * lens[1], 1, lens[1] - 1, 1, 1)], phase="decode")  # the Triton kernel
+    backend.prepare_metadata(one)
+    assert one.attn_metadata.wrapper is None
+    torch_backend = TorchAttnBackend(pool, table, device)
+    ref = Batch(reqs=one.reqs, phase="decode")
+    torch_backend.prepare_metadata(ref)
+    for layer in range(2):
+        got, want = backend.attend(q[:1], layer, one), torch_backend.attend(q[:1], layer, ref)
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item() + 1e-6
