@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, parse_attention_backend
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, check_kv_dtype, parse_attention_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.kvcache import MHAKVCachePool
 
@@ -16,18 +16,24 @@ logger = logging.getLogger(__name__)
 __all__ = ["BaseAttnBackend", "BaseAttnMetadata", "TorchAttnBackend", "create_attention_backend"]
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> tuple[str, str]:
-    """(prefill, decode) backend names; 'auto' picks by the hardware, and the choice is checked."""
+def resolve_attention_backend(
+    name: str, device: torch.device, kv_dtype: torch.dtype | None = None
+) -> tuple[str, str]:
+    """(prefill, decode) backend names; 'auto' picks by the hardware and the KV cache's storage dtype
+    `kv_dtype` (an FP8 cache: FA2 prefill on sm90, FA3 cannot read it), and the choice is checked."""
     prefill, decode = parse_attention_backend(name)
     if prefill == "auto":
+        fp8 = kv_dtype == torch.float8_e4m3fn
         if device.type != "cuda":
             prefill = decode = "torch"
         else:
             major = torch.cuda.get_device_capability(device)[0]
+            sm90_prefill = "fi" if fp8 else "fa"
             prefill, decode = (
-                ("trtllm", "trtllm") if major >= 10 else ("fa", "fi") if major == 9 else ("fi", "fi")
+                ("trtllm", "trtllm") if major >= 10 else (sm90_prefill, "fi") if major == 9 else ("fi", "fi")
             )
-        logger.info("attention backend 'auto' -> %s (device %s)", f"{prefill},{decode}", device)
+        why = " for the FP8 KV cache" if fp8 and device.type == "cuda" else ""
+        logger.info("attention backend 'auto' -> %s (device %s%s)", f"{prefill},{decode}", device, why)
     for choice in (prefill, decode):
         if choice == "torch":
             continue
@@ -45,6 +51,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> tuple[str, str
             )
     if (prefill == "torch") != (decode == "torch"):
         raise ValueError(f"attention_backend={name!r}: 'torch' cannot be paired with a FlashInfer backend")
+    check_kv_dtype(name, prefill, decode, kv_dtype)
     return prefill, decode
 
 
@@ -59,11 +66,13 @@ def create_attention_backend(
     tensor_core_min_group: int = 1,
     split_kv_max_bs: int | None = None,
     triton_decode_max_bs: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
-    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim`; `tensor_core_min_group`,
-    `split_kv_max_bs` and `triton_decode_max_bs` go to `FlashInferAttnBackend`."""
-    prefill, decode = resolve_attention_backend(name, device)
+    rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim` and queries of `dtype` (the
+    model's; None: the pool's storage dtype); `tensor_core_min_group`, `split_kv_max_bs` and
+    `triton_decode_max_bs` go to `FlashInferAttnBackend`."""
+    prefill, decode = resolve_attention_backend(name, device, kv_cache.dtype)
     if prefill == "torch":
         return TorchAttnBackend(kv_cache, page_table, device)
     if importlib.util.find_spec("flashinfer") is None:
@@ -82,4 +91,5 @@ def create_attention_backend(
         tensor_core_min_group=tensor_core_min_group,
         split_kv_max_bs=split_kv_max_bs,
         triton_decode_max_bs=triton_decode_max_bs,
+        q_dtype=dtype,
     )

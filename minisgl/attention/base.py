@@ -26,6 +26,18 @@ def parse_attention_backend(value: str) -> tuple[str, str]:
     return (parts[0], parts[-1])
 
 
+def check_kv_dtype(name: str, prefill: str, decode: str, kv_dtype: torch.dtype | None) -> None:
+    """Refuses a backend pair that cannot read a float8_e4m3fn KV cache: FlashInfer's FA3 kernels (`fa`)
+    take FP8 KV only with an FP8 query, and minisgl's queries are in the model's dtype."""
+    if kv_dtype != torch.float8_e4m3fn or "fa" not in (prefill, decode):
+        return
+    raise ValueError(
+        f"attention_backend={name!r} cannot read the FP8 KV cache (kv_cache_dtype 'fp8_e4m3'): FlashInfer's "
+        "FA3 kernels ('fa') take FP8 KV only with FP8 queries. Use attention_backend 'auto' or 'fi' (FA2 "
+        "prefill, FlashInfer or Triton decode), or 'torch', or kv_cache_dtype 'auto'"
+    )
+
+
 @dataclass
 class BaseAttnMetadata:
     """Per-batch attention plan. `last_indices` selects each request's last computed token (prefill);

@@ -22,6 +22,16 @@ context; decode batches up to `triton_decode_max_bs` (the setting `decode_triton
 padding included) attend with minisgl's Triton split-KV kernel instead (`minisgl.kernels.decode_attention`),
 which reads each request's page-table row and length from two small device buffers: no FlashInfer plan.
 
+An FP8 KV cache (float8_e4m3fn pages, `kv_cache_dtype: fp8_e4m3`) is planned with `q_data_type` the
+model's dtype and `kv_data_type` e4m3, and run with the layer's `k_scale` and `v_scale` as Python floats
+(FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale after the kernel,
+skipping it at 1.0): the pool's scales are fixed once the model is loaded, so they are read from the
+device once, here at creation, never per step. FlashInfer's FA3 kernels take FP8 KV only with an FP8
+query, so `fa` is refused with an FP8 cache (`minisgl.attention.check_kv_dtype`); `auto` picks the FA2
+prefill (`fi`) there. The tensor-core decode runs FlashInfer's FA2 prefill kernel with FP8 KV, the
+CUDA-core decode its decode kernel, and the Triton decode reads the FP8 pages itself. The dtypes of a
+graph's plan are the pool's, fixed at capture and at every replay.
+
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
 table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
@@ -38,10 +48,11 @@ from typing import Any
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, check_kv_dtype
 from minisgl.attention.torch_backend import planned
 from minisgl.core import Batch
 from minisgl.kernels.decode_attention import decode_attention
+from minisgl.kernels.fp8 import FP8_DTYPE
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
@@ -60,12 +71,14 @@ _prefill_builds: dict[tuple, threading.Thread] = {}
 _prefill_builds_lock = threading.Lock()
 
 
-def _build_prefill_kernels_ahead(dtype: torch.dtype, head_dim: int) -> threading.Thread:
+def _build_prefill_kernels_ahead(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+) -> threading.Thread:
     """Starts (once per process and shape) a thread that builds, or loads from FlashInfer's cache, the FA3
     prefill module the prefill plan will ask for, with the arguments that plan passes: q, kv and output
     dtypes, the index dtype, head dims qk and vo, no positional encoding in the kernel, no sliding
     window, no logits soft cap, no fp16 qk reduction. A failure is only logged: the plan then builds it."""
-    args = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
+    args = (q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
 
     def build() -> None:
         started = time.perf_counter()
@@ -103,8 +116,10 @@ class FlashInferAttnBackend(BaseAttnBackend):
         tensor_core_min_group: int = 1,
         split_kv_max_bs: int | None = None,
         triton_decode_max_bs: int = 0,
+        q_dtype: torch.dtype | None = None,
     ) -> None:
-        """`decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
+        """`q_dtype`: the queries' (the model's) dtype; None: the pool's, which must then not be FP8.
+        `decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
         `tensor_core_min_group` query heads (an integer >= 1). `split_kv_max_bs`: the largest captured
         batch whose tensor-core decode splits the KV (None: every batch, FlashInfer's own behaviour).
         `triton_decode_max_bs`: the largest decode batch (padded) that runs the Triton kernel (0: none)."""
@@ -125,6 +140,18 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 f"got triton_decode_max_bs={triton_decode_max_bs!r}"
             )
         self.triton_decode_max_bs = triton_decode_max_bs
+        self.kv_dtype = kv_cache.dtype
+        if q_dtype is None:
+            if self.kv_dtype == FP8_DTYPE:
+                raise ValueError("an FP8 KV pool needs q_dtype, the model's dtype (bfloat16 or float16)")
+            q_dtype = self.kv_dtype
+        self.q_dtype = q_dtype
+        check_kv_dtype(f"{prefill},{decode}", prefill, decode, self.kv_dtype)
+        # FlashInfer's k_scale / v_scale per layer (numbers: its kernels take them so); read once here
+        self.layer_scales: list[dict[str, float]] = [{} for _ in range(kv_cache.num_layers)]
+        if self.kv_dtype == FP8_DTYPE:
+            scales = kv_cache.scales.tolist()  # one host read at creation; fixed after the model's load
+            self.layer_scales = [{"k_scale": k, "v_scale": v} for k, v in scales]
         import flashinfer
 
         self.flashinfer = flashinfer
@@ -151,7 +178,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         # from here on, while the decode graphs compile and capture; the first prefill plan waits for it
         self._prefill_build: threading.Thread | None = None
         if prefill == "fa" and decode != "fa":
-            self._prefill_build = _build_prefill_kernels_ahead(kv_cache.dtype, head_dim)
+            self._prefill_build = _build_prefill_kernels_ahead(self.q_dtype, self.kv_dtype, head_dim)
 
     def _wait_prefill_build(self) -> None:
         if self._prefill_build is not None:
@@ -189,8 +216,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         previous = self._planned.get(id(wrapper))
         if previous is not None:
             previous.synchronize()
-        dtype = self.kv_cache.dtype
-        wrapper.plan(*args, q_data_type=dtype, kv_data_type=dtype, **kwargs)
+        wrapper.plan(*args, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, **kwargs)
         event = torch.cuda.Event()
         event.record()
         self._planned[id(wrapper)] = event
@@ -294,6 +320,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         meta = planned(batch, FlashInferMetadata)
         if meta.wrapper is None:
             k, v = self.kv_cache.flat(layer_id)
-            return decode_attention(q, k, v, self.page_table, meta.rows, meta.lens)
+            scales = self.kv_cache.layer_scales(layer_id)
+            return decode_attention(q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
-        return meta.wrapper.run(q, kv)
+        return meta.wrapper.run(q, kv, **self.layer_scales[layer_id])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl.attention.base import parse_attention_backend
+from minisgl.attention.base import check_kv_dtype, parse_attention_backend
 from minisgl.config_fields import as_tuple, check_fields, internal, setting
 from minisgl.distributed import DistributedInfo
 from minisgl.models.config import QUANT_METHODS, ModelConfig
@@ -35,7 +35,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # the setting `kv_cache_dtype`: its storage dtype (None: the model's dtype)
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8}
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
@@ -104,9 +105,11 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "KV-cache storage: auto (the model's dtype) or fp8_e4m3 (float8_e4m3fn pages, one float32 scale "
-        "per layer for K and one for V: 1.0 unless the checkpoint has self_attn.k_scale/v_scale); "
-        "fp8_e4m3 runs on CPU only in this version.",
+        "KV-cache storage: auto (the model's dtype) or fp8_e4m3 (float8_e4m3fn pages, half of bf16's bytes: "
+        "about twice the pages; one float32 scale per layer for K and one for V, 1.0 unless the checkpoint "
+        "has self_attn.k_scale/v_scale). fp8_e4m3 runs on CPU and on CUDA from sm89, with the torch or fi "
+        "attention backends ('auto' picks FA2 prefill on sm90: FA3, 'fa', cannot read FP8 KV). "
+        "docs/quantization.md.",
         choices=tuple(KV_CACHE_DTYPES),
     )
     page_size: int = setting(16, "Tokens per KV-cache page.", ge=1, le=MAX_PAGE_SIZE)
@@ -257,11 +260,19 @@ class EngineConfig:
                 "or use minisgl.models.default_model_path() for the embedded SmolLM2-135M-Instruct."
             )
         _ = self.torch_device  # CUDA asked for where there is none
-        if self.kv_torch_dtype == torch.float8_e4m3fn and self.torch_device.type == "cuda":
+        if self.kv_torch_dtype == torch.float8_e4m3fn:
+            self._check_fp8_kv_cache()
+
+    def _check_fp8_kv_cache(self) -> None:
+        """An FP8 KV cache needs an attention backend that reads it and, on CUDA, float8 in Triton."""
+        check_kv_dtype(self.attention_backend, *parse_attention_backend(self.attention_backend), FP8)
+        device = self.torch_device
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(device)
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} runs on CPU only in this version: the GPU "
-                "attention and KV-store kernels do not read or write FP8 pages yet (docs/quantization.md); "
-                "use kv_cache_dtype 'auto' on CUDA"
+                f"kv_cache_dtype={self.kv_cache_dtype!r} on CUDA needs compute capability 8.9 or later "
+                f"(Ada, Hopper, Blackwell: float8 in the Triton decode kernel); this GPU is sm{major}{minor}. "
+                "Use kv_cache_dtype 'auto' here (docs/quantization.md)"
             )
 
     @cached_property

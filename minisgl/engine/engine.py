@@ -217,6 +217,7 @@ class Engine:
             split_kv_max_bs=cfg.decode_split_kv_max_bs,
             # its split count follows the batch size, so a request's logits would depend on its batch
             triton_decode_max_bs=0 if cfg.batch_invariant else cfg.decode_triton_max_bs,
+            dtype=self.dtype,
         )
         self.moe_backend = (
             create_moe_backend(cfg.moe_backend, self.device, self.dtype) if model_config.num_experts else None

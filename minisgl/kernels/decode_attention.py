@@ -19,6 +19,11 @@ a CUDA graph captured at one batch size replays the same grid. Each request's ro
 its length are read on the device: nothing is planned on the host. `decode_attention` is called by the
 FlashInfer backend (see its module) for decode batches up to the `decode_triton_max_bs` setting; the
 tests run it on CPU tensors under Triton's interpreter against a torch reference.
+
+An FP8 KV cache (float8_e4m3fn pages, the setting `kv_cache_dtype: fp8_e4m3`) is read as is: each block
+of K and V is widened to q's dtype (exact: e4m3 values are bf16 and fp16 values), K's scale multiplies
+the softmax scale and V's the output (both read on the device, from the layer's (2,) scales), so the
+kernel attends over e4m3 * scale as the torch backend does, without a dequantized copy.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ if triton is not None:
         part_ptr,
         lse_ptr,
         out_ptr,
+        scales_ptr,
         sm_scale,
         stride_qt,
         stride_qh,
@@ -79,6 +85,7 @@ if triton is not None:
         SPLITS: tl.constexpr,
         DOT_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        FP8: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
@@ -102,6 +109,9 @@ if triton is not None:
             mask=gmask[:, None] & dmask[None, :],
             other=0.0,
         )
+        if FP8:  # e4m3 * k_scale: K's scale goes into the softmax scale, V's onto the output
+            sm_scale = sm_scale * tl.load(scales_ptr)
+            v_scale = tl.load(scales_ptr + 1)
         if DOT_F32:
             q = q.to(tl.float32)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -114,6 +124,8 @@ if triton is not None:
             offs = loc[:, None] * stride_kvt + h * stride_kvh + d[None, :]
             kvmask = tmask[:, None] & dmask[None, :]
             k = tl.load(k_ptr + offs, mask=kvmask, other=0.0)
+            if FP8:
+                k = k.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
@@ -123,12 +135,16 @@ if triton is not None:
             p = tl.exp(scores - m_new[:, None])
             denom = denom * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=kvmask, other=0.0)
+            if FP8:
+                v = v.to(q_ptr.dtype.element_ty)
             if DOT_F32:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         safe = tl.where(denom > 0, denom, 1.0)
         out = acc / safe[:, None]
+        if FP8:
+            out = out * v_scale
         if SPLITS == 1:
             tl.store(
                 out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -187,6 +203,7 @@ def decode_attention(
     splits: int | None = None,
     block_n: int = BLOCK_N,
     pdl: bool | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `lens[i]` tokens.
 
@@ -194,7 +211,9 @@ def decode_attention(
     positions) int32 KV locations (the engine's page table); rows, lens: (B,) integer tensors (each
     request's table row, and its token count, at least 1). Returns (B, H, D) in q's dtype. `splits`
     (a power of two) overrides `num_splits`; `pdl`: programmatic dependent launch
-    (`minisgl.kernels.pdl`; None: `pdl_enabled`)."""
+    (`minisgl.kernels.pdl`; None: `pdl_enabled`). k and v may be float8_e4m3fn (an FP8 cache): then
+    `kv_scales`, the layer's contiguous (2,) float32 K and V scales on q's device, is required, and the
+    keys and values attended are e4m3 * scale."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads or q.stride(2) != 1 or k.stride(2) != 1 or k.stride() != v.stride():
@@ -202,6 +221,17 @@ def decode_attention(
             f"decode_attention needs query heads a multiple of KV heads and dense head dims; got q "
             f"{tuple(q.shape)} (strides {q.stride()}), k {tuple(k.shape)} (strides {k.stride()}), "
             f"v strides {v.stride()}"
+        )
+    fp8 = k.dtype == torch.float8_e4m3fn
+    if fp8 != (kv_scales is not None) or (fp8 and v.dtype != k.dtype):
+        raise ValueError(
+            "decode_attention: FP8 K and V need the layer's (2,) kv_scales and other caches take none; got "
+            f"k {k.dtype}, v {v.dtype}, kv_scales={None if kv_scales is None else tuple(kv_scales.shape)}"
+        )
+    if fp8 and (kv_scales.dtype != torch.float32 or kv_scales.shape != (2,) or not kv_scales.is_contiguous()):
+        raise ValueError(
+            "decode_attention: kv_scales must be a contiguous (2,) float32 tensor, got "
+            f"{tuple(kv_scales.shape)} {kv_scales.dtype} (strides {kv_scales.stride()})"
         )
     if splits is None:
         splits = num_splits(bs, num_kv_heads, _sm_count(q.device))
@@ -217,11 +247,11 @@ def decode_attention(
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     options = launch_options(pdl_enabled(q) if pdl is None else pdl)
     _split_kernel[(bs, num_kv_heads, splits)](
-        q, k, v, table, rows, lens, part, lse, out, scale,
+        q, k, v, table, rows, lens, part, lse, out, kv_scales if fp8 else q, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits, DOT_F32=_DOT_F32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **options,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, **options,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(bs, num_heads)](

@@ -4,27 +4,38 @@ K and V caches in a single launch (two `index_copy_` kernels otherwise).
 One program per token copies both rows (kv_heads * head_dim elements each). K and V may be strided
 views (V is a slice of the fused QKV projection); each row's heads and dims must be dense. The KV pool
 uses it where it applies unless built with `use_kernel=False` (the `use_kv_store_kernel` setting).
+
+An FP8 cache (float8_e4m3fn, the setting `kv_cache_dtype: fp8_e4m3`) gets e4m3 of k / k_scale and
+v / v_scale, the bytes of `minisgl.kernels.fp8.quantize_kv` (`minisgl.kernels.kv_fp8`), with the layer's
+scales read on the device. It runs on CUDA tensors, and on CPU tensors under Triton's interpreter (the
+CPU tests).
 """
 
 from __future__ import annotations
 
 import torch
 
+from minisgl.kernels.fp8 import FP8_DTYPE
+
 try:
     import triton
     import triton.language as tl
+
+    from minisgl.kernels.kv_fp8 import e4m3_bits
 except ImportError:  # CPU-only installs: index_copy_ serves
     triton = None
 
 
 def kv_store_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True when `store_kv` can run: Triton, CUDA, (T, H, D) rows with dense heads, same dtype."""
+    """True when `store_kv` can run: Triton, CUDA, (T, H, D) rows with dense heads, K and V of one
+    dtype, the cache's or (an FP8 cache) a floating one."""
     return (
         triton is not None
         and k.is_cuda
         and k.dim() == 3
         and k.shape == v.shape
-        and k.dtype == v.dtype == k_cache.dtype
+        and k.dtype == v.dtype
+        and (k_cache.dtype == k.dtype or (k_cache.dtype == FP8_DTYPE and k.dtype.is_floating_point))
         and k.stride(2) == 1
         and v.stride(2) == 1
         and k.stride(1) == k.shape[2]
@@ -42,10 +53,12 @@ if triton is not None:
         loc_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        scales_ptr,
         k_row_stride,
         v_row_stride,
         ROW: tl.constexpr,
         BLOCK: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         loc = tl.load(loc_ptr + t).to(tl.int64)
@@ -53,20 +66,43 @@ if triton is not None:
         mask = cols < ROW
         k = tl.load(k_ptr + t * k_row_stride + cols, mask=mask)
         v = tl.load(v_ptr + t * v_row_stride + cols, mask=mask)
+        if FP8:  # the caches are given as bytes: e4m3 of k / k_scale and v / v_scale
+            k = e4m3_bits(k, tl.load(scales_ptr))
+            v = e4m3_bits(v, tl.load(scales_ptr + 1))
         tl.store(k_cache_ptr + loc * ROW + cols, k, mask=mask)
         tl.store(v_cache_ptr + loc * ROW + cols, v, mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_loc: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """k_cache[out_loc[t]] = k[t] and v_cache[out_loc[t]] = v[t] for every token t, in one launch.
 
-    k, v: (T, H, D); out_loc: (T,) int64 slots; k_cache, v_cache: (slots, H, D), contiguous.
+    k, v: (T, H, D); out_loc: (T,) int64 slots; k_cache, v_cache: (slots, H, D), contiguous. FP8 caches
+    store `quantize_kv(k, scales[0])` and `quantize_kv(v, scales[1])`: `scales` is the layer's two
+    float32 scales (a contiguous (2,) tensor on k's device), needed then and only then.
     """
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (scales is not None):
+        raise ValueError(
+            f"store_kv: an FP8 cache needs the layer's (2,) K and V scales and another takes none; got a "
+            f"{k_cache.dtype} cache and scales={None if scales is None else tuple(scales.shape)}"
+        )
     tokens = k.shape[0]
     if tokens == 0:
         return
+    if fp8:
+        if scales.dtype != torch.float32 or scales.shape != (2,) or not scales.is_contiguous():
+            raise ValueError(
+                "store_kv: scales must be a contiguous (2,) float32 tensor, got "
+                f"{tuple(scales.shape)} {scales.dtype} (strides {scales.stride()})"
+            )
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     row = k.shape[1] * k.shape[2]
     _kv_store_kernel[(tokens,)](
         k,
@@ -74,9 +110,11 @@ def store_kv(
         out_loc,
         k_cache,
         v_cache,
+        scales if fp8 else k,  # not read
         k.stride(0),
         v.stride(0),
         ROW=row,
         BLOCK=triton.next_power_of_2(row),
+        FP8=fp8,
         num_warps=4,
     )

@@ -7,6 +7,10 @@ normalises it (Qwen3's per-head q/k norm, when the model has one), rotates it (t
 cos and sin read from the model's float32 table at the token's position) and writes a query head to
 the output, or a key head and its value head to the KV cache at the token's slot.
 
+An FP8 KV cache (float8_e4m3fn) gets the same keys rounded to the model's dtype first, then quantized as
+`minisgl.kernels.fp8.quantize_kv` does (e4m3 of k / k_scale, `minisgl.kernels.kv_fp8`), and the values
+quantized with v_scale: the FP8 pages hold `quantize_kv` of what a cache in the model's dtype would hold.
+
 Numerics: the norm, its weight and the rotation in float32, rounded once at the store. The unfused
 layers (`rms_norm` then `apply_rope` in `minisgl.layers`) round the normalised row before and after its
 weight and round cos and sin to the model's dtype first; each of those roundings measured further from
@@ -21,11 +25,14 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels.fp8 import FP8_DTYPE
 from minisgl.kernels.pdl import launch_options, pdl_enabled
 
 try:
     import triton
     import triton.language as tl
+
+    from minisgl.kernels.kv_fp8 import e4m3_bits
 except ImportError:  # CPU-only installs: the unfused path serves
     triton = None
 
@@ -56,6 +63,7 @@ if triton is not None:
         q_out_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        scales_ptr,
         qkv_row_stride,
         cos_sin_row_stride,
         eps,
@@ -64,6 +72,7 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        FP8: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: everything read here may come from the kernel before
@@ -103,11 +112,18 @@ if triton is not None:
         else:
             loc = tl.load(loc_ptr + t).to(tl.int64)
             slot = (loc * KVH + head) * D
-            tl.store(k_cache_ptr + slot + d, o1, mask=mask)
-            tl.store(k_cache_ptr + slot + half + d, o2, mask=mask)
             v_src = row + (H + KVH) * D + head * D
             v1 = tl.load(v_src + d, mask=mask, other=0.0)
             v2 = tl.load(v_src + half + d, mask=mask, other=0.0)
+            if FP8:  # the caches are given as bytes: e4m3 of k / k_scale (k in dtype) and v / v_scale
+                k_scale = tl.load(scales_ptr)
+                v_scale = tl.load(scales_ptr + 1)
+                o1 = e4m3_bits(o1, k_scale)
+                o2 = e4m3_bits(o2, k_scale)
+                v1 = e4m3_bits(v1, v_scale)
+                v2 = e4m3_bits(v2, v_scale)
+            tl.store(k_cache_ptr + slot + d, o1, mask=mask)
+            tl.store(k_cache_ptr + slot + half + d, o2, mask=mask)
             tl.store(v_cache_ptr + slot + d, v1, mask=mask)
             tl.store(v_cache_ptr + slot + half + d, v2, mask=mask)
 
@@ -125,6 +141,7 @@ def qk_norm_rope_store(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The queries (T, num_heads, head_dim), normed and rotated; the keys, normed and rotated, and the
     values go to `k_cache[out_loc[t]]` and `v_cache[out_loc[t]]`.
@@ -132,10 +149,25 @@ def qk_norm_rope_store(
     qkv: (T, (num_heads + 2 num_kv_heads) head_dim), contiguous, q then k then v heads; positions and
     out_loc: (T,) integers; cos_sin: (positions, head_dim) float32, cos in the first half and sin in the
     second (`minisgl.layers.build_rope_cache`); q_norm and k_norm: (head_dim,) weights, both or neither;
-    k_cache, v_cache: (slots, num_kv_heads, head_dim), contiguous.
+    k_cache, v_cache: (slots, num_kv_heads, head_dim), contiguous, in qkv's dtype or float8_e4m3fn: an
+    FP8 cache stores `quantize_kv(k, kv_scales[0])` and `quantize_kv(v, kv_scales[1])` (k rounded to
+    qkv's dtype first), `kv_scales` being the layer's contiguous (2,) float32 scales, on qkv's device.
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: give both or neither")
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (kv_scales is not None):
+        raise ValueError(
+            "qk_norm_rope_store: an FP8 cache needs the layer's (2,) kv_scales and another takes none; got "
+            f"a {k_cache.dtype} cache and kv_scales={None if kv_scales is None else tuple(kv_scales.shape)}"
+        )
+    if fp8:
+        if kv_scales.dtype != torch.float32 or kv_scales.shape != (2,) or not kv_scales.is_contiguous():
+            raise ValueError(
+                "qk_norm_rope_store: kv_scales must be a contiguous (2,) float32 tensor, got "
+                f"{tuple(kv_scales.shape)} {kv_scales.dtype} (strides {kv_scales.stride()})"
+            )
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     tokens = qkv.shape[0]
     q = qkv.new_empty(tokens, num_heads, head_dim)
     if tokens == 0:
@@ -151,6 +183,7 @@ def qk_norm_rope_store(
         q,
         k_cache,
         v_cache,
+        kv_scales if fp8 else qkv,  # not read
         qkv.stride(0),
         cos_sin.stride(0),
         eps,
@@ -159,6 +192,7 @@ def qk_norm_rope_store(
         D=head_dim,
         BLOCK=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=has_norm,
+        FP8=fp8,
         num_warps=1 if head_dim <= 128 else 2,
         **launch_options(pdl_enabled(qkv)),
     )

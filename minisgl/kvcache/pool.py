@@ -5,7 +5,9 @@ A KV location is `page * page_size + offset`; the flat views index by location. 
 
 The pool's `dtype` is its storage dtype: the model's, or float8_e4m3fn (the setting `kv_cache_dtype:
 fp8_e4m3`). An FP8 pool has one float32 scale per layer for K and one for V (`scales`, FlashInfer's form):
-it stores e4m3 of k / k_scale (`minisgl.kernels.fp8.quantize_kv`) and `gather` reads back e4m3 * k_scale.
+it stores e4m3 of k / k_scale (`minisgl.kernels.fp8.quantize_kv`; on CUDA the KV-store kernel writes the
+same bytes) and `gather` reads back e4m3 * k_scale. The scales are fixed once the model is loaded: the
+FlashInfer backend reads them once, at its creation (its kernels take them as numbers).
 """
 
 from __future__ import annotations
@@ -103,14 +105,18 @@ class MHAKVCachePool(BaseKVCachePool):
         # index_select: much faster than advanced indexing on CPU
         return k_cache.index_select(0, pages).to(dtype), v_cache.index_select(0, pages).to(dtype)
 
+    def layer_scales(self, layer_id: int) -> torch.Tensor | None:
+        """An FP8 pool's K and V scales of the layer, a (2,) float32 view on the device; None otherwise."""
+        return self.scales[layer_id] if self.is_fp8 else None
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
         k_flat, v_flat = self.flat(layer_id)
-        if self.is_fp8:  # index_copy_ has no float8 kernels: the bytes are copied
+        if self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both (FP8 too)
+            store_kv(k, v, out_loc, k_flat, v_flat, self.layer_scales(layer_id))
+        elif self.is_fp8:  # index_copy_ has no float8 kernels: the bytes are copied
             k_scale, v_scale = self.scales[layer_id]
             k_flat.view(torch.uint8).index_copy_(0, out_loc, quantize_kv(k, k_scale).view(torch.uint8))
             v_flat.view(torch.uint8).index_copy_(0, out_loc, quantize_kv(v, v_scale).view(torch.uint8))
-        elif self.use_kernel and kv_store_applies(k, v, k_flat):  # one Triton kernel for both
-            store_kv(k, v, out_loc, k_flat, v_flat)
         else:
             k_flat.index_copy_(0, out_loc, k)
             v_flat.index_copy_(0, out_loc, v)

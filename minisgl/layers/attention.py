@@ -58,7 +58,7 @@ def rope_attention(
     k_cache, v_cache = ctx.kv_cache.flat(layer_id)
     q = qk_norm_rope_store(
         qkv, positions, cos_sin, q_norm, k_norm, eps, batch.out_loc, k_cache, v_cache, num_heads,
-        num_kv_heads, head_dim,
+        num_kv_heads, head_dim, ctx.kv_cache.layer_scales(layer_id),
     )  # fmt: skip
     return ctx.attn_backend.attend(q, layer_id, batch).contiguous()
 
