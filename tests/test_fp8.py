@@ -32,6 +32,8 @@ from minisgl.settings import EngineSettings, SettingsError
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# a scale is amax times float32(1 / 448), one multiplication on every device (minisgl.kernels.fp8)
+E4M3_INV = 1.0 / E4M3_MAX
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPT_LENS = [5, 17, 1, 40]
 DECODE_STEPS = 6
@@ -44,7 +46,7 @@ def ref_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.
     """e4m3 values and float32 scales of w, block by block (block None: one scale for the tensor)."""
     w = w.float()
     if block is None:
-        scale = w.abs().max() / E4M3_MAX
+        scale = w.abs().max() * E4M3_INV
         return (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
     bn, bk = block
     rows, cols = w.shape
@@ -53,7 +55,7 @@ def ref_quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.
     for i in range(0, rows, bn):
         for j in range(0, cols, bk):
             part = w[i : i + bn, j : j + bk]
-            scale = part.abs().max() / E4M3_MAX
+            scale = part.abs().max() * E4M3_INV
             q[i : i + bn, j : j + bk] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
             scales[i // bn, j // bk] = scale
     return q, scales
@@ -71,11 +73,11 @@ def ref_dequantize(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
 
 
 def ref_round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x with each token's groups of `group` columns rounded through e4m3 at scale amax / 448."""
+    """x with each token's groups of `group` columns rounded through e4m3 at scale amax x float32(1 / 448)."""
     out = torch.empty_like(x)
     for j in range(0, x.shape[-1], group):
         part = x[..., j : j + group].float()
-        scale = part.abs().amax(dim=-1, keepdim=True) / E4M3_MAX
+        scale = part.abs().amax(dim=-1, keepdim=True) * E4M3_INV
         out[..., j : j + group] = (part / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * scale
     return out
 

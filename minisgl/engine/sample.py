@@ -509,7 +509,7 @@ class Sampler:
         for slot, tokens, generated in pen.fresh:
             self._counts[slot].zero_()
             self._seen[slot].zero_()
-            self._seen[slot, torch.tensor(tokens).to(self.device, non_blocking=True)] = True
+            self._seen[slot].index_fill_(0, torch.tensor(tokens).to(self.device, non_blocking=True), True)
             if generated:
                 ids = torch.tensor(generated).to(self.device, non_blocking=True)
                 self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
@@ -523,9 +523,11 @@ class Sampler:
     def _count(self, tokens: torch.Tensor, pen: PenaltyArgs) -> None:
         """Adds each penalised row's new token (if it is an output) to its slot's counts."""
         assert self._counts is not None and self._seen is not None
-        new = tokens[pen.rows].long()
-        self._counts.index_put_((pen.slots, new), pen.emits.to(torch.int32), accumulate=True)
-        self._seen.index_put_((pen.slots, new), self._seen[pen.slots, new] | pen.emits)
+        # flat scatters: index_put_ with a tensor index blocked the host for ~1.5 ms a call on an H200
+        flat = pen.slots.long() * self.vocab_size + tokens[pen.rows].long()
+        self._counts.view(-1).scatter_add_(0, flat, pen.emits.to(torch.int32))
+        seen = self._seen.view(-1)
+        seen.scatter_(0, flat, seen.gather(0, flat) | pen.emits)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -6,7 +6,8 @@ The formats (docs/quantization.md):
   (ceil(N / block_n), ceil(K / block_k)): one scale per block of block_n rows and block_k columns (the
   last blocks may be partial). The weight is `q * scale` of each entry's block, the convention of
   `weight_scale_inv` in Qwen's and DeepSeek's FP8 checkpoints. `quantize_blocks` makes them: a block's
-  scale is its largest magnitude / 448 (e4m3's largest finite value), its values are divided by it.
+  scale is its largest magnitude / 448 (e4m3's largest finite value; computed as amax times the float32
+  reciprocal of 448), its values are divided by it.
 - An activation row is quantized the same way on the fly, in groups of `group` columns: one scale per
   token and group (`quantize_groups`).
 - A KV value is stored as e4m3 of value / scale, with one float32 scale per layer for K and one for V
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INV_FP8_MAX = 1.0 / FP8_MAX  # a block's scale is its amax times this, in float32
 # a block or group of zeros gets this amax, so that its scale is no zero to divide by (its values stay 0)
 MIN_AMAX = 1e-12
 # activation group width: per token, in groups of this many columns (or of the weight's block width,
@@ -63,7 +65,9 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 def quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, K) -> (e4m3 (N, K), float32 scales (ceil(N / bn), ceil(K / bk))): each block divided by its
     largest magnitude / 448."""
-    scale = block_amax(x, block).clamp(min=MIN_AMAX) / FP8_MAX
+    # times the float32 reciprocal, not / 448: torch on CUDA divides by a Python scalar that way (on the
+    # CPU truly), so one multiplication is the formula every device and the Triton kernels share
+    scale = block_amax(x, block).clamp(min=MIN_AMAX) * INV_FP8_MAX
     return to_fp8(x.float() / expand_scale(scale, x.shape, block)), scale
 
 

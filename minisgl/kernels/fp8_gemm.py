@@ -12,12 +12,14 @@ multiple of 128 or all of K (per-tensor scales): a weight row's scale row is n /
 - `quantize_rows`: x (M, K) -> e4m3 (M, K) and float32 scales (M, ceil(K / 128)) stored column-major,
   strides (1, M), the layout `torch._scaled_mm` takes for 1x128 scales. The numbers of
   `minisgl.kernels.fp8.quantize_groups`, bit for bit.
-- `fp8_gemv`: few rows (decode), M <= `GEMV_MAX_ROWS`. A program owns `block_rows` output rows and
-  sweeps all of K in one unrolled loop of 128-column steps (as `minisgl.kernels.gemv` does), reading the
-  weight at one byte an element; it quantizes the activations itself (every program the same way, as
-  `quantize_groups` does), multiplies the dequantized operands in float32 on the CUDA cores and sums
-  in float32: the emulation's products, summed in another order. Programmatic dependent launch as in
-  `minisgl.kernels.pdl`: the first weight block (and the scales) are loaded before `gdc_wait`.
+- `fp8_gemv`: few rows (decode), M <= `GEMV_MAX_ROWS`. The activations are quantized once
+  (`quantize_rows`); then a program owns `block_rows` output rows and sweeps all of K in one unrolled
+  loop of 512-column steps (as `minisgl.kernels.gemv` does), reading the weight at one byte an element;
+  per 128-column group it sums the e4m3 products (exact in float32) on the CUDA cores and multiplies
+  the sum by the weight and activation scales: the emulation's sum in another order. (The first
+  version quantized the activations inside every program and was slower than bf16 on an H200.)
+  Programmatic dependent launch as in `minisgl.kernels.pdl`: the first weight block (and the scales)
+  are loaded before `gdc_wait`.
 - `fp8_gemm_triton`: more rows. `tl.dot` on e4m3 tiles (BLOCK_M x 128 activations, 128 x BLOCK_N
   weights) gives each 128-column step's partial product in float32, which is multiplied by the
   activation scale of its row and the weight scale of its column and added to a float32 accumulator.
@@ -40,10 +42,11 @@ cuBLAS's) multiply e4m3 exactly but Hopper's FP8 MMA accumulates a 128-column st
 before it reaches the float32 accumulator: bound 1e-3 of the output's largest magnitude, plus the
 output's rounding (tests/gpu/test_gpu_fp8.py).
 
-Under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) the kernels round float32 to e4m3 in
-float32 arithmetic before the conversion: the interpreter's own conversion (Triton 3.9) rounds wrongly
-where rounding up carries into the exponent (31.6 -> 16 instead of 32); likewise bf16 outputs (its
-conversion from float32 truncates). On a GPU the hardware conversions (round to nearest even) run.
+The kernels round float32 to e4m3 in float32 arithmetic before the conversion, on every device: Triton's
+interpreter (TRITON_INTERPRET=1, the CPU tests; Triton 3.9) rounds wrongly where rounding up carries into
+the exponent (31.6 -> 16 instead of 32), and on an H200 (Triton 3.6) the conversion gave other bytes
+than torch's for some values (the scales, see quantize_blocks). Under the interpreter bf16 outputs are rounded the same way (its
+conversion from float32 truncates); on a GPU the hardware conversion (round to nearest even) runs.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import os
 import torch
 
 from minisgl.compile import gemv_kernel_mode
-from minisgl.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from minisgl.kernels.fp8 import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_AMAX
 from minisgl.kernels.fp8 import fp8_linear as emulated_fp8_linear
 from minisgl.kernels.pdl import launch_options, pdl_enabled
 
@@ -69,8 +72,12 @@ GROUP = 128
 MAX_K = 16384
 # the most rows the GEMV kernel takes (its BLOCK_M); the op's threshold is GEMV_MAX_ROWS
 GEMV_ROWS_LIMIT = 16
-# rows up to this run the GEMV, more the GEMM (module-level: perf/gpu/fp8_gemm.py switches it)
-GEMV_MAX_ROWS = 8
+# columns a GEMV step reads (`_gemv_block_k`)
+GEMV_BLOCK_K = 512
+# rows up to this run the GEMV, more the GEMM (module-level: perf/gpu/fp8_gemm.py switches it). On an
+# H200 at Qwen3-8B's shapes the GEMV took 0.56-0.69x bf16 cuBLAS's time at 1 row, 0.83-0.90x at 2, and was
+# 2-5x slower than the GEMMs at 4 (docs/quantization.md)
+GEMV_MAX_ROWS = 2
 # the GEMM for more rows: "scaled_mm" (cuBLASLt, the Triton GEMM where it is refused) or "triton"
 GEMM_BACKEND = "scaled_mm"
 # Triton GEMM tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), picked by M: the first
@@ -90,6 +97,7 @@ def _cdiv(a: int, b: int) -> int:
 if triton is not None:
     _FP8_MAX = tl.constexpr(FP8_MAX)
     _MIN_AMAX = tl.constexpr(MIN_AMAX)
+    _INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 
     @triton.jit
     def _round_e4m3(v):
@@ -113,16 +121,17 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quantize_tile(x, INTERPRET: tl.constexpr):
+    def _quantize_tile(x):
         """x (R, GROUP) float32, one group per row -> (e4m3 values (R, GROUP), float32 scales (R,)):
-        scale = max(amax, MIN_AMAX) / 448, x / scale clamped to +-448 and rounded to nearest even, each
-        division correctly rounded, as `minisgl.kernels.fp8.quantize_groups` computes it."""
+        scale = max(amax, MIN_AMAX) x float32(1 / 448), x / scale (correctly rounded) clamped to +-448
+        and rounded to nearest even, as `minisgl.kernels.fp8.quantize_groups` computes it."""
         amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX), _FP8_MAX)
+        scale = tl.maximum(amax, _MIN_AMAX) * _INV_FP8_MAX  # as quantize_blocks: times the reciprocal
         v = tl.math.div_rn(x, scale[:, None])
         v = tl.minimum(tl.maximum(v, -_FP8_MAX), _FP8_MAX)
-        if INTERPRET:
-            v = _round_e4m3(v)
+        # rounded here on every device: the conversion then only changes the format. (The interpreter's
+        # conversion rounds wrongly; on an H200, Triton's gave other bytes than torch's for some values.)
+        v = _round_e4m3(v)
         return v.to(tl.float8e4nv), scale
 
     @triton.jit
@@ -135,88 +144,85 @@ if triton is not None:
         x_row_stride,
         GROUPS: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
-        INTERPRET: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
         mask = cols < K
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        q, scale = _quantize_tile(x, INTERPRET)
+        q, scale = _quantize_tile(x)
         tl.store(q_ptr + row * K + cols, q, mask=mask)
         tl.store(s_ptr + groups * M + row, scale, mask=groups * GROUP_SIZE < K)  # column-major
 
     @triton.jit
     def _fp8_gemv_kernel(
-        x_ptr,
+        xq_ptr,
+        xs_ptr,
         w_ptr,
         s_ptr,
         b_ptr,
         y_ptr,
         M,
         N,
-        x_row_stride,
         K: tl.constexpr,
         SCALE_BLOCK_N: tl.constexpr,
         SCALE_BLOCK_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
-        INTERPRET: tl.constexpr,
         ROUND_BF16: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
+        # xq (M, K) e4m3 and xs (M, ceil(K / GROUP_SIZE)) column-major: `quantize_rows`' output
         pid = tl.program_id(0)
         if USE_PDL:  # see minisgl.kernels.pdl: the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
-        KB = (K + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K  # scale columns
+        KB: tl.constexpr = (K + SCALE_BLOCK_K - 1) // SCALE_BLOCK_K  # weight scale columns
+        XG: tl.constexpr = (K + GROUP_SIZE - 1) // GROUP_SIZE  # activation groups
+        G: tl.constexpr = BLOCK_K // GROUP_SIZE  # groups a step covers
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         w_rows = rows.to(tl.int64) * K
         s_rows = (rows // SCALE_BLOCK_N) * KB
         tokens = tl.arange(0, BLOCK_M)
-        token_mask = tokens < M
-        x_rows = tokens.to(tl.int64) * x_row_stride
-        if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, GROUP_SIZE], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in tl.static_range(0, K, GROUP_SIZE):
-            cols = k0 + tl.arange(0, GROUP_SIZE)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
             w = tl.load(
                 w_ptr + w_rows[:, None] + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :],
                 other=0.0,
             )
-            w_scale = tl.load(s_ptr + s_rows + k0 // SCALE_BLOCK_K, mask=row_mask, other=0.0)
+            groups = k0 // GROUP_SIZE + tl.arange(0, G)
+            group_mask = groups < XG
+            w_scale = tl.load(
+                s_ptr + s_rows[:, None] + (groups * GROUP_SIZE // SCALE_BLOCK_K)[None, :],
+                mask=row_mask[:, None] & group_mask[None, :],
+                other=0.0,
+            )
             if USE_PDL:
                 if k0 == 0:  # the first block of weights is in flight: now wait for the activations
                     tl.extra.cuda.gdc_wait()
-            x = tl.load(
-                x_ptr + x_rows[:, None] + cols[None, :],
-                mask=token_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            xq, x_scale = _quantize_tile(x, INTERPRET)
-            # the dequantized operands, each rounded to float32 as the emulation rounds them
-            wd = w.to(tl.float32) * w_scale[:, None]
-            xd = xq.to(tl.float32) * x_scale[:, None]
-            if BLOCK_M == 1:
-                acc += wd * xd
-            else:
-                acc += tl.sum(wd[:, None, :] * xd[None, :, :], axis=2)
-        if BLOCK_M == 1:
-            y = tl.sum(acc, axis=1)[:, None]
-        else:
-            y = acc
+            wf = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                # (m < M as tensors: a scalar condition is no mask the interpreter takes)
+                x_mask = col_mask & (cols * 0 + m < M)
+                xq = tl.load(xq_ptr + m * K + cols, mask=x_mask, other=0.0).to(tl.float32)
+                x_scale = tl.load(xs_ptr + groups * M + m, mask=group_mask & (groups * 0 + m < M), other=0.0)
+                # each group's e4m3 products (exact in float32) summed, then scaled once by both scales
+                part = tl.sum(tl.reshape(wf * xq[None, :], (BLOCK_N, G, GROUP_SIZE)), axis=2)
+                y_m = tl.sum(part * w_scale * x_scale[None, :], axis=1)
+                acc += tl.where(tokens[None, :] == m, y_m[:, None], 0.0)
+        y = acc
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         if ROUND_BF16:
             y = _round_bf16(y)
         out = y_ptr + tokens[None, :].to(tl.int64) * N + rows[:, None]
-        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & token_mask[None, :])
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & (tokens < M)[None, :])
 
     @triton.jit
     def _fp8_gemm_kernel(
@@ -329,7 +335,6 @@ def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
             x.stride(0),
             GROUPS=per_program,
             GROUP_SIZE=group,
-            INTERPRET=_interpreting(),
             num_warps=4,
         )
     return q, scales
@@ -337,14 +342,18 @@ def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
 
 def gemv_config(m: int, n: int) -> tuple[int, int]:
     """(output rows per program, warps) of the GEMV for m activation rows and n output rows: fewer
-    output rows per program as m grows (a step's product is rows x m x 128 values), and fewer on narrow
-    matrices so that every SM has programs. A first guess: `python -m perf.gpu.fp8_gemm --sweep` times
-    the others."""
+    output rows per program as m grows, and fewer on narrow matrices so that every SM has programs.
+    `python -m perf.gpu.fp8_gemm --sweep` times the others."""
     block_m = triton.next_power_of_2(m)
-    block_rows = 8 if block_m <= 2 else 4 if block_m <= 8 else 2
+    block_rows = 4 if block_m <= 2 else 2
     if n < 2048:
         block_rows = max(1, block_rows // 2)
     return block_rows, 4
+
+
+def _gemv_block_k(k: int) -> int:
+    """Columns a GEMV step reads: 512 (four groups), fewer for narrow rows, never below a group."""
+    return max(GROUP, min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
 
 
 def gemv_launch(
@@ -358,27 +367,28 @@ def gemv_launch(
     num_warps: int,
     pdl: bool = False,
 ) -> None:
-    """Launches the GEMV with an explicit configuration (the benchmark sweeps these) into `out` (M, N);
-    x (M, K) with unit column stride, M <= GEMV_ROWS_LIMIT."""
+    """Quantizes x (`quantize_rows`), then launches the GEMV with an explicit configuration (the
+    benchmark sweeps these) into `out` (M, N); x (M, K), M <= GEMV_ROWS_LIMIT."""
     m, k = x.shape
     n = weight.shape[0]
+    xq, xs = quantize_rows(x)
     _fp8_gemv_kernel[(triton.cdiv(n, block_rows),)](
-        x,
+        xq,
+        xs,
         weight,
         scale,
         bias if bias is not None else scale,
         out,
         m,
         n,
-        x.stride(0),
         K=k,
         SCALE_BLOCK_N=block[0],
         SCALE_BLOCK_K=block[1],
         HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_rows,
+        BLOCK_K=_gemv_block_k(k),
         GROUP_SIZE=GROUP,
-        INTERPRET=_interpreting(),
         ROUND_BF16=_interpreting() and out.dtype == torch.bfloat16,
         num_warps=num_warps,
         **launch_options(pdl),
@@ -395,7 +405,7 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """x (M, K) @ W^T (+ bias) -> (M, N) in `out_dtype` (x's by default), M <= 16, for the FP8 weight
     W = `weight` (N, K) e4m3 with scales `scale` (ceil(N / block[0]), ceil(K / block[1])); x is quantized
-    per token group of 128 inside the kernel."""
+    per token group of 128 first (`quantize_rows`)."""
     _check_operands(x, weight, scale, block)
     m, k = x.shape
     if m > GEMV_ROWS_LIMIT:

@@ -115,17 +115,19 @@ if triton is not None:
             v_src = row + (H + KVH) * D + head * D
             v1 = tl.load(v_src + d, mask=mask, other=0.0)
             v2 = tl.load(v_src + half + d, mask=mask, other=0.0)
+            # (new names in each branch: Triton refuses a variable whose type an `if` changes)
             if FP8:  # the caches are given as bytes: e4m3 of k / k_scale (k in dtype) and v / v_scale
                 k_scale = tl.load(scales_ptr)
                 v_scale = tl.load(scales_ptr + 1)
-                o1 = e4m3_bits(o1, k_scale)
-                o2 = e4m3_bits(o2, k_scale)
-                v1 = e4m3_bits(v1, v_scale)
-                v2 = e4m3_bits(v2, v_scale)
-            tl.store(k_cache_ptr + slot + d, o1, mask=mask)
-            tl.store(k_cache_ptr + slot + half + d, o2, mask=mask)
-            tl.store(v_cache_ptr + slot + d, v1, mask=mask)
-            tl.store(v_cache_ptr + slot + half + d, v2, mask=mask)
+                tl.store(k_cache_ptr + slot + d, e4m3_bits(o1, k_scale), mask=mask)
+                tl.store(k_cache_ptr + slot + half + d, e4m3_bits(o2, k_scale), mask=mask)
+                tl.store(v_cache_ptr + slot + d, e4m3_bits(v1, v_scale), mask=mask)
+                tl.store(v_cache_ptr + slot + half + d, e4m3_bits(v2, v_scale), mask=mask)
+            else:
+                tl.store(k_cache_ptr + slot + d, o1, mask=mask)
+                tl.store(k_cache_ptr + slot + half + d, o2, mask=mask)
+                tl.store(v_cache_ptr + slot + d, v1, mask=mask)
+                tl.store(v_cache_ptr + slot + half + d, v2, mask=mask)
 
 
 def qk_norm_rope_store(
