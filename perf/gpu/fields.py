@@ -4,23 +4,40 @@ with `logprobs: 5` on every request, served with text (goal: at least 0.85x).
 
     python -m perf.gpu.fields MODEL_DIR [--config YAML] [--before SRC] [--reps 3] [--out DIR]
 
-MODEL_DIR as `perf.gpu.serving`'s (config.json and a tokenizer; dummy weights from the preset).
+MODEL_DIR as `perf.gpu.serving`'s (config.json and a tokenizer; dummy weights from the preset);
+`--shape cpu` runs `perf.gpu.serving`'s scaled-down workload (a dry run on a CPU with a CPU config).
 `--before SRC`: the source tree of an earlier build (e.g. `git archive` of the commit before issue 29),
 served beside the current one, both at `MINISGL_MEMORY_RATIO=0.42` so they fit one GPU together; each
 round then runs the earlier build's plain workload and the current build's plain, penalties and
-logprobs workloads back to back (`--reps` rounds, medians). Servers bind to 127.0.0.1; every run is
-bounded by `bench_serving`'s timeout. A plain script, not a test.
+logprobs workloads back to back (`--reps` rounds, medians). Servers bind to 127.0.0.1. A run that takes
+longer than `--run-timeout` seconds is stopped and recorded as timed out, after `py-spy dump` of the
+server's processes and of the client (where py-spy is on PATH: perf/gpu/wheels.txt) and a copy of the
+server's /metrics, under --out: where it waits. A plain script, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
-from perf.gpu.serving import PRESET, WARM_UP, Proc, _free_port, _line, bench_serving
+from perf.gpu.serving import (
+    CPU_ARGS,
+    PRESET,
+    ROOT,
+    WARM_UP,
+    Proc,
+    _children,
+    _free_port,
+    _get,
+    _last_json,
+    _line,
+    bench_serving,
+)
 
 VARIANTS = {
     "plain": None,
@@ -28,6 +45,45 @@ VARIANTS = {
     "logprobs": {"logprobs": 5},
 }
 GOALS = {"penalties": 0.9, "logprobs": 0.85}
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants."""
+    pids = [pid]
+    for child in _children(pid):
+        pids += _tree(child)
+    return pids
+
+
+def bench_or_dump(
+    base: str, server: Proc, out: Path, key: str, extra: list[str], timeout: float
+) -> dict | None:
+    """`minisgl-run bench-serving --json` against `base` (its report), or None when it runs past
+    `timeout`: then the stacks of the server's and the client's processes (py-spy dump) and the server's
+    /metrics go to out/KEY-timeout-*.txt first, and the client is stopped."""
+    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", base, "--json", *extra]
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        stdout, stderr = client.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        name = key.replace("/", "-")
+        spy = shutil.which("py-spy")
+        if spy is not None:
+            for pid in _tree(server.proc.pid) + _tree(client.pid):
+                dump = subprocess.run(
+                    [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+                )
+                (out / f"{name}-timeout-spy-{pid}.txt").write_text(dump.stdout + dump.stderr)
+        (out / f"{name}-timeout-metrics.txt").write_text(_get(base.removesuffix("/v1") + "/metrics")[1])
+        client.kill()
+        client.communicate()
+        print(f"{key}: no answer in {timeout:.0f} s (stacks and metrics under {out})", flush=True)
+        return None
+    if client.returncode != 0:
+        raise RuntimeError(f"bench-serving failed: {stderr[-3000:]}")
+    report = _last_json(stdout)
+    report.pop("requests", None)
+    return report
 
 
 def serve(args: argparse.Namespace, out: Path, name: str, tree: Path) -> tuple[Proc, str]:
@@ -53,7 +109,12 @@ def main() -> None:
     parser.add_argument("--site", default=None, help="a folder of packages to put first on the servers' path")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default="fields-out")
+    parser.add_argument("--run-timeout", type=float, default=120, help="seconds a run may take")
+    parser.add_argument(
+        "--shape", choices=["full", "cpu"], default="full", help="cpu: the scaled-down workload"
+    )
     args = parser.parse_args()
+    args.workload = CPU_ARGS if args.shape == "cpu" else []
     args.model, args.config = str(Path(args.model).resolve()), str(Path(args.config).resolve())
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -63,13 +124,15 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     try:
         for i in range(args.reps):
-            for name, _, base in servers:
+            for name, proc, base in servers:
                 for variant, body in VARIANTS.items():
                     if name == "before" and body is not None:
                         continue
-                    extra = [] if body is None else ["--extra-body", json.dumps(body)]
-                    report = bench_serving(base, *extra)
+                    extra = [*args.workload] + ([] if body is None else ["--extra-body", json.dumps(body)])
                     key = f"{name}/{variant}"
+                    report = bench_or_dump(base, proc, out, key, extra, args.run_timeout)
+                    if report is None:
+                        continue
                     runs.setdefault(key, []).append(report)
                     print(_line(f"{key} #{i + 1}", report), flush=True)
                     (out / "fields.json").write_text(json.dumps(runs, indent=1))
@@ -77,7 +140,7 @@ def main() -> None:
         for _, proc, _ in servers:
             proc.stop()
     tok_s = {key: [r["output_throughput"] for r in reports] for key, reports in runs.items()}
-    plain = statistics.median(tok_s["current/plain"])
+    plain = statistics.median(tok_s.get("current/plain", [float("nan")]))
     print(f"\n--- sampling fields, rate inf, {args.reps} rounds ---")
     for key, values in tok_s.items():
         ratio = statistics.median(values) / plain
