@@ -115,7 +115,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.workload = CPU_ARGS if args.shape == "cpu" else []
-    args.model, args.config = str(Path(args.model).resolve()), str(Path(args.config).resolve())
+    if Path(args.model).exists():  # a folder (a name like smollm2-135m stays a name)
+        args.model = str(Path(args.model).resolve())
+    args.config = str(Path(args.config).resolve())
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     servers = [("current", *serve(args, out, "current", Path(__file__).resolve().parents[2]))]

@@ -8,7 +8,8 @@ least 1.9x one server, the router at least 1.8x).
 MODEL_DIR as `perf.gpu.serving`'s (config.json and a tokenizer; the preset's dummy weights). Every part
 runs the same workload scaled by its replica count: `--prompts-per-replica` x N requests at rate inf,
 at most `--concurrency-per-replica` x N in flight (`minisgl-run bench-serving`), `--reps` runs on one
-start of its servers, after a warm-up; one server is the 1x. Parts:
+start of its servers, after a warm-up; one server is the 1x. The prompts are sent as text (decoded once
+with MODEL_DIR's tokenizer) in every part: the router refuses token-id prompts on /v1/completions. Parts:
 
 - one: `minisgl-run serve` (one GPU).
 - dp: `minisgl-run serve --dp N` (replica i on GPU i).
@@ -105,6 +106,7 @@ def _part(args: argparse.Namespace, out: Path, part: str) -> Iterator[str]:
 def run_part(args: argparse.Namespace, out: Path, part: str) -> list[dict[str, Any]]:
     n = 1 if part == "one" else args.replicas
     workload = [*args.workload, "--num-prompts", str(args.prompts_per_replica * n)]
+    workload += ["--prompt-format", "text", "--tokenizer", args.model]
     workload += ["--max-concurrency", str(args.concurrency_per_replica * n), "--api-key", KEY]
     reports = []
     with _part(args, out, part) as base:
@@ -132,7 +134,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=["full", "cpu"], default="full")
     parser.add_argument("--out", default="scale-out")
     args = parser.parse_args()
-    args.model, args.config = str(Path(args.model).resolve()), str(Path(args.config).resolve())
+    if Path(args.model).exists():  # a folder (a name like smollm2-135m stays a name)
+        args.model = str(Path(args.model).resolve())
+    args.config = str(Path(args.config).resolve())
     args.workload = list(CPU_ARGS[2:]) if args.shape == "cpu" else []  # the prompt count is set per part
     args.device_args = ["--device", "cpu"] if args.shape == "cpu" else []
     out = Path(args.out).resolve()
