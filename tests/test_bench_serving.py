@@ -538,10 +538,11 @@ def test_fast_stub_client_processes(fast_stub) -> None:
     )
     assert report["client_processes"] == 2 and report["completed"] == 20
     assert report["total_output_tokens"] == sum(r.max_tokens for r in requests)
-    # in workload order, each sent no earlier than its place in the one shared schedule
+    # in workload order, each sent no earlier than its place in the one shared schedule (within 5 ms: each
+    # process reads the shared start on its own clock; 1 ms flaked by 0.1 ms on a loaded 2-core machine)
     assert [r["max_tokens"] for r in report["requests"]] == [r.max_tokens for r in requests]
     for r, offset in zip(report["requests"], offsets):
-        assert r["start"] >= offset - 1e-3
+        assert r["start"] >= offset - 5e-3
     assert report["duration_s"] >= offsets[-1]
     assert "Client processes:" in format_report(report)
 
