@@ -237,12 +237,14 @@ class Grammars:
         self._clear_tail(mask)
         for i in rows:
             state = states[i]
-            # a matcher always allows a token (the end, at least): only min_tokens can take them all
-            if state.req.device_len - len(state.prompt_ids) < state.params.min_tokens:
+            held = state.req.device_len - len(state.prompt_ids) < state.params.min_tokens
+            if held:  # min_tokens holds the end back
                 self._clear(mask[i], self._held_back(state.params))
-                if not mask[i].any():
-                    mask[i] = -1
-                    state.grammar.dead = self._dead_message(state)
+        empty = ~mask.numpy()[rows].any(axis=1)  # rows that allow no token: never drawn from
+        for i in (rows[j] for j in empty.nonzero()[0]):
+            state = states[i]
+            mask[i] = -1
+            state.grammar.dead = self._dead_message(state)
         return mask.to(device, non_blocking=True)
 
     def _clear_tail(self, mask: torch.Tensor) -> None:
@@ -265,9 +267,16 @@ class Grammars:
     @staticmethod
     def _dead_message(state: Any) -> str:
         done = state.req.device_len - len(state.prompt_ids)
+        if done < state.params.min_tokens:
+            return (
+                f"its {state.grammar.field} allows no token after {done} tokens but the end, which "
+                f"min_tokens={state.params.min_tokens} holds back (EOS and stop_token_ids); lower min_tokens"
+            )
+        # a matcher that is not at its end allows some token, but only if a token of the vocabulary
+        # continues its text: a grammar can lead where none does (seen with hypothesis' regexes)
         return (
-            f"its {state.grammar.field} allows no token after {done} tokens but the end, which "
-            f"min_tokens={state.params.min_tokens} holds back (EOS and stop_token_ids); lower min_tokens"
+            f"its {state.grammar.field} allows no token after {done} tokens, not even the end: no token of "
+            "this model's vocabulary continues the output there; simplify the grammar"
         )
 
 
