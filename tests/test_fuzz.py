@@ -382,6 +382,7 @@ RESPONSE_FORMATS = st.one_of(
         optional={"json_schema": JSON_VALUE},
     ),
 )
+DEAD_END = "allows no token after"
 STRUCTURED_VALUES = {"response_format": RESPONSE_FORMATS, "regex": REGEXES, "ebnf": EBNFS}
 
 
@@ -400,7 +401,10 @@ def structured_fields(draw: st.DrawFn) -> dict:
 @given(fields=structured_fields(), chat=st.booleans(), stream=st.booleans())
 def test_any_structured_output_fields_over_http_get_200_or_a_clear_400(tiny_server, fields, chat, stream):
     """response_format, regex and ebnf of any value and type: a 200 whose choice ends normally, or a 400
-    with OpenAI's error body; a 200 stream carries no error event; the server stays usable."""
+    with OpenAI's error body; a 200 stream carries no error event; the server stays usable. The one
+    error after generation starts: a random regex can lead where no token of the vocabulary continues
+    its text and the end is not allowed either (a 400, or an error event in the stream, naming it;
+    logged without a traceback, which the fixture checks)."""
     route, prompt = (
         ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
         if chat
@@ -408,15 +412,19 @@ def test_any_structured_output_fields_over_http_get_200_or_a_clear_400(tiny_serv
     )
     body = {"model": tiny_server.model, "max_tokens": 4, "stream": stream, **prompt, **fields}
     r = httpx.post(f"{tiny_server.url}/{route}", json=body, timeout=60)
-    assert r.status_code in (200, 400), (r.status_code, r.text[:300], fields)
     if r.status_code == 400:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], error
-        event(f"400 on {error['param']}")
+        dead_end = error["code"] == "grammar_dead_end" and DEAD_END in error["message"]
+        event("400: the grammar's dead end" if dead_end else f"400 on {error['param']}")
     elif stream:
-        assert '"error"' not in r.text and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
-        event("200 streamed")
+        assert r.status_code == 200, (r.status_code, r.text[:300], fields)
+        assert r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+        errors = [line for line in r.text.splitlines() if '"error"' in line]
+        assert all(DEAD_END in line for line in errors), errors
+        event("200 streamed" + (" ending with the grammar's dead end" if errors else ""))
     else:
+        assert r.status_code == 200, (r.status_code, r.text[:300], fields)
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text[:300]
         event("200")
     assert _http_normal(tiny_server) == tiny_server.normal

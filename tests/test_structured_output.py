@@ -305,6 +305,26 @@ def test_a_grammar_without_a_first_token_raises_up_front(llm32) -> None:
     assert finished(out) == "" and len(out.token_ids) == 1
 
 
+# 'a', then a character outside the Basic Multilingual Plane that no token of SmolLM2's vocabulary
+# starts: the grammar has no token to go on with after one token, and may not end there
+DEAD_END_REGEX = "a\U0009a78a"
+
+
+def test_a_grammar_that_leads_where_no_token_continues_fails_that_request_alone(llm32, caplog) -> None:
+    """Such a row is never drawn from: the request ends with "error" naming the dead end, logged as a
+    warning without a traceback (the request's doing), and the free request beside it is unaffected."""
+    prompts = ["Hi", "The capital of France is"]
+    params = [SamplingParams(regex=DEAD_END_REGEX, max_tokens=8), SamplingParams(max_tokens=6, ignore_eos=True)]
+    with caplog.at_level("WARNING", logger="minisgl.scheduler.scheduler"):
+        bad, good = llm32.generate(prompts, params)
+    assert bad.finish_reason == "error" and bad.text == "a", (bad.finish_reason, bad.text)
+    assert "its regex allows no token after 1 tokens, not even the end" in bad.error, bad.error
+    assert good.token_ids == llm32.generate([prompts[1]], params[1])[0].token_ids
+    [record] = [r for r in caplog.records if "allows no token" in r.getMessage()]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    llm_clean(llm32)
+
+
 def test_bad_structured_output_parameters_name_the_field() -> None:
     for kwargs, words in [
         (dict(regex="a", ebnf="root ::= 'a'"), "regex and ebnf were both given"),
@@ -518,3 +538,18 @@ def test_bad_structured_output_is_a_400_naming_the_field(server, route) -> None:
             assert error["type"] == "invalid_request_error"
     ok = httpx.post(f"{server.url}/{route}", json={"model": MODEL, "max_tokens": 2, **prompt}, timeout=120)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_grammars_dead_end_is_a_400_or_an_error_event_naming_it(server) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "regex": DEAD_END_REGEX}
+    r = httpx.post(f"{server.url}/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "grammar_dead_end" and error["type"] == "invalid_request_error", error
+    assert "its regex allows no token after 1 tokens" in error["message"], error
+    r = httpx.post(f"{server.url}/completions", json={**body, "stream": True}, timeout=120)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if "choices" in e) == "a"
+    assert events[-1]["error"]["code"] == "grammar_dead_end", events[-1]
+    assert "Traceback" not in server.output()

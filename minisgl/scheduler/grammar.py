@@ -61,6 +61,14 @@ def _invalid(field: str, error: Exception) -> str:
     return f"{field} is not {what} xgrammar can compile: {_reason(error)}"
 
 
+DEAD_END = "allows no token after"  # in the message of every GrammarDeadEnd (the server tells them apart)
+
+
+class GrammarDeadEnd(ValueError):
+    """A request's grammar allows no token where its output stands (the request's own doing, not a
+    fault of the engine: it finishes that request alone with "error", logged without a traceback)."""
+
+
 class GrammarState:
     """One constrained request's matcher: its state after the output tokens processed so far (kept
     across a preemption, since the tokens are). `dead`: why no token may follow (set by
@@ -77,7 +85,7 @@ class GrammarState:
         """Advances the matcher by one output token; a ValueError when the grammar allows none here or
         refuses this one (the request then finishes with "error")."""
         if self.dead is not None:
-            raise ValueError(self.dead)
+            raise GrammarDeadEnd(self.dead)
         if not self.matcher.accept_token(token):
             raise ValueError(f"token {token} does not continue the output allowed by its {self.field}")
 
@@ -269,13 +277,13 @@ class Grammars:
         done = state.req.device_len - len(state.prompt_ids)
         if done < state.params.min_tokens:
             return (
-                f"its {state.grammar.field} allows no token after {done} tokens but the end, which "
+                f"its {state.grammar.field} {DEAD_END} {done} tokens but the end, which "
                 f"min_tokens={state.params.min_tokens} holds back (EOS and stop_token_ids); lower min_tokens"
             )
         # a matcher that is not at its end allows some token, but only if a token of the vocabulary
         # continues its text: a grammar can lead where none does (seen with hypothesis' regexes)
         return (
-            f"its {state.grammar.field} allows no token after {done} tokens, not even the end: no token of "
+            f"its {state.grammar.field} {DEAD_END} {done} tokens, not even the end: no token of "
             "this model's vocabulary continues the output there; simplify the grammar"
         )
 

@@ -86,7 +86,7 @@ from minisgl.engine.sample import BatchSamplingArgs, LogprobArgs
 from minisgl.kvcache import RadixCache
 from minisgl.kvcache.radix import Match
 from minisgl.scheduler.config import CACHE_TYPES
-from minisgl.scheduler.grammar import Grammars, has_grammar
+from minisgl.scheduler.grammar import GrammarDeadEnd, Grammars, has_grammar
 from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
@@ -441,12 +441,13 @@ class Scheduler:
         detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         message = f"failed while {stage}: {detail}"
         states = [state for state in states if not state.finished]
-        logger.error(
+        logger.log(
+            logging.WARNING if isinstance(error, GrammarDeadEnd) else logging.ERROR,
             "%d request(s) %s %s",
             len(states),
             [state.uid for state in states],
             message,
-            exc_info=error if isinstance(error, Exception) else None,
+            exc_info=error if isinstance(error, Exception) and not isinstance(error, GrammarDeadEnd) else None,
         )
         now, updates = time.perf_counter(), []
         for state in states:

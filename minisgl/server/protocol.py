@@ -88,6 +88,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from minisgl.core import INT64_MAX, MAX_LOGPROBS, SamplingParams
+from minisgl.scheduler.grammar import DEAD_END
 from minisgl.server.structured import GRAMMAR_PARAMS, ResponseFormat, StructuredOutputError, grammar_fields
 from minisgl.templates import check_template_kwargs
 
@@ -734,7 +735,8 @@ class Generation(Protocol):
 
 def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop", "length"]:
     """The engine's finish reason as OpenAI's; "error" and "abort" raise the APIError that replaces the
-    choice (see the module docstring)."""
+    choice (see the module docstring): a 400 where the request's grammar reached a dead end
+    (`GrammarDeadEnd`), else a 500 (503 for "abort")."""
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]
     if reason == "abort":
@@ -744,6 +746,8 @@ def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop
             type="server_error",
             code="request_aborted",
         )
+    if reason == "error" and error and DEAD_END in error:  # the request's grammar, not the server
+        raise APIError(f"generation stopped: {error}", code="grammar_dead_end")
     detail = f": {error}" if error else ""
     raise APIError(
         f"generation failed{detail}"
