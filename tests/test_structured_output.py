@@ -189,6 +189,34 @@ def test_a_mixed_batch_gives_every_request_the_tokens_it_gets_alone(which, llm32
     llm_clean(llm)
 
 
+def test_constrained_steps_keep_overlap_and_the_tokens_of_steps_without(llm32, no_overlap) -> None:
+    """Under overlap a constrained batch's masks are filled once its forward is launched, after the
+    previous step's tokens are read (`Scheduler._deferred_mask`): the previous forward is still in
+    flight when the step is prepared, and the outputs are those of a scheduler without overlap."""
+    sched = llm32.scheduler
+    prompts = [chat(llm32, QUESTIONS["person"]), chat(llm32, "Give the date of the moon landing.")]
+    params = [
+        SamplingParams(json_schema=PERSON, max_tokens=MAX_TOKENS),
+        SamplingParams(regex=DATE, max_tokens=MAX_TOKENS),
+    ]
+    deferred, calls = sched._deferred_mask, []
+
+    def counted(states):
+        calls.append(sched._in_flight is not None)
+        return deferred(states)
+
+    sched._deferred_mask = counted
+    try:
+        outs = llm32.generate(prompts, params)
+    finally:
+        del sched._deferred_mask
+    assert len(calls) > 10 and all(calls)  # every decode step of theirs overlapped the one before
+    assert [o.token_ids for o in outs] == [o.token_ids for o in no_overlap.generate(prompts, params)]
+    jsonschema.validate(json.loads(finished(outs[0])), PERSON)
+    assert re.fullmatch(DATE, finished(outs[1]))
+    llm_clean(llm32)
+
+
 def test_a_batch_without_a_grammar_gets_no_mask_and_plain_generation_no_xgrammar(llm32, tmp_path) -> None:
     from minisgl.scheduler import RequestState
 
@@ -314,7 +342,10 @@ def test_a_grammar_that_leads_where_no_token_continues_fails_that_request_alone(
     """Such a row is never drawn from: the request ends with "error" naming the dead end, logged as a
     warning without a traceback (the request's doing), and the free request beside it is unaffected."""
     prompts = ["Hi", "The capital of France is"]
-    params = [SamplingParams(regex=DEAD_END_REGEX, max_tokens=8), SamplingParams(max_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(regex=DEAD_END_REGEX, max_tokens=8),
+        SamplingParams(max_tokens=6, ignore_eos=True),
+    ]
     with caplog.at_level("WARNING", logger="minisgl.scheduler.scheduler"):
         bad, good = llm32.generate(prompts, params)
     assert bad.finish_reason == "error" and bad.text == "a", (bad.finish_reason, bad.text)

@@ -20,6 +20,7 @@ and with ``Sampler(..., compile=False)`` (the ``compile_sampler`` setting), the 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -217,7 +218,8 @@ class BatchSamplingArgs:
     penalties: PenaltyArgs | None = None
     # structured output: (B, ceil(V / 32)) int32 packed allowed tokens, on the device (every bit set in
     # the rows of requests without a grammar); None when no request of the batch has one
-    token_mask: torch.Tensor | None = None
+    # or a function that gives it (the scheduler's, under overlap: called after the forward is launched)
+    token_mask: torch.Tensor | Callable[[], torch.Tensor | None] | None = None
     # log probabilities: None when no request of the batch asks for any in this forward
     logprobs: LogprobArgs | None = None
 
@@ -455,8 +457,9 @@ class Sampler:
                 f"logits must be (batch, >= vocab_size={self.vocab_size}), got shape {tuple(logits.shape)}"
             )
         logits = logits[:, : self.vocab_size]
-        if args.token_mask is not None:  # structured output first: what follows sees the masked logits
-            logits = apply_token_mask(logits, args.token_mask)
+        mask = args.token_mask() if callable(args.token_mask) else args.token_mask
+        if mask is not None:  # structured output first: what follows sees the masked logits
+            logits = apply_token_mask(logits, mask)
         if args.bias_ids is not None:  # then logit_bias; padding (-1) goes to an extra column
             ids = torch.where(args.bias_ids < 0, self.vocab_size, args.bias_ids)
             logits = torch.cat(

@@ -225,7 +225,13 @@ class Grammars:
         dropped, allow every token. A request whose grammar allows no token here (min_tokens holds back
         the end it has reached: see the module docstring) is marked `dead` and its row allows every
         token: its token finishes it with "error" when processed."""
-        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.req.is_partial]
+        # (a request finished since the batch was made, under overlap, keeps an all-allowed row: its
+        # token is dropped)
+        rows = [
+            i
+            for i, s in enumerate(states)
+            if s.grammar is not None and not s.req.is_partial and not s.finished
+        ]
         if not rows:
             return None
         mask = torch.empty((len(states), self.words), dtype=torch.int32, pin_memory=device.type == "cuda")

@@ -45,11 +45,13 @@ wastes nothing. A request preempted while its token is in flight loses that toke
 forward is read, recomputed after its re-admission); freeing its pages and table_idx at once is safe
 as an abort's is: the device runs the forwards in order.
 
-Structured output (`minisgl.scheduler.grammar`, docs/structured-output.md) turns overlap off for the
-steps that need it: a constrained request's token mask for step N+1 depends on its token of step N, so a
-step that launched a forward with a constrained request reads that forward's tokens before it returns
-(the next step prepares its masks from them). Batches without a constrained request keep overlapping;
-a constrained request is therefore never in flight when it is preempted or aborted.
+Structured output (`minisgl.scheduler.grammar`, docs/structured-output.md) keeps overlap: a
+constrained request's token mask for step N depends on its token of step N-1, which is still in flight
+when step N is prepared. So a batch with a constrained request gets its mask late (`_deferred_mask`):
+the engine launches step N's forward, then asks for the mask before it samples; the scheduler then
+reads step N-1's tokens (its `_collect`, early: the step's own collect takes those updates), the
+matchers accept them, and the masks are filled while the device runs the forward. The sampler waits
+for the mask's copy, the forward does not wait for the host.
 
 `Scheduler(record_steps=N)` (or setting `scheduler.record_steps = N` later) keeps a `StepRecord` of each
 of the last N forwards in `scheduler.step_records`: phase, mode, sizes, host and device times.
@@ -62,6 +64,7 @@ launching forwards and collecting their tokens, abort.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -70,6 +73,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from minisgl.core import (
     FATAL_ERRORS,
@@ -172,6 +177,8 @@ class Scheduler:
         self.step_records: deque[StepRecord] = deque()
         self.record_steps = record_steps
         self._in_flight: _InFlight | None = None  # overlap: the forward whose tokens come next
+        # a forward `_deferred_mask` collected early, and the updates its collect made
+        self._early: tuple[_InFlight, list[Update]] | None = None
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in the order of their (latest) admission
         self.preemptions = 0  # running requests preempted so far
@@ -415,11 +422,9 @@ class Scheduler:
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
-            updates += self._collect(launched)
-        if self._in_flight is not None and has_grammar(self._in_flight.states):
-            # structured output: the next step's token masks need this forward's tokens
-            launched, self._in_flight = self._in_flight, None
-            updates += self._collect(launched)
+            early, self._early = self._early, None
+            updates += early[1] if early is not None and early[0] is launched else self._collect(launched)
+        self._early = None
         # nothing ran, nothing runs: nobody may be stuck (a following rank waits for rank 0's verdict)
         if not states and self._in_flight is None and not self.follows:
             updates += self._fail_unschedulable(blocked)
@@ -447,7 +452,9 @@ class Scheduler:
             len(states),
             [state.uid for state in states],
             message,
-            exc_info=error if isinstance(error, Exception) and not isinstance(error, GrammarDeadEnd) else None,
+            exc_info=error
+            if isinstance(error, Exception) and not isinstance(error, GrammarDeadEnd)
+            else None,
         )
         now, updates = time.perf_counter(), []
         for state in states:
@@ -598,8 +605,20 @@ class Scheduler:
         args.suppress = self.output.suppressed(
             states, self.engine.config.model_config.vocab_size, self.engine.device
         )
-        args.token_mask = self.grammars.token_mask(states, self.engine.device)
+        if self.overlap and self._in_flight is not None and has_grammar(states):
+            args.token_mask = functools.partial(self._deferred_mask, states)  # the engine asks for it later
+        else:
+            args.token_mask = self.grammars.token_mask(states, self.engine.device)
         return batch, args
+
+    def _deferred_mask(self, states: list[RequestState]) -> torch.Tensor | None:
+        """The token mask of a batch whose forward runs now (overlap): the forward in flight before it is
+        collected first (its constrained requests' last tokens accepted; the updates kept for the step's
+        own collect), then the masks are filled from the matchers."""
+        previous = self._in_flight
+        if previous is not None and self._early is None:
+            self._early = (previous, self._collect(previous))
+        return self.grammars.token_mask(states, self.engine.device)
 
     def _forward(
         self,

@@ -11,10 +11,11 @@ SmolLM2-135M-Instruct by default, or any local folder with one (the dummy-weight
 Each variant queues the batch, runs until every request decodes, then times `--steps` scheduler steps
 of the whole batch back to back (wall clock, the device synchronized at both ends) and aborts the
 requests; three runs of each, alternating, and the median. The
-unconstrained steps overlap (the default); the constrained ones cannot (docs/structured-output.md), so
-the difference is the mask's device work (`apply_token_mask`, timed alone) plus the host work no longer
-hidden behind the forward: filling the 64 masks (`Grammars.token_mask`, timed alone), accepting the
-tokens, and the step's own scheduling. A plain script, not a test.
+unconstrained steps overlap (the default); the constrained ones too, with their masks filled once the
+forward is launched (docs/structured-output.md), so the difference is the mask's device work
+(`apply_token_mask`, timed alone) plus the host work the forward does not cover: reading the previous
+step's tokens, accepting them and filling the 64 masks (`Grammars.token_mask`, timed alone) before the
+sampler can run. A plain script, not a test.
 """
 
 from __future__ import annotations
