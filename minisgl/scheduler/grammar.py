@@ -72,21 +72,30 @@ class GrammarDeadEnd(ValueError):
 class GrammarState:
     """One constrained request's matcher: its state after the output tokens processed so far (kept
     across a preemption, since the tokens are). `dead`: why no token may follow (set by
-    `Grammars.token_mask`; the token that forward samples finishes the request with "error")."""
+    `Grammars.token_mask`; the token that forward samples finishes the request with "error").
+    `ahead`: (token, accepted) when `Grammars.accept_ahead` advanced the matcher before the token is
+    processed."""
 
-    __slots__ = ("matcher", "field", "dead")
+    __slots__ = ("matcher", "field", "dead", "ahead")
 
     def __init__(self, matcher: Any, field: str) -> None:
         self.matcher = matcher
         self.field = field
         self.dead: str | None = None
+        self.ahead: tuple[int, bool] | None = None
 
     def accept(self, token: int) -> None:
-        """Advances the matcher by one output token; a ValueError when the grammar allows none here or
-        refuses this one (the request then finishes with "error")."""
-        if self.dead is not None:
+        """Advances the matcher by one output token (or reports what `Grammars.accept_ahead` did with
+        it); a ValueError when the grammar allows none here or refuses this one (the request then
+        finishes with "error")."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == token:  # accepted before the mask that found `dead` was made
+            accepted = ahead[1]
+        elif self.dead is not None:
             raise GrammarDeadEnd(self.dead)
-        if not self.matcher.accept_token(token):
+        else:
+            accepted = self.matcher.accept_token(token)
+        if not accepted:
             raise ValueError(f"token {token} does not continue the output allowed by its {self.field}")
 
 
@@ -218,11 +227,28 @@ class Grammars:
             logger.info("structured output: xgrammar compiler ready (%d tokens)", self.vocab_size)
         return self._compiler
 
+    def accept_ahead(self, pairs: Iterable[tuple[Any, int]]) -> None:
+        """Advances the matchers of (`RequestState`, its new token) pairs in one call to xgrammar, before
+        the tokens are processed (the next step's masks need them first, see `Scheduler._deferred_mask`);
+        `GrammarState.accept` reports the outcome when each token is processed. A dead grammar's matcher
+        is left alone (its token fails the request)."""
+        pairs = [(state.grammar, token) for state, token in pairs if state.grammar.dead is None]
+        if not pairs:
+            return
+        import xgrammar as xgr
+
+        matchers = [grammar.matcher for grammar, _ in pairs]
+        tokens = [token for _, token in pairs]
+        for (grammar, token), ok in zip(pairs, xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)):
+            grammar.ahead = (token, ok)
+
     def token_mask(self, states: Sequence[Any], device: torch.device) -> torch.Tensor | None:
         """The token mask of a batch (`states`: its `RequestState`s), (B, words) int32 packed bits
         copied to `device` without blocking, or None when no request of the batch has a grammar
         (nothing is made). Rows of requests without a grammar, and of prefill chunks whose token is
-        dropped, allow every token. A request whose grammar allows no token here (min_tokens holds back
+        dropped, allow every token; so do the rows of requests finished since the batch was made or
+        whose matcher has accepted its end (they finish when that token is processed, and this forward's
+        token is dropped). A request whose grammar allows no token here (min_tokens holds back
         the end it has reached: see the module docstring) is marked `dead` and its row allows every
         token: its token finishes it with "error" when processed."""
         # (a request finished since the batch was made, under overlap, keeps an all-allowed row: its
@@ -230,7 +256,10 @@ class Grammars:
         rows = [
             i
             for i, s in enumerate(states)
-            if s.grammar is not None and not s.req.is_partial and not s.finished
+            if s.grammar is not None
+            and not s.req.is_partial
+            and not s.finished
+            and not s.grammar.matcher.is_terminated()
         ]
         if not rows:
             return None
@@ -251,7 +280,7 @@ class Grammars:
         self._clear_tail(mask)
         for i in rows:
             state = states[i]
-            held = state.req.device_len - len(state.prompt_ids) < state.params.min_tokens
+            held = _accepted(state) < state.params.min_tokens
             if held:  # min_tokens holds the end back
                 self._clear(mask[i], self._held_back(state.params))
         empty = ~mask.numpy()[rows].any(axis=1)  # rows that allow no token: never drawn from
@@ -280,7 +309,7 @@ class Grammars:
 
     @staticmethod
     def _dead_message(state: Any) -> str:
-        done = state.req.device_len - len(state.prompt_ids)
+        done = _accepted(state)
         if done < state.params.min_tokens:
             return (
                 f"its {state.grammar.field} {DEAD_END} {done} tokens but the end, which "
@@ -292,6 +321,12 @@ class Grammars:
             f"its {state.grammar.field} {DEAD_END} {done} tokens, not even the end: no token of "
             "this model's vocabulary continues the output there; simplify the grammar"
         )
+
+
+def _accepted(state: Any) -> int:
+    """The output tokens a request's matcher has accepted: those processed, and one accepted ahead."""
+    ahead = state.grammar.ahead
+    return len(state.output_ids) + (ahead is not None and ahead[1])
 
 
 def has_grammar(states: Iterable[Any]) -> bool:

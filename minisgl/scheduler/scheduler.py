@@ -49,9 +49,10 @@ Structured output (`minisgl.scheduler.grammar`, docs/structured-output.md) keeps
 constrained request's token mask for step N depends on its token of step N-1, which is still in flight
 when step N is prepared. So a batch with a constrained request gets its mask late (`_deferred_mask`):
 the engine launches step N's forward, then asks for the mask before it samples; the scheduler then
-reads step N-1's tokens (its `_collect`, early: the step's own collect takes those updates), the
-matchers accept them, and the masks are filled while the device runs the forward. The sampler waits
-for the mask's copy, the forward does not wait for the host.
+reads step N-1's tokens (`_read`, early), the constrained requests' matchers accept theirs in one
+call, and the masks are filled while the device runs the forward; the rest of step N-1's collect
+(detokenizing, stop checks) follows once the sampler is launched. The sampler waits for the mask's
+copy, the forward does not wait for the host.
 
 `Scheduler(record_steps=N)` (or setting `scheduler.record_steps = N` later) keeps a `StepRecord` of each
 of the last N forwards in `scheduler.step_records`: phase, mode, sizes, host and device times.
@@ -177,8 +178,9 @@ class Scheduler:
         self.step_records: deque[StepRecord] = deque()
         self.record_steps = record_steps
         self._in_flight: _InFlight | None = None  # overlap: the forward whose tokens come next
-        # a forward `_deferred_mask` collected early, and the updates its collect made
-        self._early: tuple[_InFlight, list[Update]] | None = None
+        # a forward whose tokens `_deferred_mask` read early (its constrained requests' tokens accepted),
+        # and what `_read` gave: processed by the step's own collect
+        self._early: tuple[_InFlight, _Read] | None = None
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in the order of their (latest) admission
         self.preemptions = 0  # running requests preempted so far
@@ -423,7 +425,9 @@ class Scheduler:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             early, self._early = self._early, None
-            updates += early[1] if early is not None and early[0] is launched else self._collect(launched)
+            updates += self._collect(
+                launched, early[1] if early is not None and early[0] is launched else None
+            )
         self._early = None
         # nothing ran, nothing runs: nobody may be stuck (a following rank waits for rank 0's verdict)
         if not states and self._in_flight is None and not self.follows:
@@ -612,12 +616,27 @@ class Scheduler:
         return batch, args
 
     def _deferred_mask(self, states: list[RequestState]) -> torch.Tensor | None:
-        """The token mask of a batch whose forward runs now (overlap): the forward in flight before it is
-        collected first (its constrained requests' last tokens accepted; the updates kept for the step's
-        own collect), then the masks are filled from the matchers."""
+        """The token mask of a batch whose forward runs now (overlap): the tokens of the forward in
+        flight before it are read first and its constrained requests' matchers accept theirs in one call
+        (`Grammars.accept_ahead`), then the masks are filled from the matchers. The rest of that forward's
+        collect (detokenizing, stop checks, metrics) waits for the step's own `_collect`, after the
+        sampler is launched: it is off the path from a token to the next mask."""
         previous = self._in_flight
         if previous is not None and self._early is None:
-            self._early = (previous, self._collect(previous))
+            read = self._read(previous)
+            self._early = (previous, read)
+            if read.tokens is not None:
+                self.grammars.accept_ahead(
+                    (state, token)
+                    for state, req, token, produces in zip(
+                        previous.states, previous.reqs, read.tokens, previous.produces
+                    )
+                    if produces
+                    and not state.finished
+                    and state.req is req
+                    and state.grammar is not None
+                    and state.params.max_tokens > 0
+                )
         return self.grammars.token_mask(states, self.engine.device)
 
     def _forward(
@@ -655,7 +674,9 @@ class Scheduler:
             args.logprobs,
         )
 
-    def _collect(self, launched: _InFlight) -> list[Update]:
+    def _read(self, launched: _InFlight) -> _Read:
+        """Waits for a forward's tokens on the host (the one wait); a forward that failed on the device
+        fails its requests (their updates in `failed`; a `FATAL_ERRORS` failure is raised)."""
         waiting_since = time.perf_counter()
         try:
             if self.link is None:
@@ -670,10 +691,18 @@ class Scheduler:
             failed = self._fail(states, e, "running a step")
             if isinstance(e, FATAL_ERRORS):
                 raise e
-            return failed
+            return _Read(None, failed, waiting_since, time.perf_counter())
         if self.link is not None:  # checked by the following ranks
             self.last_token_digest = token_digest(tokens)
-        now = self.tokens_time = time.perf_counter()
+        return _Read(tokens, [], waiting_since, time.perf_counter())
+
+    def _collect(self, launched: _InFlight, read: _Read | None = None) -> list[Update]:
+        """A forward's updates: its tokens (`read`, or read now) processed request by request."""
+        read = self._read(launched) if read is None else read
+        if read.tokens is None:
+            return read.failed
+        tokens, waiting_since, now = read.tokens, read.waiting_since, read.read_at
+        self.tokens_time = now
         scored = _Scored(launched) if launched.output.logprobs is not None else None
         updates, failed = [], []
         for i, (state, req, token, produces) in enumerate(
@@ -739,6 +768,17 @@ class Scheduler:
         return Update(
             state, [token], self.output.take_delta(state), state.finished, logprobs, prompt_logprobs
         )
+
+
+@dataclass
+class _Read:
+    """A forward's tokens on the host (None when it failed: then `failed` holds its requests' final
+    updates), when the wait for them began and when they arrived."""
+
+    tokens: list[int] | None
+    failed: list[Update]
+    waiting_since: float
+    read_at: float
 
 
 class _Scored:
