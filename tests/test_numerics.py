@@ -46,3 +46,13 @@ def test_flip_mask_counts_positions_routed_elsewhere(run):
     mask = N.flip_mask(flipped, run.fp32)
     assert mask.sum() == 1 and mask[0, 3]
     assert N.error_stats(flipped, run.fp32).flips == 1
+
+
+def test_fp8_rows_are_reported_not_judged(run):
+    """FP8 KV (its K and V rounded to e4m3) on a float32 engine: far from float32, reported with "-"."""
+    settings = {"dtype": torch.float32, "moe_backend": "fused", **N.PATHS["fp8 kv"]}
+    [alone, batch] = run.measure("fp8 kv", settings)
+    for row in (alone, batch):
+        assert row.passed is None and row.stats.mean > 1e-3, N.table([row])
+        assert N.table([row]).split("\n")[1].split()[-1] == "-"
+    assert "fp8" in N.NO_MOE and N.PATHS["fp8"] == {"quantization": "fp8"}
