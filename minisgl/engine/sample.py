@@ -308,9 +308,11 @@ class PenaltyArgs:
                 req.penalties_ready = True
                 fresh.append((req.table_idx, list(req.input_ids), req.input_ids[req.output_start :]))
         params = [reqs[i].sampling_params for i in rows]
+        pin = device.type == "cuda"  # pinned, as the other arguments: the copies do not wait
         with torch.inference_mode(False):
             ints = torch.tensor(
-                [rows, [reqs[i].table_idx for i in rows], [not reqs[i].is_partial for i in rows]]
+                [rows, [reqs[i].table_idx for i in rows], [not reqs[i].is_partial for i in rows]],
+                pin_memory=pin,
             )
             values = torch.tensor(
                 [
@@ -319,6 +321,7 @@ class PenaltyArgs:
                     [p.repetition_penalty for p in params],
                 ],
                 dtype=torch.float32,
+                pin_memory=pin,
             )
         ints, values = ints.to(device, non_blocking=True), values.to(device, non_blocking=True)
         return cls(rows=ints[0], slots=ints[1], values=values, emits=ints[2].bool(), fresh=fresh)
@@ -509,12 +512,14 @@ class Sampler:
         if self._counts is None:
             self._counts = torch.zeros(self.slots, self.vocab_size, dtype=torch.int32, device=self.device)
             self._seen = torch.zeros(self.slots, self.vocab_size, dtype=torch.bool, device=self.device)
+        pin = self.device.type == "cuda"
         for slot, tokens, generated in pen.fresh:
             self._counts[slot].zero_()
             self._seen[slot].zero_()
-            self._seen[slot].index_fill_(0, torch.tensor(tokens).to(self.device, non_blocking=True), True)
+            seen = torch.tensor(tokens, pin_memory=pin).to(self.device, non_blocking=True)
+            self._seen[slot].index_fill_(0, seen, True)
             if generated:
-                ids = torch.tensor(generated).to(self.device, non_blocking=True)
+                ids = torch.tensor(generated, pin_memory=pin).to(self.device, non_blocking=True)
                 self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         counts, seen = self._counts[pen.slots], self._seen[pen.slots]
         presence, frequency, repetition = pen.values[:, :, None].unbind(0)
