@@ -142,6 +142,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+# the GPU tests' batch: prompt lengths, and the teacher-forced decode steps after each
+GPU_PROMPT_LENS = [7, 33, 1, 150, 64]
+GPU_STEPS = 6
+
+
+def gpu_seqs(vocab: int = GPU_SHAPE["vocab_size"], lens=GPU_PROMPT_LENS) -> list[list[int]]:
+    """Seeded random sequences of `lens` prompt tokens plus GPU_STEPS more (token ids from 3)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n + GPU_STEPS,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """A tiny Qwen3 of the GPU tests' shape (`GPU_SHAPE`), its weights as transformers draws them."""
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3", randomize=(), **GPU_SHAPE)
+
+
+def replay_matches(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, x2: torch.Tensor) -> bool:
+    """Whether `fn` captured in a CUDA graph on a copy of `x` (after one warm call), replayed on `x2`,
+    gives `fn(x2)` bit for bit."""
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    fn(static_x)
+    with torch.cuda.graph(graph):
+        out = fn(static_x)
+    static_x.copy_(x2)
+    graph.replay()
+    return torch.equal(out, fn(x2))
+
+
 def teacher_forced_logits(
     engine,
     seqs: list[list[int]],

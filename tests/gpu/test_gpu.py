@@ -10,7 +10,15 @@ import importlib.util
 import pytest
 import torch
 import transformers
-from conftest import GPU_SHAPE, check_clean, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
+from conftest import GPU_PROMPT_LENS as PROMPT_LENS
+from conftest import GPU_STEPS as STEPS
+from conftest import (
+    check_clean,
+    gpu_seqs,
+    one_decode_step,
+    rel_err,
+    teacher_forced_logits,
+)
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from minisgl.core import SamplingParams
@@ -23,13 +31,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer"),
 ]
 BF16_TOL = 2e-2
-PROMPT_LENS = [7, 33, 1, 150, 64]
-STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3", randomize=(), **GPU_SHAPE)
 
 
 def _engine(folder, **kw) -> Engine:
@@ -44,11 +45,6 @@ def _tf(engine: Engine, seqs, prompt_lens) -> torch.Tensor:
     return teacher_forced_logits(engine, seqs, prompt_lens, STEPS)
 
 
-def _seqs(vocab: int, lens=PROMPT_LENS):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, vocab, (n + STEPS,), generator=g).tolist() for n in lens]
-
-
 # "fi/cc": `fi` with FlashInfer's CUDA-core decode kernel instead of the tensor-core one; "+triton": the
 # Triton decode kernel for these decode batches (of 5), FlashInfer for prefill
 @pytest.mark.parametrize("backend", ["fi", "fi/cc", "fa,fi", "fa", "fa,fi+triton"])
@@ -59,7 +55,7 @@ def test_flashinfer_matches_torch_backend(tiny_qwen3, backend, page_size):
         backend, extra["tensor_core_min_group"] = "fi", 1000
     if backend.endswith("+triton"):
         backend, extra["decode_triton_max_bs"] = backend.removesuffix("+triton"), 8
-    seqs = _seqs(512)
+    seqs = gpu_seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
     got = _tf(
         _engine(tiny_qwen3, attention_backend=backend, page_size=page_size, cuda_graph_max_bs=0, **extra),
@@ -75,7 +71,7 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
     graphs (of 1 to 5 rows): against the eager torch backend. The forward compiled once for all of it:
     one entry in dynamo's cache of the model's forward (emptied first: engines of one model class share
     their compiled code, the weights being inputs of the graph)."""
-    seqs = _seqs(512)
+    seqs = gpu_seqs(512)
     ref_engine = _engine(tiny_qwen3, attention_backend="torch", page_size=16)
     ref = _tf(ref_engine, seqs, PROMPT_LENS)
     code = type(ref_engine.model).forward.__code__
@@ -94,7 +90,7 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
 def test_decode_graphs_without_split_kv_match_torch_backend(tiny_qwen3):
     """`decode_split_kv_max_bs=2`: the graphs of 1 and 2 rows split the KV and merge, those of 4 and 8
     run one block per request and KV head; each replays batches of its size against the torch backend."""
-    seqs = _seqs(512)
+    seqs = gpu_seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
     engine = _engine(
         tiny_qwen3,
@@ -120,7 +116,7 @@ def test_decode_graphs_without_split_kv_match_torch_backend(tiny_qwen3):
 def test_triton_decode_matches_torch_backend(tiny_qwen3, backend, graphs):
     """`decode_triton_max_bs=4`: decode batches of up to 4 (graphs 1, 2 and 4, or eager batches of 1 to 3)
     attend with the Triton split-KV kernel, larger ones with FlashInfer's; each against the torch backend."""
-    seqs = _seqs(512)
+    seqs = gpu_seqs(512)
     ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=16), seqs, PROMPT_LENS)
     graph_kw = dict(cuda_graph_bs=(1, 2, 4, 8)) if graphs else dict(cuda_graph_max_bs=0)
     engine = _engine(tiny_qwen3, attention_backend=backend, page_size=16, decode_triton_max_bs=4, **graph_kw)
@@ -140,7 +136,7 @@ def test_triton_decode_matches_torch_backend(tiny_qwen3, backend, graphs):
 
 
 def test_transformers_logits_within_bf16(tiny_qwen3):
-    seqs = _seqs(512, [40, 12])
+    seqs = gpu_seqs(512, [40, 12])
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     with torch.no_grad():
         full = [model(torch.tensor([s])).logits[0] for s in seqs]
@@ -153,7 +149,7 @@ def test_transformers_logits_within_bf16(tiny_qwen3):
 
 def test_chunked_prefill_matches_whole(tiny_qwen3):
     engine = _engine(tiny_qwen3, attention_backend="fi", page_size=16, cuda_graph_max_bs=0)
-    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)]
+    prompts = [s[:n] for s, n in zip(gpu_seqs(512), PROMPT_LENS)]
     whole = generate(engine, prompts, SamplingParams(max_tokens=8))
     assert generate(engine, prompts, SamplingParams(max_tokens=8), chunk_size=40) == whole
 
@@ -194,7 +190,7 @@ def test_fused_kernels_match_unfused_on_gpu(tiny_qwen3):
     """The fused kernels (q/k-norm + RoPE + KV store; for one row, add + RMSNorm and SiLU-and-multiply
     in the GEMV) against the unfused layers: a batch (compiled prefill, graph replays) and one request
     (the one-row graph), teacher-forced, within bf16; the fused path is what the engines run."""
-    seqs = _seqs(512)
+    seqs = gpu_seqs(512)
     for lens, rows in ((PROMPT_LENS, slice(None)), (PROMPT_LENS[3:4], slice(3, 4))):
         logits = []
         for fused in (True, False):
@@ -212,7 +208,7 @@ def test_seeded_sampling_batch_invariant_on_gpu(tiny_qwen3):
     takes the GEMV kernel and a prefill the compiled graph, whose roundings differ from a batch's: on the
     H200 two or three of these five requests then diverged (perf/gpu_ablation.py)."""
     engine = _engine(tiny_qwen3, attention_backend="fi", page_size=16, batch_invariant=True)
-    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)]
+    prompts = [s[:n] for s, n in zip(gpu_seqs(512), PROMPT_LENS)]
     params = [
         SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=12) for i in range(len(prompts))
     ]
@@ -225,7 +221,7 @@ def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
     """Overlap scheduling (decode inputs read from the device, tokens read one step late) with CUDA graphs
     and chunked prefill gives the tokens the plain loop gives, and frees every page and table_idx."""
     engine = _engine(tiny_qwen3, attention_backend="fa,fi", page_size=16)
-    prompts = [s[:n] for s, n in zip(_seqs(512), PROMPT_LENS)] * 3
+    prompts = [s[:n] for s, n in zip(gpu_seqs(512), PROMPT_LENS)] * 3
     params = [
         SamplingParams(max_tokens=5 + 3 * i, ignore_eos=i % 2 == 0, temperature=0.0 if i % 3 else 0.8, seed=i)
         for i in range(len(prompts))

@@ -21,7 +21,9 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
+from conftest import GPU_PROMPT_LENS as PROMPT_LENS
+from conftest import GPU_STEPS as STEPS
+from conftest import gpu_seqs, rel_err, replay_matches, teacher_forced_logits
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
@@ -152,33 +154,11 @@ def test_fp8_linear_under_compile_and_graph(monkeypatch, backend):
         x = activations(m, 256, seed=m)
         eager = f(x)
         assert torch.equal(compiled(x), eager)  # the same kernels, opaque to the compiler
-        static_x = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        compiled(static_x)
-        with torch.cuda.graph(graph):
-            out = compiled(static_x)
-        x2 = activations(m, 256, seed=m + 100)
-        static_x.copy_(x2)
-        graph.replay()
-        assert torch.equal(out, f(x2))
+        assert replay_matches(compiled, x, activations(m, 256, seed=m + 100))
         # and the emulation, to the GEMMs' bound per layer
         h = fp8_linear(x, w1.weight, w1.scale, w1.block, 128)
         want = fp8_linear(torch.relu(h), w2.weight, w2.scale, w2.block, 128)
         assert rel_err(eager.float(), want.float()) < 2e-2
-
-
-PROMPT_LENS = [7, 33, 1, 150, 64]
-STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3", randomize=(), **GPU_SHAPE)
-
-
-def _seqs():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 512, (n + STEPS,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatch):
@@ -192,7 +172,7 @@ def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatc
     7.9e-3; FP8 against no FP8: 7.6e-2). The kernels add only the GEMMs' rounding (bounds above), so
     the test allows 8e-2 and 70%. Against the emulation in bf16 on the GPU, 6e-2 (on the CPU, the
     Triton GEMM under the interpreter against the bf16 emulation: 1.7e-2, 89%)."""
-    seqs = _seqs()
+    seqs = gpu_seqs()
     cpu = Engine(
         EngineConfig(model_path=str(tiny_qwen3), dtype=torch.float32, device="cpu", quantization="fp8")
     )

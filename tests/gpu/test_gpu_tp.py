@@ -9,8 +9,10 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import GPU_SHAPE, make_tiny_model, rel_err, teacher_forced_logits
-from test_gpu import BF16_TOL, PROMPT_LENS, STEPS
+from conftest import GPU_PROMPT_LENS as PROMPT_LENS
+from conftest import GPU_STEPS as STEPS
+from conftest import gpu_seqs, rel_err, teacher_forced_logits
+from test_gpu import BF16_TOL
 from test_gpu import pytestmark as one_gpu_marks
 
 from minisgl.core import SamplingParams
@@ -21,16 +23,6 @@ pytestmark = [
     *one_gpu_marks,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3", randomize=(), **GPU_SHAPE)
-
-
-def _seqs():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, 512, (n + STEPS,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 def _engine(folder, rank: int = 0, size: int = 1, port: int = 0, one_shot: bool = True) -> Engine:
@@ -56,7 +48,7 @@ def _rank(rank: int, size: int, folder, port: int, one_shot: bool, results) -> N
     engine = _engine(folder, rank, size, port, one_shot)
     try:
         used = distributed._one_shot is not None
-        results.put((rank, used, teacher_forced_logits(engine, _seqs(), PROMPT_LENS, STEPS).cpu()))
+        results.put((rank, used, teacher_forced_logits(engine, gpu_seqs(), PROMPT_LENS, STEPS).cpu()))
     finally:
         engine.shutdown()
 
@@ -65,7 +57,7 @@ def _rank(rank: int, size: int, folder, port: int, one_shot: bool, results) -> N
 def test_tp2_teacher_forced_logits_match_tp1_and_agree_between_ranks(tiny_qwen3, one_shot):
     single = _engine(tiny_qwen3)
     try:
-        want = teacher_forced_logits(single, _seqs(), PROMPT_LENS, STEPS).cpu()
+        want = teacher_forced_logits(single, gpu_seqs(), PROMPT_LENS, STEPS).cpu()
     finally:
         single.shutdown()
     with socket.socket() as s:
@@ -118,7 +110,7 @@ def test_llm_tp2_with_overlap_graphs_and_sampling(tiny_qwen3, broadcast, one_sho
     try:
         assert llm.scheduler.overlap
         llm.scheduler.record_steps = 200
-        prompts = [s[:n] for s, n in zip(_seqs(), PROMPT_LENS)] * 4
+        prompts = [s[:n] for s, n in zip(gpu_seqs(), PROMPT_LENS)] * 4
         # lengths that differ, so the batch shrinks below cuda_graph_max_bs and graphs replay
         lengths = [12 + i for i in range(len(prompts))]
         params = [
