@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # Without a GPU, minisgl's Triton kernels run on CPU tensors under Triton's interpreter
 # (tests/test_fused_kernels.py). Triton reads this when a kernel is decorated, at the import of
@@ -140,6 +141,17 @@ def make_tiny_model(
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# hypothesis for the tests that drive an engine: the same examples on every run (CI does not flake on a
+# new one), nothing written to .hypothesis/, no deadline, module fixtures shared by the examples; a test
+# adds its count: @settings(FIXED_EXAMPLES, max_examples=N)
+FIXED_EXAMPLES = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 # the GPU tests' batch: prompt lengths, and the teacher-forced decode steps after each

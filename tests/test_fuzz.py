@@ -11,8 +11,8 @@ import math
 
 import httpx2 as httpx
 import pytest
-from conftest import llm_clean, make_tiny_model_with_tokenizer
-from hypothesis import HealthCheck, event, given, settings
+from conftest import FIXED_EXAMPLES, llm_clean, make_tiny_model_with_tokenizer
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
@@ -21,13 +21,7 @@ from minisgl.settings import SettingsError
 
 VOCAB = 49152  # the tokenizer's, as the default model's
 NORMAL_PROMPT, NORMAL = "The capital of France is", SamplingParams(max_tokens=4, ignore_eos=True)
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,  # the same examples on every run: CI does not flake on a new one
-    database=None,  # nothing written to .hypothesis/
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = settings(FIXED_EXAMPLES, max_examples=150)
 
 # values of the wrong kind or far out of range, mixed into every field
 ANYTHING = st.one_of(

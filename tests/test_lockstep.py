@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 import zmq
-from conftest import check_clean, make_tiny_model
-from hypothesis import HealthCheck, given, settings
+from conftest import FIXED_EXAMPLES, check_clean, make_tiny_model
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import FatalEngineError, SamplingParams
@@ -140,13 +140,7 @@ def _params(kind: str, max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, stop_token_ids=[7, 11, 13, 17, 19, 23])
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(FIXED_EXAMPLES, max_examples=40)
 @given(ops=ops, overlap=st.booleans(), budget=st.sampled_from([4, 16, 64]))
 def test_follower_ends_where_the_leader_does(engines, ops, overlap, budget):
     """Random arrivals, steps, aborts and rank-0-only faults: every step the follower's plan, state

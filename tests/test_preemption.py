@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from conftest import check_clean, make_tiny_model
-from hypothesis import HealthCheck, given, settings
+from conftest import FIXED_EXAMPLES, check_clean, make_tiny_model
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl import metrics
@@ -313,13 +313,7 @@ ops = st.lists(
 )
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@settings(FIXED_EXAMPLES, max_examples=30)
 @given(ops=ops, pool=st.sampled_from(POOLS), overlap=st.booleans(), budget=st.sampled_from([4, 16, 64]))
 def test_random_arrivals_and_aborts_over_small_pools(big, pools, ops, pool, overlap, budget):
     engine = pools[pool]

@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import check_clean, llm_clean, make_tiny_model
-from hypothesis import HealthCheck, Phase, given, settings
+from conftest import FIXED_EXAMPLES, check_clean, llm_clean, make_tiny_model
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from minisgl import metrics
@@ -513,13 +513,10 @@ def test_random_arrivals_aborts_and_shared_prefixes(engines):
     totals: Counter = Counter()
 
     @settings(
+        FIXED_EXAMPLES,
         max_examples=25,
-        deadline=None,
-        derandomize=True,
-        database=None,
         # no shrinking: a failure is reported as drawn, in seconds rather than minutes
         phases=[Phase.explicit, Phase.generate],
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
     @given(
         reqs=requests,

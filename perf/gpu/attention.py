@@ -23,6 +23,7 @@ import torch
 from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import MHAKVCachePool
+from perf.gpu.timing import gpu_ms
 
 HEADS, KV_HEADS, DIM, PAGE = 16, 8, 128, 256
 MAX_BS, MAX_CTX = 256, 2048
@@ -132,16 +133,7 @@ def graphs(device: torch.device, sizes: list[int], contexts: list[int], replays:
             for name, backend in backends.items():
                 graph, out = captured[name]
                 backend.prepare_metadata(_batch(bs, ctx), graph_bs=bs)
-                for _ in range(3):
-                    graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(replays):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                cells.append(f"{start.elapsed_time(end) / replays * 1e3:>14.2f}")
+                cells.append(f"{gpu_ms(graph.replay, replays) * 1e3:>14.2f}")
                 outs.append(out.float().clone())
             diff = max((o - outs[0]).abs().max().item() for o in outs[1:])
             print(f"{bs:>4} {ctx:>5} " + " ".join(cells) + f" {diff:>11.2e}", flush=True)

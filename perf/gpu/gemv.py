@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels import gemv as G
+from perf.gpu.timing import gpu_ms
 
 LAYERS = 28
 # (name, N, K): Qwen3-0.6B's projections (QKV, O, gate/up, down) and the tied LM head
@@ -36,15 +37,7 @@ def graph_us(fn, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    return gpu_ms(graph.replay, reps) * 1e3
 
 
 def main() -> None:
