@@ -27,7 +27,6 @@ from pathlib import Path
 
 from perf.gpu.serving import (
     CPU_ARGS,
-    PRESET,
     ROOT,
     WARM_UP,
     Proc,
@@ -37,6 +36,7 @@ from perf.gpu.serving import (
     _last_json,
     _line,
     bench_serving,
+    model_parser,
 )
 
 VARIANTS = {
@@ -100,11 +100,7 @@ def serve(args: argparse.Namespace, out: Path, name: str, tree: Path) -> tuple[P
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("model", help="model folder: config.json and a tokenizer")
-    parser.add_argument("--config", default=str(PRESET))
+    parser = model_parser(__doc__)
     parser.add_argument("--before", default=None, help="an earlier build's source tree, served beside")
     parser.add_argument("--site", default=None, help="a folder of packages to put first on the servers' path")
     parser.add_argument("--reps", type=int, default=3)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from perf.gpu.serving import CPU_ARGS, PRESET, WARM_UP, Proc, _free_port, _line, bench_serving
+from perf.gpu.serving import CPU_ARGS, WARM_UP, Proc, _free_port, _line, bench_serving, model_parser
 
 KEY = "scale-out-bench-key"
 GOALS = {"dp": 1.9, "router": 1.8, "router-cache": 1.8}
@@ -120,11 +120,7 @@ def run_part(args: argparse.Namespace, out: Path, part: str) -> list[dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("model", help="model folder: config.json and a tokenizer")
-    parser.add_argument("--config", default=str(PRESET))
+    parser = model_parser(__doc__)
     parser.add_argument("--parts", default="one,dp,router")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--prompts-per-replica", type=int, default=256)

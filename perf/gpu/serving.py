@@ -611,12 +611,16 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def model_parser(doc: str) -> argparse.ArgumentParser:
+    """The serving scripts' command line: `doc` as its help, a model folder and `--config`."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="model folder: config.json and a tokenizer")
     parser.add_argument("--config", default=str(PRESET))
+    return parser
+
+
+def main() -> None:
+    parser = model_parser(__doc__)
     parser.add_argument("--parts", default="stub,peer,offline,http,chat,single,low,simple")
     parser.add_argument("--simple-reps", type=int, default=2, help="runs of Mini-SGLang's client per server")
     parser.add_argument("--reps", type=int, default=3)
