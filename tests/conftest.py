@@ -32,9 +32,8 @@ def llm32(smollm2_path):
     """`LLM` on the default model, float32 on the CPU, 8 requests at a time (shut down after the module)."""
     from minisgl.llm import LLM
 
-    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8)
-    yield llm
-    llm.shutdown()
+    with LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8) as llm:
+        yield llm
 
 
 # the transformers config class of each model family make_tiny_model builds, and the family's shape
@@ -282,6 +281,5 @@ def shared_llm():
     """One CPU LLM (float32, a small KV budget) for a test module's CLI runs."""
     import minisgl.llm
 
-    llm = minisgl.llm.LLM(device="cpu", dtype="float32", cpu_kv_budget_gib=0.25)
-    yield llm
-    llm.shutdown()
+    with minisgl.llm.LLM(device="cpu", dtype="float32", cpu_kv_budget_gib=0.25) as llm:
+        yield llm

@@ -214,9 +214,8 @@ class _SharedLLM:
 
 @pytest.fixture(scope="module")
 def shared_llm():
-    llm = minisgl.llm.LLM(config=CPU_YAML, cpu_kv_budget_gib=0.25, max_prefill_tokens=64)
-    yield llm
-    llm.shutdown()
+    with minisgl.llm.LLM(config=CPU_YAML, cpu_kv_budget_gib=0.25, max_prefill_tokens=64) as llm:
+        yield llm
 
 
 @pytest.fixture

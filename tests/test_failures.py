@@ -34,9 +34,8 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_text_llm(tmp_path_factory):
     folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4)
-    yield llm
-    llm.shutdown()
+    with LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4) as llm:
+        yield llm
 
 
 def _engine(folder) -> Engine:

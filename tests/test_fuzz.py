@@ -137,10 +137,9 @@ def run_one(llm: LLM, prompt, params: SamplingParams, stream: bool) -> None:
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
     folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4)
-    llm.normal = llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids
-    yield llm
-    llm.shutdown()
+    with LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4) as llm:
+        llm.normal = llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids
+        yield llm
 
 
 @FUZZ

@@ -100,9 +100,8 @@ def metrics_port() -> int:
 def llm():
     from minisgl.llm import LLM
 
-    llm = LLM(device="cpu", dtype="float32")
-    yield llm
-    llm.shutdown()
+    with LLM(device="cpu", dtype="float32") as llm:
+        yield llm
 
 
 # the registry samples the tests compare, as (sample name, labels other than model_name)

@@ -146,9 +146,8 @@ def test_detokenizer_matches_full_decode(smollm2_path):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    llm = LLM(device="cpu", dtype="float32", max_running_req=8)
-    yield llm
-    llm.shutdown()
+    with LLM(device="cpu", dtype="float32", max_running_req=8) as llm:
+        yield llm
 
 
 @pytest.mark.slow

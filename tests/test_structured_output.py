@@ -115,9 +115,10 @@ def is_fruit_list(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def no_overlap(smollm2_path):
-    llm = LLM(str(smollm2_path), device="cpu", dtype="float32", max_running_req=8, overlap_scheduling=False)
-    yield llm
-    llm.shutdown()
+    with LLM(
+        str(smollm2_path), device="cpu", dtype="float32", max_running_req=8, overlap_scheduling=False
+    ) as llm:
+        yield llm
 
 
 def test_every_output_validates_under_its_json_schema(llm32) -> None:

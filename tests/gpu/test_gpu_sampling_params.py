@@ -27,9 +27,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(folder):
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_running_req=16, batch_invariant=True)
-    yield llm
-    llm.shutdown()
+    with LLM(str(folder), device="cuda", dtype="bfloat16", max_running_req=16, batch_invariant=True) as llm:
+        yield llm
 
 
 def test_penalties_and_bias_in_a_mixed_batch_equal_each_alone(llm) -> None:
