@@ -207,30 +207,37 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
         llm.shutdown()
 
 
-# bench's shape options: (flag, the shape field it sets, help), each for the workloads that have the field
+# bench's shape options: the shape field each sets (its flag: --field-name) and its help, by the
+# workloads that have the field ([default; on CPU])
+_SHAPE_FIELDS = {
+    "random": [
+        ("num_seqs", "requests [256; 32 on CPU]."),
+        ("min_input", "shortest prompt [100; 16 on CPU]."),
+        ("max_input", "longest prompt [1024; 128 on CPU]."),
+    ],
+    "shared-prefix": [
+        ("groups", "groups of requests sharing a system prompt [16; 4 on CPU]."),
+        ("per_group", "requests per group [16; 4 on CPU]."),
+        ("prefix_len", "tokens of each group's system prompt [2048; 512 on CPU]."),
+        ("min_own", "fewest tokens a request adds to its prefix [128; 16 on CPU]."),
+        ("max_own", "most tokens a request adds to its prefix [512; 64 on CPU]."),
+    ],
+    "multi-turn": [
+        ("conversations", "conversations, all in flight [64; 8 on CPU]."),
+        ("turns", "turns per conversation [4; 3 on CPU]."),
+        ("min_user", "fewest new user tokens per turn [64; 16 on CPU]."),
+        ("max_user", "most new user tokens per turn [256; 64 on CPU]."),
+    ],
+    "": [
+        ("min_output", "Fewest new tokens per request [random 100, shared-prefix and multi-turn 128; on CPU 16, 8, 8]."),
+        ("max_output", "Most new tokens per request [random 1024, shared-prefix 512, multi-turn 256; on CPU 128, 32, 32]."),
+    ],
+}  # fmt: skip
+# (flag, field, help) of each
 _SHAPE_OPTIONS = [
-    ("--num-seqs", "num_seqs", "random: requests [256; 32 on CPU]."),
-    ("--min-input", "min_input", "random: shortest prompt [100; 16 on CPU]."),
-    ("--max-input", "max_input", "random: longest prompt [1024; 128 on CPU]."),
-    ("--groups", "groups", "shared-prefix: groups of requests sharing a system prompt [16; 4 on CPU]."),
-    ("--per-group", "per_group", "shared-prefix: requests per group [16; 4 on CPU]."),
-    ("--prefix-len", "prefix_len", "shared-prefix: tokens of each group's system prompt [2048; 512 on CPU]."),
-    ("--min-own", "min_own", "shared-prefix: fewest tokens a request adds to its prefix [128; 16 on CPU]."),
-    ("--max-own", "max_own", "shared-prefix: most tokens a request adds to its prefix [512; 64 on CPU]."),
-    ("--conversations", "conversations", "multi-turn: conversations, all in flight [64; 8 on CPU]."),
-    ("--turns", "turns", "multi-turn: turns per conversation [4; 3 on CPU]."),
-    ("--min-user", "min_user", "multi-turn: fewest new user tokens per turn [64; 16 on CPU]."),
-    ("--max-user", "max_user", "multi-turn: most new user tokens per turn [256; 64 on CPU]."),
-    (
-        "--min-output",
-        "min_output",
-        "Fewest new tokens per request [random 100, shared-prefix and multi-turn 128; on CPU 16, 8, 8].",
-    ),
-    (
-        "--max-output",
-        "max_output",
-        "Most new tokens per request [random 1024, shared-prefix 512, multi-turn 256; on CPU 128, 32, 32].",
-    ),
+    ("--" + name.replace("_", "-"), name, f"{workload}: {text}" if workload else text)
+    for workload, fields in _SHAPE_FIELDS.items()
+    for name, text in fields
 ]
 
 

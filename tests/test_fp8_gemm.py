@@ -110,43 +110,34 @@ def test_quantize_rows_takes_a_strided_view():
 
 # (M, weight blocks, bias): 128x128 blocks, one-row blocks (small models' merged projections),
 # per-tensor-like blocks (one row, all K columns) and 256-column blocks
-GEMV_CASES = [
-    (1, (128, 128), True),
-    (1, (1, 128), False),
-    (3, (1, 128), True),
-    (3, (128, 128), False),
-    (16, (128, 128), True),
-    (2, (1, K), False),
-]
-GEMM_CASES = [
-    (1, (128, 128), False),
-    (3, (1, 128), True),
-    (17, (128, 128), True),
-    (17, (1, 128), False),
-    (70, (128, 256), True),
-    (5, (1, K), False),
-]
+# fmt: off
+GEMV_CASES = [(1, (128, 128), True), (1, (1, 128), False), (3, (1, 128), True), (3, (128, 128), False),
+              (16, (128, 128), True), (2, (1, K), False)]
+GEMM_CASES = [(1, (128, 128), False), (3, (1, 128), True), (17, (128, 128), True), (17, (1, 128), False),
+              (70, (128, 256), True), (5, (1, K), False)]
+# fmt: on
+
+
+def case(m: int, block: tuple[int, int], bias: bool):
+    """A case's operands (x, weight, scale, bias) and the emulation's output on them."""
+    q, scale = weights(block)
+    x = activations(m)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) if bias else None
+    return (x, q, scale, block, b), reference(x, q, scale, block, b)
 
 
 @pytest.mark.parametrize("m,block,bias", GEMV_CASES)
 def test_gemv_matches_emulation(m, block, bias):
-    q, scale = weights(block)
-    x = activations(m)
-    b = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) if bias else None
-    want = reference(x, q, scale, block, b)
-    assert_within_order(G.fp8_gemv(x, q, scale, block, b, out_dtype=torch.float32), want)
+    operands, want = case(m, block, bias)
+    assert_within_order(G.fp8_gemv(*operands, out_dtype=torch.float32), want)
 
 
 @pytest.mark.parametrize("m,block,bias", GEMM_CASES)
 def test_triton_gemm_matches_emulation(m, block, bias):
-    q, scale = weights(block)
-    x = activations(m)
-    b = torch.randn(N, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) if bias else None
-    want = reference(x, q, scale, block, b)
-    assert_within_order(G.fp8_gemm_triton(x, q, scale, block, b, out_dtype=torch.float32), want)
+    operands, want = case(m, block, bias)
+    assert_within_order(G.fp8_gemm_triton(*operands, out_dtype=torch.float32), want)
     for config in G.GEMM_CONFIGS[:2]:  # another tile shape: the same numbers within summation order
-        got = G.fp8_gemm_triton(x, q, scale, block, b, out_dtype=torch.float32, config=config)
-        assert_within_order(got, want)
+        assert_within_order(G.fp8_gemm_triton(*operands, out_dtype=torch.float32, config=config), want)
 
 
 def test_gemm_configs_cover_the_rows():

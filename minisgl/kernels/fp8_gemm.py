@@ -52,6 +52,7 @@ conversion from float32 truncates); on a GPU the hardware conversion (round to n
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -413,11 +414,22 @@ def fp8_gemv(
     if k > MAX_K:
         raise ValueError(f"fp8_gemv takes rows of at most {MAX_K} columns, got {k}")
     x = _row_major(x)
-    out = torch.empty(m, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    if m and k and weight.shape[0]:
+
+    def launch(out: torch.Tensor) -> None:
         block_rows, warps = gemv_config(m, weight.shape[0])
         gemv_launch(x, weight, scale, block, bias, out, block_rows, warps, pdl=pdl_enabled(x))
-    elif m and weight.shape[0]:  # K = 0: the bias alone
+
+    return _product(x, weight, bias, out_dtype, launch)
+
+
+def _product(x, weight, bias, out_dtype, launch: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """The (M, N) output of x (M, K) @ W^T (+ bias) in `out_dtype` (x's by default): `launch(out)` fills
+    it where M, N and K are all non-zero; with K = 0 it is the bias alone (or zeros)."""
+    m, k = x.shape
+    out = torch.empty(m, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    if m and k and weight.shape[0]:
+        launch(out)
+    elif m and weight.shape[0]:
         out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
     return out
 
@@ -481,14 +493,12 @@ def fp8_gemm_triton(
     """x (M, K) @ W^T (+ bias) -> (M, N) in `out_dtype` (x's by default) on the Triton GEMM: x quantized
     by `quantize_rows` (or `quantized`, its result), `config` by M (`gemm_config`) unless given."""
     _check_operands(x, weight, scale, block)
-    m, k = x.shape
-    out = torch.empty(m, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    if m and k and weight.shape[0]:
+
+    def launch(out: torch.Tensor) -> None:
         xq, xs = quantized if quantized is not None else quantize_rows(x)
-        gemm_launch(xq, xs, weight, scale, block, bias, out, config or gemm_config(m))
-    elif m and weight.shape[0]:  # K = 0: the bias alone
-        out.copy_(torch.zeros_like(out) if bias is None else bias.expand_as(out))
-    return out
+        gemm_launch(xq, xs, weight, scale, block, bias, out, config or gemm_config(x.shape[0]))
+
+    return _product(x, weight, bias, out_dtype, launch)
 
 
 # torch._scaled_mm: per (device, M, N, K, dtype, bias): the weight-scale layout it took, or None where it
