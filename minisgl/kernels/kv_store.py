@@ -73,6 +73,28 @@ if triton is not None:
         tl.store(v_cache_ptr + loc * ROW + cols, v, mask=mask)
 
 
+def cache_views(
+    kernel: str, name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(whether the cache is FP8, the caches as the store kernels write them: FP8 as bytes). An FP8
+    cache needs the layer's K and V scales (`scales`, the argument `name` of `kernel`: a contiguous (2,)
+    float32 tensor) and another takes none: a ValueError otherwise."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (scales is not None):
+        raise ValueError(
+            f"{kernel}: an FP8 cache needs the layer's (2,) K and V scales and another takes none; got a "
+            f"{k_cache.dtype} cache and {name}={None if scales is None else tuple(scales.shape)}"
+        )
+    if not fp8:
+        return False, k_cache, v_cache
+    if scales.dtype != torch.float32 or scales.shape != (2,) or not scales.is_contiguous():
+        raise ValueError(
+            f"{kernel}: {name} must be a contiguous (2,) float32 tensor, got "
+            f"{tuple(scales.shape)} {scales.dtype} (strides {scales.stride()})"
+        )
+    return True, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -87,22 +109,10 @@ def store_kv(
     store `quantize_kv(k, scales[0])` and `quantize_kv(v, scales[1])`: `scales` is the layer's two
     float32 scales (a contiguous (2,) tensor on k's device), needed then and only then.
     """
-    fp8 = k_cache.dtype == FP8_DTYPE
-    if fp8 != (scales is not None):
-        raise ValueError(
-            f"store_kv: an FP8 cache needs the layer's (2,) K and V scales and another takes none; got a "
-            f"{k_cache.dtype} cache and scales={None if scales is None else tuple(scales.shape)}"
-        )
+    fp8, k_cache, v_cache = cache_views("store_kv", "scales", k_cache, v_cache, scales)
     tokens = k.shape[0]
     if tokens == 0:
         return
-    if fp8:
-        if scales.dtype != torch.float32 or scales.shape != (2,) or not scales.is_contiguous():
-            raise ValueError(
-                "store_kv: scales must be a contiguous (2,) float32 tensor, got "
-                f"{tuple(scales.shape)} {scales.dtype} (strides {scales.stride()})"
-            )
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     row = k.shape[1] * k.shape[2]
     _kv_store_kernel[(tokens,)](
         k,

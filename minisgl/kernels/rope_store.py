@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernels.fp8 import FP8_DTYPE
+from minisgl.kernels.kv_store import cache_views
 from minisgl.kernels.pdl import launch_options, pdl_enabled
 
 try:
@@ -157,19 +157,7 @@ def qk_norm_rope_store(
     """
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: give both or neither")
-    fp8 = k_cache.dtype == FP8_DTYPE
-    if fp8 != (kv_scales is not None):
-        raise ValueError(
-            "qk_norm_rope_store: an FP8 cache needs the layer's (2,) kv_scales and another takes none; got "
-            f"a {k_cache.dtype} cache and kv_scales={None if kv_scales is None else tuple(kv_scales.shape)}"
-        )
-    if fp8:
-        if kv_scales.dtype != torch.float32 or kv_scales.shape != (2,) or not kv_scales.is_contiguous():
-            raise ValueError(
-                "qk_norm_rope_store: kv_scales must be a contiguous (2,) float32 tensor, got "
-                f"{tuple(kv_scales.shape)} {kv_scales.dtype} (strides {kv_scales.stride()})"
-            )
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    fp8, k_cache, v_cache = cache_views("qk_norm_rope_store", "kv_scales", k_cache, v_cache, kv_scales)
     tokens = qkv.shape[0]
     q = qkv.new_empty(tokens, num_heads, head_dim)
     if tokens == 0:
