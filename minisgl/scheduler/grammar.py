@@ -251,8 +251,6 @@ class Grammars:
         token is dropped). A request whose grammar allows no token here (min_tokens holds back
         the end it has reached: see the module docstring) is marked `dead` and its row allows every
         token: its token finishes it with "error" when processed."""
-        # (a request finished since the batch was made, under overlap, keeps an all-allowed row: its
-        # token is dropped)
         rows = [
             i
             for i, s in enumerate(states)
@@ -280,8 +278,7 @@ class Grammars:
         self._clear_tail(mask)
         for i in rows:
             state = states[i]
-            held = _accepted(state) < state.params.min_tokens
-            if held:  # min_tokens holds the end back
+            if _accepted(state) < state.params.min_tokens:  # min_tokens holds the end back
                 self._clear(mask[i], self._held_back(state.params))
         empty = ~mask.numpy()[rows].any(axis=1)  # rows that allow no token: never drawn from
         for i in (rows[j] for j in empty.nonzero()[0]):

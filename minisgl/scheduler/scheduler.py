@@ -450,15 +450,14 @@ class Scheduler:
         detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         message = f"failed while {stage}: {detail}"
         states = [state for state in states if not state.finished]
+        own_doing = isinstance(error, GrammarDeadEnd)  # the request's, not the engine's: no traceback
         logger.log(
-            logging.WARNING if isinstance(error, GrammarDeadEnd) else logging.ERROR,
+            logging.WARNING if own_doing else logging.ERROR,
             "%d request(s) %s %s",
             len(states),
             [state.uid for state in states],
             message,
-            exc_info=error
-            if isinstance(error, Exception) and not isinstance(error, GrammarDeadEnd)
-            else None,
+            exc_info=error if isinstance(error, Exception) and not own_doing else None,
         )
         now, updates = time.perf_counter(), []
         for state in states:
@@ -631,9 +630,7 @@ class Scheduler:
                     for state, req, token, produces in zip(
                         previous.states, previous.reqs, read.tokens, previous.produces
                     )
-                    if produces
-                    and not state.finished
-                    and state.req is req
+                    if _takes(state, req, produces)
                     and state.grammar is not None
                     and state.params.max_tokens > 0
                 )
@@ -709,8 +706,7 @@ class Scheduler:
             zip(launched.states, launched.reqs, tokens, launched.produces)
         ):
             logprob = None if scored is None else scored.take(i, state, req, token)
-            # finished (stopped one step earlier with overlap, aborted or failed) or preempted since
-            if produces and not state.finished and state.req is req:
+            if _takes(state, req, produces):
                 try:
                     updates.append(self._process(state, token, now, logprob))
                 except Exception as e:  # this request's own output processing: it alone fails
@@ -768,6 +764,13 @@ class Scheduler:
         return Update(
             state, [token], self.output.take_delta(state), state.finished, logprobs, prompt_logprobs
         )
+
+
+def _takes(state: RequestState, req: Req, produces: bool) -> bool:
+    """Whether a forward's token goes to its request: the row produces one (not a chunk that leaves
+    prompt tokens for later), and the request has not finished (stopped one step earlier with overlap,
+    aborted or failed) or been preempted (a new `Req`) since the launch."""
+    return produces and not state.finished and state.req is req
 
 
 @dataclass
