@@ -175,12 +175,33 @@ def test_op_picks_the_kernel_by_rows_and_rounds_once(monkeypatch, backend):
         y = torch.ops.minisgl.fp8_linear(x, q, scale, b, 128, 128, 128)
         assert y.shape == (m, N) and y.dtype == torch.bfloat16
         assert_within_one_ulp(y, reference(x, q, scale, (128, 128), b))
-    # on the CPU torch._scaled_mm is refused: the Triton GEMM runs (and the refusal is cached)
+    # on the CPU torch._scaled_mm is refused (and K = 320 is no multiple of 4 blocks): the Triton GEMM
     assert gemv == [2] and gemm == [3]
     x = activations(2)
     torch.ops.minisgl.fp8_linear(x, q, scale, None, 128, 128, 128, True)  # invariant: the GEMM
     assert gemv == [2] and gemm == [3, 2]
     assert torch.ops.minisgl.fp8_linear(x[:0], q, scale, None, 128, 128, 128).shape == (0, N)
+
+
+def test_scaled_mm_takes_weights_of_whole_scale_rows_and_pads_the_rows(monkeypatch):
+    """cuBLASLt misreads the weight scales unless a weight row holds a multiple of 4 blocks: others run
+    the Triton GEMM on the rows as they are. The rest pad the rows to a multiple of 4 (torch refuses
+    others); on the CPU torch refuses every call: the Triton GEMM takes the padded rows once, then (the
+    refusal cached) the rows as they are. The outputs have the rows asked for, the emulation's numbers."""
+    gemm = spy(monkeypatch, "fp8_gemm_triton")
+    q, scale = weights((128, 128))  # K = 320: 3 blocks a row
+    assert not G.scaled_mm_fits(q)
+    x = activations(3)
+    assert_within_one_ulp(G.fp8_gemm_scaled_mm(x, q, scale), reference(x, q, scale, (128, 128), None))
+    assert gemm == [3]
+    gen = torch.Generator().manual_seed(3)
+    wide, wide_scale = quantize_blocks(torch.randn(N, 512, generator=gen) * 0.1, (128, 128))
+    x = (torch.randn(3, 512, generator=gen) * 2).to(torch.bfloat16)
+    assert G.scaled_mm_fits(wide) and G.SCALED_MM_ROWS == 4
+    for calls in ([3, 4], [3, 4, 3]):
+        y = G.fp8_gemm_scaled_mm(x, wide, wide_scale)
+        assert y.shape == (3, N) and gemm == calls
+        assert_within_one_ulp(y, reference(x, wide, wide_scale, (128, 128), None))
 
 
 def test_op_in_half_precision_and_under_the_fake_tensor_mode():

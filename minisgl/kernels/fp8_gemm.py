@@ -25,9 +25,11 @@ multiple of 128 or all of K (per-tensor scales): a weight row's scale row is n /
   activation scale of its row and the weight scale of its column and added to a float32 accumulator.
   `GEMM_CONFIGS`: the tile shapes, chosen by M.
 - `fp8_gemm_scaled_mm`: cuBLASLt's block-scaled FP8 GEMM through `torch._scaled_mm` (1x128 activation
-  scales, 128x128 weight scales; sm90, CUDA 12.9 or newer). Where it raises (another GPU, an older
-  torch or cuBLAS, a shape it refuses) the Triton GEMM runs instead; the answer is cached per device,
-  shape and dtype, so it is tried once.
+  scales, 128x128 weight scales; sm90, CUDA 12.9 or newer), on rows padded to a multiple of 4
+  (`SCALED_MM_ROWS`), for weights of a multiple of 4 blocks a row only (`scaled_mm_fits`: cuBLASLt
+  silently misreads the others' scales). Where it raises (another GPU, an older torch or cuBLAS, a
+  shape it refuses) the Triton GEMM runs instead; the answer is cached per device, shape and dtype, so
+  it is tried once.
 
 `torch.ops.minisgl.fp8_linear(x, weight, scale, bias, block_n, block_k, group, invariant)` picks the
 kernel by row count when it runs (one compiled graph serves every batch size, as the ops of
@@ -55,6 +57,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from minisgl.compile import gemv_kernel_mode
 from minisgl.kernels.fp8 import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_AMAX
@@ -501,6 +504,16 @@ def fp8_gemm_triton(
     return _product(x, weight, bias, out_dtype, launch)
 
 
+# torch._scaled_mm takes row counts of a multiple of this only (it refuses others: the activation scales'
+# column stride, M floats, must be 16-byte aligned); `fp8_gemm_scaled_mm` pads the rows with zeros
+# instead, so that every row count from 3 runs cuBLASLt (an H200, torch 2.11 + CUDA 13: 1 to 17 rows
+# padded, within the GEMMs' bound of the emulation)
+SCALED_MM_ROWS = 4
+# ... and weights of a multiple of this many 128-column blocks: cuBLASLt reads the 128x128 weight scales
+# (`scale.t()`, strides (1, ceil(K / 128))) as if that stride were 16-byte aligned, and torch does not
+# check it: on the H200 a 512 x 256 weight (2 blocks a row) gave products 75x off, silently. Other
+# weights run the Triton GEMM (`scaled_mm_fits`)
+SCALED_MM_BLOCKS = 4
 # torch._scaled_mm: per (device, M, N, K, dtype, bias): the weight-scale layout it took, or None where it
 # refused every one (then the Triton GEMM runs)
 _scaled_mm_layouts: dict[tuple, str | None] = {}
@@ -520,11 +533,15 @@ def _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout) -> torch.Tensor:
     )
 
 
+def _scaled_mm_key(x, weight, out_dtype, bias) -> tuple:
+    return (x.device, x.shape[0], *weight.shape, out_dtype, bias is not None)
+
+
 def _probe_scaled_mm(xq, xs, weight, scale, bias, out_dtype) -> tuple[str | None, torch.Tensor | None]:
     """Tries `torch._scaled_mm` with each weight-scale layout, once per device, shape, dtype and bias
     (cached): (the layout it took, or None where it refused them all or torch has none; the product of
     the call that succeeded, so that no call is wasted, or None)."""
-    key = (xq.device, xq.shape[0], *weight.shape, out_dtype, bias is not None)
+    key = _scaled_mm_key(xq, weight, out_dtype, bias)
     if key in _scaled_mm_layouts:
         return _scaled_mm_layouts[key], None
     found, out = None, None
@@ -554,27 +571,34 @@ def scaled_mm_layout(
     return _probe_scaled_mm(xq, xs, weight, scale, bias, out_dtype)[0]
 
 
+def scaled_mm_fits(weight: torch.Tensor) -> bool:
+    """True when cuBLASLt reads this weight's 128x128 scales right (`SCALED_MM_BLOCKS`)."""
+    return _cdiv(weight.shape[1], GROUP) % SCALED_MM_BLOCKS == 0
+
+
 def fp8_gemm_scaled_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (M, K) @ W^T (+ bias) -> (M, N) in x's dtype through `torch._scaled_mm` (1x128 activation
     scales, 128x128 weight scales); the Triton GEMM where torch refuses these operands
-    (`scaled_mm_layout`). The weight must be in 128x128 blocks."""
+    (`scaled_mm_layout`) or misreads them (`scaled_mm_fits`). The weight must be in 128x128 blocks.
+    x's rows are padded with zero rows to a multiple of `SCALED_MM_ROWS` (their products dropped)."""
     block = (GROUP, GROUP)
     _check_operands(x, weight, scale, block)
-    if not x.shape[0]:
+    m = x.shape[0]
+    if not m or not scaled_mm_fits(weight):
         return fp8_gemm_triton(x, weight, scale, block, bias)
-    xq, xs = quantized if quantized is not None else quantize_rows(x)
+    pad = -m % SCALED_MM_ROWS
+    padded = F.pad(x, (0, 0, 0, pad)) if pad else x
+    if _scaled_mm_layouts.get(_scaled_mm_key(padded, weight, x.dtype, bias), "") is None:
+        return fp8_gemm_triton(x, weight, scale, block, bias)  # refused before: the rows as they are
+    xq, xs = quantize_rows(padded)
     layout, out = _probe_scaled_mm(xq, xs, weight, scale, bias, x.dtype)
-    if out is not None:  # the first call: the probe's product
-        return out
-    if layout is None:
-        return fp8_gemm_triton(x, weight, scale, block, bias, quantized=(xq, xs))
-    return _scaled_mm(xq, xs, weight, scale, bias, x.dtype, layout)
+    if out is None and layout is None:
+        out = fp8_gemm_triton(padded, weight, scale, block, bias, quantized=(xq, xs))
+    elif out is None:
+        out = _scaled_mm(xq, xs, weight, scale, bias, x.dtype, layout)
+    return out[:m] if pad else out
 
 
 @torch.library.custom_op("minisgl::fp8_linear", mutates_args=())

@@ -118,10 +118,11 @@ def test_triton_gemm_matches_emulation_on_gpu(n, k, block):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (1000, 3000), (256, 200)])
 def test_scaled_mm_matches_emulation_on_gpu(n, k):
     """sm90 with cuBLASLt 12.9+: torch._scaled_mm takes the 128x128 weight scales (elsewhere the Triton
-    GEMM answers, to the same bound)."""
+    GEMM answers, to the same bound). Row counts of every remainder mod 4 (`SCALED_MM_ROWS`: cuBLASLt
+    misread the activation scales of 5 rows before they were padded)."""
     q, scale = fp8_weight(n, k, (128, 128))
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
-    for m in (1, 17, 64, 256):
+    for m in (1, 3, 6, 17, 64, 256):
         for b in (None, bias):
             x = activations(m, k, seed=m)
             assert_rounded(G.fp8_gemm_scaled_mm(x, q, scale, b), reference(x, q, scale, (128, 128), b), 1e-3)
