@@ -190,8 +190,13 @@ def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatc
         monkeypatch.setattr(G, name, counted)
 
     def cuda_engine():
+        # graphs to 8 rows hold the decode of 5 (capturing the default 35 sizes cost the test minutes)
         config = EngineConfig(
-            model_path=str(tiny_qwen3), dtype=torch.bfloat16, device="cuda", quantization="fp8"
+            model_path=str(tiny_qwen3),
+            dtype=torch.bfloat16,
+            device="cuda",
+            quantization="fp8",
+            cuda_graph_max_bs=8,
         )
         return Engine(config)
 
@@ -208,7 +213,7 @@ def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatc
     monkeypatch.undo()
     from minisgl.llm import LLM
 
-    llm = LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", quantization="fp8")
+    llm = LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", quantization="fp8", cuda_graph_max_bs=8)
     try:
         prompts = [s[:n] for s, n in zip(seqs, PROMPT_LENS)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
