@@ -511,8 +511,8 @@ def fp8_gemm_triton(
 SCALED_MM_ROWS = 4
 # ... and weights of a multiple of this many 128-column blocks: cuBLASLt reads the 128x128 weight scales
 # (`scale.t()`, strides (1, ceil(K / 128))) as if that stride were 16-byte aligned, and torch does not
-# check it: on the H200 a 512 x 256 weight (2 blocks a row) gave products 75x off, silently. Other
-# weights run the Triton GEMM (`scaled_mm_fits`)
+# check it: on the H200 a 512 x 256 weight (2 blocks a row) gave errors 75 times the output's largest
+# magnitude, silently. Other weights run the Triton GEMM (`scaled_mm_fits`)
 SCALED_MM_BLOCKS = 4
 # torch._scaled_mm: per (device, M, N, K, dtype, bias): the weight-scale layout it took, or None where it
 # refused every one (then the Triton GEMM runs)
@@ -533,15 +533,15 @@ def _scaled_mm(xq, xs, weight, scale, bias, out_dtype, layout) -> torch.Tensor:
     )
 
 
-def _scaled_mm_key(x, weight, out_dtype, bias) -> tuple:
-    return (x.device, x.shape[0], *weight.shape, out_dtype, bias is not None)
+def _scaled_mm_key(device, rows, weight, out_dtype, bias) -> tuple:
+    return (device, rows, *weight.shape, out_dtype, bias is not None)
 
 
 def _probe_scaled_mm(xq, xs, weight, scale, bias, out_dtype) -> tuple[str | None, torch.Tensor | None]:
     """Tries `torch._scaled_mm` with each weight-scale layout, once per device, shape, dtype and bias
     (cached): (the layout it took, or None where it refused them all or torch has none; the product of
     the call that succeeded, so that no call is wasted, or None)."""
-    key = _scaled_mm_key(xq, weight, out_dtype, bias)
+    key = _scaled_mm_key(xq.device, xq.shape[0], weight, out_dtype, bias)
     if key in _scaled_mm_layouts:
         return _scaled_mm_layouts[key], None
     found, out = None, None
@@ -589,9 +589,9 @@ def fp8_gemm_scaled_mm(
     if not m or not scaled_mm_fits(weight):
         return fp8_gemm_triton(x, weight, scale, block, bias)
     pad = -m % SCALED_MM_ROWS
-    padded = F.pad(x, (0, 0, 0, pad)) if pad else x
-    if _scaled_mm_layouts.get(_scaled_mm_key(padded, weight, x.dtype, bias), "") is None:
+    if _scaled_mm_layouts.get(_scaled_mm_key(x.device, m + pad, weight, x.dtype, bias), "") is None:
         return fp8_gemm_triton(x, weight, scale, block, bias)  # refused before: the rows as they are
+    padded = F.pad(x, (0, 0, 0, pad)) if pad else x
     xq, xs = quantize_rows(padded)
     layout, out = _probe_scaled_mm(xq, xs, weight, scale, bias, x.dtype)
     if out is None and layout is None:
