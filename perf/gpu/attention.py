@@ -9,7 +9,9 @@ of one layer's attention (calls back to back). With `--graphs`: one layer's deco
 graph as the engine captures it (a graph wrapper over fixed buffers, planned before each replay), with
 FlashInfer's split-KV (chunks and a merge kernel) and without (`disable_split_kv`), the CUDA-core
 kernel's graph, and minisgl's Triton split-KV kernel (`minisgl.kernels.decode_attention`) at two block
-sizes; device time per replay. A plain script, not a test.
+sizes; device time per replay. `--kv-dtype fp8_e4m3` (with `--graphs`) times the same variants on an
+FP8 page pool (scales 1.0); with `--graphs` the pool holds the longest of `--contexts` for every row. A
+plain script, not a test.
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ HEADS, KV_HEADS, DIM, PAGE = 16, 8, 128, 256
 MAX_BS, MAX_CTX = 256, 2048
 
 
-def _pool_and_table(device: torch.device) -> tuple[MHAKVCachePool, torch.Tensor]:
-    pages_per_req = MAX_CTX // PAGE
-    pool = MHAKVCachePool(1, MAX_BS * pages_per_req + 1, PAGE, KV_HEADS, DIM, torch.bfloat16, device)
-    pool.k_cache(0).normal_()
-    pool.v_cache(0).normal_()
-    table = torch.arange(MAX_BS * MAX_CTX, dtype=torch.int32, device=device).view(MAX_BS, MAX_CTX)
-    table = torch.cat([table, torch.zeros(1, MAX_CTX, dtype=torch.int32, device=device)])
+def _pool_and_table(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, max_ctx: int = MAX_CTX
+) -> tuple[MHAKVCachePool, torch.Tensor]:
+    pages_per_req = -(-max_ctx // PAGE)
+    pool = MHAKVCachePool(1, MAX_BS * pages_per_req + 1, PAGE, KV_HEADS, DIM, dtype, device)
+    for cache in (pool.k_cache(0), pool.v_cache(0)):
+        for page in cache.split(256):  # normal_ has no float8 kernel: draw in bf16, then cast
+            page.copy_(torch.randn(page.shape, dtype=torch.bfloat16, device=device))
+    ctx = pages_per_req * PAGE
+    table = torch.arange(MAX_BS * ctx, dtype=torch.int32, device=device).view(MAX_BS, ctx)
+    table = torch.cat([table, torch.zeros(1, ctx, dtype=torch.int32, device=device)])
     return pool, table
 
 
@@ -81,12 +87,21 @@ def eager(device: torch.device) -> None:
             print(f"{bs:>4} {ctx:>5} " + " ".join(cells), flush=True)
 
 
-def graphs(device: torch.device, sizes: list[int], contexts: list[int], replays: int = 200) -> None:
+def graphs(
+    device: torch.device,
+    sizes: list[int],
+    contexts: list[int],
+    replays: int = 200,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Per (batch, context): microseconds per replay of a graph of one layer's decode, for each variant;
-    the outputs are compared with the first variant's (max abs difference) to show they agree."""
+    the outputs are compared with the first variant's (max abs difference) to show they agree. `dtype`:
+    the pages' (bf16, or float8_e4m3fn with scales 1.0)."""
     from minisgl.kernels.decode_attention import decode_attention
 
-    pool, table = _pool_and_table(device)
+    pool, table = _pool_and_table(device, dtype, max(contexts))
+    max_pages = table.shape[1] // PAGE
+    scales = pool.scales[0] if pool.is_fp8 else None
     kv = (pool.k_cache(0), pool.v_cache(0))
     flat = pool.flat(0)
     # name: (backend settings, Triton block size or None for the backend's own attend)
@@ -102,7 +117,7 @@ def graphs(device: torch.device, sizes: list[int], contexts: list[int], replays:
         backend = FlashInferAttnBackend(
             pool, table, device, HEADS, KV_HEADS, DIM, prefill="fi", decode="fi", **kw
         )
-        backend.init_graph_wrappers(sizes, MAX_CTX // PAGE)
+        backend.init_graph_wrappers(sizes, max_pages)
         backends[name] = backend
     print(f"{'bs':>4} {'ctx':>5} " + " ".join(f"{n + ' us':>14}" for n in variants) + f" {'max |diff|':>11}")
     for bs in sizes:
@@ -116,7 +131,9 @@ def graphs(device: torch.device, sizes: list[int], contexts: list[int], replays:
             def run(meta=meta, block_n=block_n, q=q):
                 if block_n is None:
                     return meta.wrapper.run(q, kv)
-                return decode_attention(q, *flat, table, meta.rows, meta.lens, block_n=block_n)
+                return decode_attention(
+                    q, *flat, table, meta.rows, meta.lens, block_n=block_n, kv_scales=scales
+                )
 
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -144,10 +161,15 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs: split-KV against not")
     parser.add_argument("--sizes", default="1,2,4,8,16,24,32,48,64,96,128,192,256")
     parser.add_argument("--contexts", default="160,640,1152,2048")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "fp8_e4m3"), help="with --graphs")
     args = parser.parse_args()
     device = torch.device("cuda")
+    dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8_e4m3" else torch.bfloat16
     if args.graphs:
-        graphs(device, [int(s) for s in args.sizes.split(",")], [int(c) for c in args.contexts.split(",")])
+        sizes, contexts = [int(s) for s in args.sizes.split(",")], [int(c) for c in args.contexts.split(",")]
+        graphs(device, sizes, contexts, dtype=dtype)
+    elif dtype != torch.bfloat16:
+        parser.error("--kv-dtype fp8_e4m3 needs --graphs")
     else:
         eager(device)
 
