@@ -32,6 +32,11 @@ prefill (`fi`) there. The tensor-core decode runs FlashInfer's FA2 prefill kerne
 CUDA-core decode its decode kernel, and the Triton decode reads the FP8 pages itself. The dtypes of a
 graph's plan are the pool's, fixed at capture and at every replay.
 
+Prefill CUDA graphs (`minisgl.engine.graph`, the `prefill_graph_max_tokens` setting) attend with
+minisgl's Triton prefill kernel (`minisgl.kernels.prefill_attention`), which reads each block of 16
+tokens' page-table row and each token's length from two device buffers (`prepare_prefill_graph`): no
+FlashInfer plan, so a replay takes any batch that fits its bucket.
+
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
 table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
@@ -53,6 +58,7 @@ from minisgl.attention.torch_backend import planned
 from minisgl.core import Batch
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.fp8 import FP8_DTYPE
+from minisgl.kernels.prefill_attention import ALIGN, prefill_attention
 from minisgl.kvcache import MHAKVCachePool
 
 WORKSPACE_BYTES = 256 << 20
@@ -61,9 +67,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
-    wrapper: Any  # the planned prefill or decode wrapper; None: the Triton decode kernel
+    wrapper: Any  # the planned prefill or decode wrapper; None: a Triton kernel
     rows: torch.Tensor | None = None  # Triton decode: each request's page-table row (device)
-    lens: torch.Tensor | None = None  # and its token count (device, int32)
+    lens: torch.Tensor | None = None  # and its token count (device, int32); Triton prefill: each token's
+    block_rows: torch.Tensor | None = None  # Triton prefill (a prefill graph): each block's row (device)
 
 
 # one build thread per set of module arguments in the process: a second engine waits on the first's
@@ -290,6 +297,27 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     # -- CUDA graphs ---------------------------------------------------------------------------------
 
+    def init_prefill_graphs(self, max_tokens: int) -> None:
+        """The buffers of the prefill graphs' plans: a page-table row per block of `ALIGN` tokens and a
+        length per token, for up to `max_tokens` tokens."""
+        self._graph_buffers["block_rows"] = torch.zeros(
+            max_tokens // ALIGN + 1, dtype=torch.int32, device=self.device
+        )
+        self._graph_buffers["token_lens"] = torch.ones(max_tokens + 1, dtype=torch.int32, device=self.device)
+
+    def prepare_prefill_graph(self, batch: Batch, plan: torch.Tensor, num_tokens: int) -> None:
+        """Plans a prefill graph's batch of `num_tokens` (padded) tokens: `plan` (on the device) holds
+        the `num_tokens / ALIGN` blocks' page-table rows, then the tokens' lengths (see
+        `minisgl.kernels.prefill_attention`)."""
+        blocks = num_tokens // ALIGN
+        block_rows = self._graph_buffers["block_rows"][:blocks]
+        lens = self._graph_buffers["token_lens"][:num_tokens]
+        block_rows.copy_(plan[:blocks], non_blocking=True)
+        lens.copy_(plan[blocks : blocks + num_tokens], non_blocking=True)
+        batch.attn_metadata = FlashInferMetadata(
+            last_indices=None, wrapper=None, lens=lens, block_rows=block_rows
+        )
+
     def graph_splits_kv(self, bs: int) -> bool:
         """Whether the decode graph of batch size `bs` splits the KV and merges (see the module's doc):
         FlashInfer's `fa` and CUDA-core decode always do under a graph; tensor-core decode up to
@@ -321,6 +349,10 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if meta.wrapper is None:
             k, v = self.kv_cache.flat(layer_id)
             scales = self.kv_cache.layer_scales(layer_id)
+            if meta.block_rows is not None:
+                return prefill_attention(
+                    q, k, v, self.page_table, meta.block_rows, meta.lens, kv_scales=scales
+                )
             return decode_attention(q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales)
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return meta.wrapper.run(q, kv, **self.layer_scales[layer_id])

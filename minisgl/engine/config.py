@@ -180,6 +180,22 @@ class EngineConfig:
         "On CUDA, run prefill and batches above the largest CUDA graph compiled; false: eagerly (ablation). "
         "batch_invariant implies false.",
     )
+    prefill_graph_max_tokens: int = setting(
+        1024,
+        "On CUDA, prefill batches of up to this many tokens (each request's padded to a block of 16) "
+        "replay a CUDA graph captured per token-count bucket (16, 32, ..., a power of two), their "
+        "attention on minisgl's Triton prefill kernel; larger ones, and sequences past "
+        "prefill_graph_max_context tokens, run the compiled forward. 0: no prefill graphs. Needs "
+        "compile_prefill, the fi/fa backends and a dense model.",
+        ge=0,
+        le=8192,
+    )
+    prefill_graph_max_context: int = setting(
+        8192,
+        "The longest sequence (cached prefix + chunk) a prefill CUDA graph takes: its Triton attention "
+        "reads a request's KV once per block of 16 query tokens, FlashInfer's prefill reads it fewer times.",
+        ge=1,
+    )
     use_gemv_kernel: bool = setting(
         True,
         "On CUDA, run one-row half-precision linear layers on the Triton GEMV kernel; false: cuBLAS "

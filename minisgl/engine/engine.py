@@ -245,6 +245,8 @@ class Engine:
             self.max_seq_len,
             *graph_sizes,
             compile_prefill=cfg.compile_prefill,
+            prefill_graph_max_tokens=cfg.prefill_graph_max_tokens,
+            prefill_graph_max_context=cfg.prefill_graph_max_context,
         )
 
     def _log_ready(self, seconds: float, model_bytes: int) -> None:
@@ -342,10 +344,11 @@ class Engine:
         token. Marks the computed tokens cached, as `forward_batch` does."""
         return self._forward(batch, own_output=True)
 
-    def forward_mode(self, batch: Batch) -> ForwardMode:
+    def forward_mode(self, batch: Batch, all_rows: bool = False) -> ForwardMode:
         """How `forward_batch` runs this prepared batch: a CUDA graph replay, the compiled forward
-        without a graph, or the eager model."""
-        if self.graph_runner.can_use_cuda_graph(batch):
+        without a graph, or the eager model. `all_rows`: logits of more rows than the requests' last
+        tokens are asked for (prompt log probabilities), which a prefill graph does not give."""
+        if self.graph_runner.can_use_cuda_graph(batch) and not (all_rows and batch.is_prefill):
             return "cuda_graph"
         if self.graph_runner.can_run_compiled(batch):
             return "compiled"
@@ -358,7 +361,7 @@ class Engine:
         with prompt log probabilities). A CUDA graph writes them into its static output, which the next
         replay overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
-        mode = self.forward_mode(batch)
+        mode = self.forward_mode(batch, all_rows=rows is not None)
         with self.ctx.forward_batch(batch):
             if mode == "cuda_graph":
                 logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself

@@ -10,6 +10,20 @@ token on the dummy page) up to the next captured size and replayed; larger batch
 same compiled forward without a graph (`run_compiled`; faster than eager prefill, see
 docs/performance.md and `python -m perf.gpu.prefill`), as the documentation allows, unless
 `compile_prefill` is off (ablation) or the engine is batch-invariant.
+
+Prefill graphs: a prefill of few tokens is bound by the launches of the compiled forward (about 10 ms
+for 128 tokens of Qwen3-0.6B against well under a millisecond of GPU work), so prefill batches of up to
+`prefill_graph_max_tokens` tokens replay graphs too, one per token-count bucket (16, 32, ... doubling).
+The batch is laid out in blocks of `ALIGN` (16) tokens: each request's tokens start a block, and the
+rest of its last block and the blocks after the last request are padding (whatever token and position
+the buffers hold, its KV written to the dummy page, attending to its row's first token; its outputs are
+never read). A graph of T tokens computes the logits
+of T / ALIGN rows (`prefill_last`: each request's last token, then padding rows). Attention runs the
+attention backend's graph plan (`prepare_prefill_graph`: the Triton prefill kernel of
+`minisgl.kernels.prefill_attention`, planned on the device). Needed: the fi/fa backends (they have the
+plan), a dense model (the MoE backends are captured at decode sizes only) and `compile_prefill`; a prefill
+that asks for prompt log probabilities (more rows than the last ones) or reaches past
+`prefill_graph_max_context` tokens runs the compiled forward.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from tqdm import tqdm
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Context, Req
+from minisgl.kernels.prefill_attention import ALIGN
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +53,25 @@ def _normal_tensor(t: torch.Tensor) -> torch.Tensor:
 def default_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, then every 8 up to max_bs."""
     return sorted({bs for bs in [1, 2, 4, *range(8, max_bs + 1, 8)] if bs <= max_bs})
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """The token counts prefill graphs are captured for: ALIGN, doubling, up to `max_tokens` (which is
+    the last when it is not a power of two: rounded up to ALIGN)."""
+    if max_tokens < ALIGN:
+        return []
+    buckets = [ALIGN << i for i in range(max_tokens.bit_length()) if ALIGN << i < max_tokens]
+    return [*buckets, -(-max_tokens // ALIGN) * ALIGN]
+
+
+def prefill_layout(batch: Batch) -> tuple[list[int], int]:
+    """Where each request's tokens start in a prefill graph's layout (blocks of ALIGN), and the tokens
+    the layout spans (its blocks)."""
+    starts, at = [], 0
+    for req in batch.reqs:
+        starts.append(at)
+        at += -(-req.extend_len // ALIGN) * ALIGN
+    return starts, at
 
 
 def default_max_bs(device: torch.device) -> int:
@@ -63,8 +97,13 @@ class GraphRunner:
         cuda_graph_bs: tuple[int, ...] | None,
         cuda_graph_max_bs: int | None,
         compile_prefill: bool = True,
+        prefill_graph_max_tokens: int = 0,
+        prefill_graph_max_context: int = 0,
     ) -> None:
         self.batch_sizes: list[int] = []
+        self.prefill_sizes: list[int] = []  # token counts of the prefill graphs
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_graph_max_context = prefill_graph_max_context
         # the compiled graph's kernels depend on the token count, so batch invariance rules it out
         self.compile_prefill = compile_prefill and not ctx.batch_invariant
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -96,10 +135,11 @@ class GraphRunner:
         self.max_running_req = max_running_req
         page_size = ctx.page_size
         self.dummy_loc = ctx.kv_cache.dummy_page * page_size
+        prefill_sizes = self._prefill_sizes(prefill_graph_max_tokens, ctx)
         # one row longer than the largest graph: every graph's inputs are then strict views of these, so
         # dynamo does not equate a view's size with its base's at the first (largest) size, a guard that
         # recompiled the forward at the second size
-        top = sizes[-1] + 1
+        top = max(sizes[-1], *prefill_sizes, 0) + 1
         self.input_ids = torch.zeros(top, dtype=torch.int32, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.out_loc = torch.full((top,), self.dummy_loc, dtype=torch.int64, device=device)
@@ -109,8 +149,31 @@ class GraphRunner:
         # one engine compiles the forward once; further engines in the process add their own entries
         raise_recompile_limit()
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        self._pool = torch.cuda.graph_pool_handle()
         self._capture(sizes)
         self.batch_sizes = sizes
+        if prefill_sizes:
+            # each request's last row, then padding rows: the rows whose logits a prefill graph computes
+            self.prefill_last = torch.zeros(prefill_sizes[-1] // ALIGN + 1, dtype=torch.int64, device=device)
+            backend.init_prefill_graphs(prefill_sizes[-1])
+            self._capture_prefill(prefill_sizes)
+            self.prefill_sizes = prefill_sizes
+
+    def _prefill_sizes(self, max_tokens: int, ctx: Context) -> list[int]:
+        """The prefill graphs' token counts, or none where they cannot run (see the module docstring)."""
+        why = None
+        if not self.compile_prefill:
+            why = "compile_prefill is off or the engine is batch-invariant"
+        elif not hasattr(ctx.attn_backend, "prepare_prefill_graph"):
+            why = f"the {type(ctx.attn_backend).__name__} attention backend has no prefill graph plan"
+        elif ctx.moe_backend is not None:
+            why = "a MoE model"
+        elif not prefill_buckets(max_tokens):
+            why = f"prefill_graph_max_tokens={max_tokens}"
+        if why is not None:
+            logger.info("prefill CUDA graphs: none (%s)", why)
+            return []
+        return prefill_buckets(max_tokens)
 
     def _dummy_batch(self, bs: int) -> Batch:
         reqs = [
@@ -125,28 +188,47 @@ class GraphRunner:
         )
         return batch
 
+    def _capture_one(
+        self, batch: Batch, last_indices: torch.Tensor | None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Captures the compiled forward of a planned dummy batch (compiled, for the first size only,
+        and warmed up off the capture)."""
+        stream = torch.cuda.Stream(self.device)
+        with self.ctx.forward_batch(batch):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.compiled_forward(batch.input_ids, batch.positions, last_indices)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                logits = self.compiled_forward(batch.input_ids, batch.positions, last_indices)
+        return graph, logits
+
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
         bar = tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", unit="graph")
         for bs in bar:
             batch = self._dummy_batch(bs)
             self.ctx.attn_backend.prepare_metadata(batch, graph_bs=bs)
-            with self.ctx.forward_batch(batch):
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # compile (first size only) and warm up off the capture
-                        self.compiled_forward(batch.input_ids, batch.positions)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.compiled_forward(batch.input_ids, batch.positions)
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = self._capture_one(batch, None)
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
             bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
         bar.close()
         logger.info("CUDA graphs: captured %d batch sizes (%d..%d)", len(sizes), sizes[0], sizes[-1])
+
+    @torch.inference_mode()
+    def _capture_prefill(self, sizes: list[int]) -> None:
+        """One graph per prefill bucket, largest first, planned as all padding (the dummy row)."""
+        for tokens in sorted(sizes, reverse=True):
+            batch = Batch(reqs=self._dummy_batch(1).reqs, phase="prefill")
+            batch.input_ids, batch.positions = self.input_ids[:tokens], self.positions[:tokens]
+            batch.out_loc = self.out_loc[:tokens]
+            blocks = tokens // ALIGN
+            plan = torch.tensor([self.max_running_req] * blocks + [1] * tokens, dtype=torch.int32)
+            self.ctx.attn_backend.prepare_prefill_graph(batch, plan.to(self.device), tokens)
+            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[:blocks])
+        logger.info("prefill CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
     def compiled_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
@@ -208,10 +290,21 @@ class GraphRunner:
         return bool(self.batch_sizes)
 
     def can_use_cuda_graph(self, batch: Batch) -> bool:
-        return bool(self.batch_sizes) and batch.is_decode and batch.size <= self.batch_sizes[-1]
+        """A decode batch up to the largest decode graph; a prefill batch whose layout fits the largest
+        prefill graph and whose sequences reach at most `prefill_graph_max_context` tokens."""
+        if batch.is_decode:
+            return bool(self.batch_sizes) and batch.size <= self.batch_sizes[-1]
+        return (
+            bool(self.prefill_sizes)
+            and prefill_layout(batch)[1] <= self.prefill_sizes[-1]
+            and max(req.device_len for req in batch.reqs) <= self.prefill_graph_max_context
+        )
 
     def replay(self, batch: Batch) -> torch.Tensor:
-        """Pads the decode batch to the next captured size, plans attention for it, replays."""
+        """Pads the decode batch to the next captured size, plans attention for it, replays (a prefill
+        batch: `replay_prefill`)."""
+        if batch.is_prefill:
+            return self.replay_prefill(batch)
         bs = batch.size
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
@@ -223,6 +316,42 @@ class GraphRunner:
         graph.replay()
         return logits[:bs]
 
+    def replay_prefill(self, batch: Batch) -> torch.Tensor:
+        """Lays the prefill batch out in the smallest bucket that holds it (see the module docstring),
+        plans its attention on the device, replays; the logits of each request's last token."""
+        starts, span = prefill_layout(batch)
+        tokens = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, span)]
+        blocks = tokens // ALIGN
+        # on the host: each block's page-table row, each token's length (position + 1; padding 1), each
+        # request's last row in the layout (padding rows: 0), and each computed token's place in it
+        block_rows = torch.full((blocks,), self.max_running_req, dtype=torch.int64)
+        lens = torch.ones(tokens, dtype=torch.int64)
+        last = torch.zeros(blocks, dtype=torch.int64)
+        places = []
+        for i, (req, start) in enumerate(zip(batch.reqs, starts)):
+            n = req.extend_len
+            block_rows[start // ALIGN : (start + n + ALIGN - 1) // ALIGN] = req.table_idx
+            lens[start : start + n] = torch.arange(req.cached_len + 1, req.device_len + 1)
+            last[i] = start + n - 1
+            places.append(torch.arange(start, start + n))
+        packed = torch.cat([block_rows, lens, last, *places]).pin_memory().to(self.device, non_blocking=True)
+        plan, last, place = (
+            packed[: blocks + tokens],
+            packed[blocks + tokens : 2 * blocks + tokens],
+            packed[2 * blocks + tokens :],
+        )
+        self.out_loc[:tokens].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
+        self.input_ids.index_copy_(0, place, batch.input_ids)
+        self.positions.index_copy_(0, place, batch.positions)
+        self.out_loc.index_copy_(0, place, batch.out_loc)
+        self.prefill_last[:blocks].copy_(last, non_blocking=True)
+        self.ctx.attn_backend.prepare_prefill_graph(batch, plan, tokens)
+        graph, logits = self.prefill_graphs[tokens]
+        graph.replay()
+        return logits[: batch.size]
+
     def destroy(self) -> None:
         self.graphs.clear()
+        self.prefill_graphs = {}
         self.batch_sizes = []
+        self.prefill_sizes = []

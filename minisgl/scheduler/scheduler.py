@@ -645,7 +645,9 @@ class Scheduler:
         started: float,
     ) -> _InFlight:
         produces = [not state.req.is_partial for state in states]
-        mode = self.engine.forward_mode(batch)
+        mode = self.engine.forward_mode(
+            batch, all_rows=args.logprobs is not None and args.logprobs.rows is not None
+        )
         num_tokens = batch.num_tokens  # before the forward marks the tokens cached
         timer = DeviceTimer() if self.record_steps and self.engine.device.type == "cuda" else None
         output = self.engine.forward_batch(batch, args)

@@ -22,7 +22,7 @@ from conftest import (
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
 from minisgl.scheduler import Scheduler
 
 pytestmark = [
@@ -76,8 +76,10 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
     ref = _tf(ref_engine, seqs, PROMPT_LENS)
     code = type(ref_engine.model).forward.__code__
     torch._dynamo.reset()
-    engine = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=8)
-    assert engine.graph_runner.enabled
+    engine = _engine(
+        tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=8, prefill_graph_max_tokens=0
+    )
+    assert engine.graph_runner.enabled and not engine.graph_runner.prefill_sizes
     calls = []
     run = engine.graph_runner.run_compiled
     engine.graph_runner.run_compiled = lambda batch: calls.append(len(batch.reqs)) or run(batch)
@@ -85,6 +87,50 @@ def test_compiled_prefill_and_graphs_match_torch_backend(tiny_qwen3, backend):
     assert rel_err(_tf(engine, seqs[3:4], PROMPT_LENS[3:4]), ref[3:4]) < BF16_TOL
     assert calls == [len(PROMPT_LENS), 1]  # the two prefills; every decode step replayed a graph
     assert len(_debug_get_cache_entry_list(code)) == 1
+
+
+@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_graphs_match_torch_backend(tiny_qwen3, backend, page_size):
+    """Prefill batches of up to prefill_graph_max_tokens (here 256: the five prompts' layout takes 304
+    tokens, so it runs compiled, and each one alone replays a graph) against the eager torch backend;
+    a prompt in two chunks (the second behind a cached prefix of 100 tokens) replays two graphs; a
+    sequence past prefill_graph_max_context runs compiled."""
+    seqs = gpu_seqs(512)
+    ref = _tf(_engine(tiny_qwen3, attention_backend="torch", page_size=page_size), seqs, PROMPT_LENS)
+    engine = _engine(
+        tiny_qwen3,
+        attention_backend=backend,
+        page_size=page_size,
+        cuda_graph_max_bs=8,
+        prefill_graph_max_tokens=256,
+        prefill_graph_max_context=160,
+    )
+    runner = engine.graph_runner
+    assert runner.prefill_sizes == [16, 32, 64, 128, 256]
+    compiled, replayed = [], []
+    run, replay = runner.run_compiled, runner.replay_prefill
+    runner.run_compiled = lambda batch: compiled.append(batch.num_tokens) or run(batch)
+    runner.replay_prefill = lambda batch: replayed.append(batch.num_tokens) or replay(batch)
+    assert rel_err(_tf(engine, seqs, PROMPT_LENS), ref) < BF16_TOL
+    assert compiled == [sum(PROMPT_LENS)] and replayed == []
+    for i, n in enumerate(PROMPT_LENS):
+        assert rel_err(_tf(engine, seqs[i : i + 1], [n]), ref[i : i + 1]) < BF16_TOL
+    assert compiled == [sum(PROMPT_LENS)] and replayed == PROMPT_LENS
+    # two requests in one graph (7 + 33 tokens: 16 + 48 of the layout, the 64-token graph)
+    assert rel_err(_tf(engine, seqs[:2], PROMPT_LENS[:2]), ref[:2]) < BF16_TOL
+    assert replayed[-1] == 40
+    # the 150-token prompt in chunks of 100 and 50, then decoded; then past the context limit
+    prep, got = BatchPreparer(engine), []
+    req = prep.add_request(seqs[3][:150], SamplingParams(max_tokens=4))
+    got.append(engine.forward_logits(prep.prefill([req], 100)))
+    got.append(engine.forward_logits(prep.prefill([req], 100)))
+    prep.release(req)
+    assert replayed[-2:] == [100, 50]
+    assert rel_err(got[1].float(), ref[3, 0:1]) < BF16_TOL
+    long_seq = gpu_seqs(512, [170])
+    _tf(engine, long_seq, [170])
+    assert compiled[-1] == 170
 
 
 def test_decode_graphs_without_split_kv_match_torch_backend(tiny_qwen3):
