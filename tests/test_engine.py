@@ -150,7 +150,7 @@ def test_start_phases_are_timed_and_logged(tiny_llama, caplog):
         engine = _engine(tiny_llama, num_page_override=8)
     phases = [
         "communication", "model", "kv cache", "page table", "backends", "cuda graphs", "sampler",
-        "prefill warm-up",
+        "sampler graphs", "prefill warm-up",
     ]  # fmt: skip
     assert list(engine.start_phases) == phases and all(s >= 0 for s in engine.start_phases.values())
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start phase ")]

@@ -39,7 +39,14 @@ def _case(chunks, num_heads, num_kv_heads, head_dim, dtype, seed, pad_blocks=1):
     block_rows += [0] * pad_blocks
     lens += [1] * (pad_blocks * PA.ALIGN)
     q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
-    tensors = (q, k, v, table, torch.tensor(block_rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+    tensors = (
+        q,
+        k,
+        v,
+        table,
+        torch.tensor(block_rows, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+    )
     return [t.to(DEVICE) for t in tensors], torch.tensor(real)
 
 

@@ -97,6 +97,7 @@ class Engine:
         )
         self._phase("cuda graphs", self._init_cuda_graphs)
         self._phase("sampler", self.sampler.warm_up)  # compiles the sampler on CUDA
+        self._phase("sampler graphs", lambda: self.sampler.capture_graphs(self.graph_runner.decode_logits()))
         # last: it waits for the attention backend's prefill kernels, built in a thread meanwhile
         self._phase("prefill warm-up", self.graph_runner.warm_up_prefill)
         self._log_ready(time.perf_counter() - started, model_bytes)
@@ -321,7 +322,8 @@ class Engine:
         if scoring is not None and scoring.last is not None:  # more rows than the requests' last ones
             next_tokens = self.sampler.sample(logits[scoring.last], args)
         else:
-            next_tokens = self.sampler.sample(logits, args)
+            graph_bs = self.graph_runner.graph_size(batch) if self.forward_mode(batch) == "cuda_graph" else 0
+            next_tokens = self.sampler.sample(logits, args, graph_bs=graph_bs)
         if self.config.tp_broadcast_tokens and self.config.tp_info.size > 1:
             torch.distributed.broadcast(next_tokens, src=0)  # rank 0's tokens, on the device
         logprobs = None if scoring is None else self.sampler.logprobs(logits, next_tokens, scoring)
@@ -414,6 +416,7 @@ class Engine:
             return
         self._closed = True
         self.graph_runner.destroy()
+        self.sampler.destroy_graphs()
         close_one_shot_all_reduce()
         if self._owns_process_group:
             destroy_process_group(abort=abort)

@@ -300,13 +300,22 @@ class GraphRunner:
             and max(req.device_len for req in batch.reqs) <= self.prefill_graph_max_context
         )
 
+    def graph_size(self, batch: Batch) -> int:
+        """The size of the decode graph a decode batch replays (0 for a prefill batch)."""
+        if batch.is_prefill:
+            return 0
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch.size)]
+
+    def decode_logits(self) -> dict[int, torch.Tensor]:
+        """Each decode graph's static logits (bs, V), by batch size."""
+        return {bs: logits for bs, (_, logits) in self.graphs.items()}
+
     def replay(self, batch: Batch) -> torch.Tensor:
         """Pads the decode batch to the next captured size, plans attention for it, replays (a prefill
         batch: `replay_prefill`)."""
         if batch.is_prefill:
             return self.replay_prefill(batch)
-        bs = batch.size
-        graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        bs, graph_bs = batch.size, self.graph_size(batch)
         self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
         self.positions[:bs].copy_(batch.positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)

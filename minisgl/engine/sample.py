@@ -15,6 +15,13 @@ On CUDA the whole step after the logits (argmax, weights, filters, hash, search)
 ``torch.compile``d function with a dynamic batch dimension: a few fused kernels instead of the many small
 ops it launches eagerly (``python -m perf.gpu.sampler_ops`` counts them; see docs/performance.md); on CPU,
 and with ``Sampler(..., compile=False)`` (the ``compile_sampler`` setting), the same function runs eagerly.
+
+Launching the compiled function costs the host about 0.6 ms a step (1.2 ms with filters; H200, torch
+2.11), more than a small batch's forward: a decode step of up to `GRAPH_MAX_BS` requests whose forward
+replayed a CUDA graph samples by replaying a graph of the compiled function too (`capture_graphs`: one
+per decode graph size and `need_filter`, reading that decode graph's static logits; the padding columns
+of its arguments hold valid parameters, their tokens are dropped), when nothing transforms the logits
+first (no mask, bias, penalty or suppressed token in the batch).
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ _MASK32 = 0xFFFFFFFF
 WEIGHT_BITS = 40
 # tokens per block of the two-level search and cumulative sums (no scan is longer than this)
 SAMPLE_BLOCK = 1024
+
+# the largest decode batch whose sampling replays a CUDA graph (the host's launch cost matters where the
+# forward is short)
+GRAPH_MAX_BS = 64
 
 # seeds for requests without one, when from_reqs is given no generator
 _default_rng = random.Random()
@@ -430,6 +441,10 @@ class Sampler:
         self._counts: torch.Tensor | None = None  # (slots, V) int32: each generated token's count
         self._seen: torch.Tensor | None = None  # (slots, V) bool: prompt and generated tokens
         self._rng = random.Random()
+        # (decode graph size, need_filter) -> (graph, its floats and ints arguments, its tokens)
+        self._graphs: dict[
+            tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
         self._compiled = None
         if device.type == "cuda" and compile:
             # one graph per need_filter value (for every batch size: `mark_batch_unbacked`), per vocabulary
@@ -445,8 +460,11 @@ class Sampler:
         """The sampling arguments of ``batch``; call it before the forward so the copy overlaps."""
         return BatchSamplingArgs.from_reqs(batch.reqs, self.device, self._rng)
 
-    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs, graph_bs: int = 0) -> torch.Tensor:
         """Next token ids, int32 of shape (B,), on the device of ``logits``.
+
+        ``graph_bs``: the logits are the first B rows of the static output of the decode graph of that
+        size (its sampler graph, if captured, then runs the sampled path; see the module docstring).
 
         ``logits`` is (B, V) with V >= ``vocab_size``; columns past ``vocab_size`` (padding) are
         ignored. The transforms, in order: the structured-output mask (`token_mask`), logit_bias, the
@@ -461,6 +479,14 @@ class Sampler:
             )
         logits = logits[:, : self.vocab_size]
         mask = args.token_mask() if callable(args.token_mask) else args.token_mask
+        plain = mask is None and args.bias_ids is None and args.penalties is None and args.suppress is None
+        graph = self._graphs.get((graph_bs, args.need_filter)) if plain and not args.all_greedy else None
+        if graph is not None:
+            graph, floats, ints, tokens = graph
+            floats[:, : logits.shape[0]].copy_(args.floats, non_blocking=True)
+            ints[:, : logits.shape[0]].copy_(args.ints, non_blocking=True)
+            graph.replay()
+            return tokens[: logits.shape[0]]
         if mask is not None:  # structured output first: what follows sees the masked logits
             logits = apply_token_mask(logits, mask)
         if args.bias_ids is not None:  # then logit_bias; padding (-1) goes to an extra column
@@ -536,6 +562,35 @@ class Sampler:
         self._counts.view(-1).scatter_add_(0, flat, pen.emits.to(torch.int32))
         seen = self._seen.view(-1)
         seen.scatter_(0, flat, seen.gather(0, flat) | pen.emits)
+
+    @torch.inference_mode()
+    def capture_graphs(self, logits_by_bs: dict[int, torch.Tensor]) -> None:
+        """Captures the compiled sampled path, with and without filters, on each decode graph's static
+        logits (`logits_by_bs`: (bs, V) by graph size) up to `GRAPH_MAX_BS`, over arguments of greedy-free
+        valid defaults (temperature 1, no filter). Nothing to do when the sampler runs eagerly."""
+        if self._compiled is None:
+            return
+        stream = torch.cuda.Stream(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for bs, logits in sorted(logits_by_bs.items(), reverse=True):
+            if bs > GRAPH_MAX_BS:
+                continue
+            with torch.inference_mode(False):  # normal tensors, as `BatchSamplingArgs` makes them
+                floats = torch.tensor([[1.0] * bs, [1.0] * bs, [0.0] * bs], device=self.device)
+                ints = torch.tensor([[TOP_K_ALL] * bs, [0] * bs, [0] * bs], device=self.device)
+            for need_filter in (False, True):
+                args = BatchSamplingArgs(all_greedy=False, need_filter=need_filter, floats=floats, ints=ints)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.sample(logits, args)  # compiled already: a warm-up off the capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    tokens = self.sample(logits, args)
+                self._graphs[(bs, need_filter)] = (graph, floats, ints, tokens)
+
+    def destroy_graphs(self) -> None:
+        self._graphs.clear()
 
     @torch.inference_mode()
     def warm_up(self) -> None:

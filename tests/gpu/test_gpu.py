@@ -145,6 +145,7 @@ def test_decode_graphs_without_split_kv_match_torch_backend(tiny_qwen3):
         cuda_graph_bs=(1, 2, 4, 8),
         decode_split_kv_max_bs=2,
         decode_triton_max_bs=0,  # FlashInfer's kernels at every size
+        prefill_graph_max_tokens=0,  # the prefills run compiled (counted below)
     )
     backend = engine.attn_backend
     assert [backend.graph_splits_kv(bs) for bs in (1, 2, 4, 8)] == [True, True, False, False]
@@ -209,6 +210,7 @@ def test_graph_replay_bit_identical_to_compiled(tiny_qwen3, backend):
         page_size=16,
         cuda_graph_bs=(1, 2, 4, 8, 16),
         cuda_graph_max_bs=16,
+        prefill_graph_max_tokens=0,  # prefill as plain runs it (a prefill graph attends with Triton)
     )
     plain = _engine(tiny_qwen3, attention_backend=backend, page_size=16, cuda_graph_max_bs=0)
     # both run the same compiled function outside graphs (prefill, uncaptured sizes): only the graph differs

@@ -106,7 +106,7 @@ def _free(*engines: Engine) -> None:
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_fp8_kv_matches_the_torch_backend_on_fp8_kv(tiny_qwen3_scaled, backend):
-    """Prefill and graph-replayed decode (batches of 5 and of 1) over FP8 pages with the checkpoint's
+    """Graph-replayed prefill and decode (batches of 5 and of 1) over FP8 pages with the checkpoint's
     scales, against the torch backend reading the same pages (dequantized by `gather`)."""
     seqs = _seqs()
     ref_engine = _engine(tiny_qwen3_scaled, attention_backend="torch", kv_cache_dtype="fp8_e4m3")
@@ -125,7 +125,9 @@ def test_fp8_kv_matches_the_torch_backend_on_fp8_kv(tiny_qwen3_scaled, backend):
     assert rel_err(got, ref) < BF16_TOL
     one = _tf(engine, seqs[3:4], PROMPT_LENS[3:4], count_compiled=compiled)
     assert rel_err(one, ref[3:4]) < BF16_TOL
-    assert compiled == [len(PROMPT_LENS), 1]  # the prefills: every decode step replayed a graph
+    # the prefills replayed prefill graphs (the Triton prefill kernel on FP8 pages), every decode step a
+    # decode graph
+    assert compiled == []
     _free(ref_engine, engine)
 
 

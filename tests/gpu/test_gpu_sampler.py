@@ -108,3 +108,45 @@ def test_distribution_on_gpu(kwargs) -> None:
     counts = torch.bincount(tokens.long(), minlength=vocab).numpy()
     filters = {k: v for k, v in kwargs.items() if k != "temperature"}
     check_distribution(counts, expected_distribution(logits.tolist(), kwargs["temperature"], **filters))
+
+
+def test_sampler_graphs_draw_the_compiled_tokens() -> None:
+    """The sampler's CUDA graphs (captured on static logits of 1, 4 and 8 rows) draw what the compiled
+    function draws for the first B rows, with and without filters, at every B up to the graph's size;
+    a batch that transforms the logits (suppressed tokens) or is all greedy, or a size above
+    GRAPH_MAX_BS, does not replay them."""
+    from minisgl.engine.sample import GRAPH_MAX_BS
+
+    sampler = Sampler(CUDA, VOCAB)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    static = {
+        bs: torch.randn(bs, VOCAB, generator=gen, device=CUDA) * 3 for bs in (1, 4, 8, GRAPH_MAX_BS + 8)
+    }
+    sampler.capture_graphs(static)
+    assert sorted(sampler._graphs) == [(bs, f) for bs in (1, 4, 8) for f in (False, True)]
+    rng = random.Random(2)
+    replays = []
+    for graph_bs, bs in [(1, 1), (4, 3), (4, 4), (8, 5), (8, 8), (4, 2)]:
+        for filtered in (False, True):
+            params = [random_params(rng) for _ in range(bs)]
+            if not filtered:
+                params = [
+                    dataclasses.replace(p, temperature=0.7, top_k=-1, top_p=1.0, min_p=0.0) for p in params
+                ]
+            reqs = [make_req(i, p, offset=rng.randrange(1, 100_000)) for i, p in enumerate(params)]
+            args = BatchSamplingArgs.from_reqs(reqs, CUDA)
+            if args.all_greedy:
+                continue
+            logits = static[graph_bs][:bs]
+            want = sampler.sample(logits, args).cpu()
+            got = sampler.sample(logits, args, graph_bs=graph_bs)
+            assert got.data_ptr() == sampler._graphs[(graph_bs, args.need_filter)][3].data_ptr()  # replayed
+            assert torch.equal(got.cpu(), want), (graph_bs, bs, filtered)
+            replays.append((graph_bs, args.need_filter))
+    assert (8, True) in replays and (4, False) in replays
+    # suppressed tokens transform the logits first: the compiled function runs, not the graph
+    reqs = [make_req(0, SamplingParams(temperature=1.0, seed=3), offset=7)]
+    args = BatchSamplingArgs.from_reqs(reqs, CUDA)
+    args.suppress = torch.tensor([[int(static[1][0].argmax())]], device=CUDA)
+    tokens = sampler.sample(static[1][:1], args, graph_bs=1)
+    assert tokens.data_ptr() != sampler._graphs[(1, False)][3].data_ptr()
