@@ -14,6 +14,9 @@ model's tokenizer files); weights are dummy (the preset, `--config`). Parts, run
   the time went (stage means and percentiles).
 - low: the same server at 4 requests/s (128 requests): TTFT, TPOT, and the delay from a step's end to
   its tokens on the socket (`minisgl_token_delivery_seconds`, from /metrics before and after).
+- light: issue 41's light-load goal: minisgl's and Mini-SGLang's servers side by side (`memory_ratio`
+  0.4 each; `--peer DIR`), the fast client in chat mode at 4 requests/s (128 requests) against each in
+  turn, `--low-reps` alternating runs (minisgl first): TTFT, TPOT and ITL, medians and ratios.
 - peer: Mini-SGLang (`--peer DIR`: its source tree's `python/` folder and `bench_offline.py`): its
   offline pass, its server driven by the fast client in chat mode and by its own `bench_simple.py`,
   and `bench_simple.py` against minisgl's server.
@@ -528,6 +531,43 @@ def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return result
 
 
+def _peer_server(args: argparse.Namespace, out: Path, port: int, *extra: str) -> Proc:
+    """Mini-SGLang's server (`--peer`), FlashInfer attention, dummy weights, on 127.0.0.1:port."""
+    peer = Path(args.peer).resolve()
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(Path(args.model).resolve()), "--dummy-weight"]
+    cmd += ["--port", str(port), "--attn", "fi", *extra]
+    env = {"PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
+    proc = Proc(cmd, out / "peer-serve.log", f"http://127.0.0.1:{port}/v1/models", env=env, cwd=out)
+    print(f"Mini-SGLang server: up in {proc.start_s:.0f} s", flush=True)
+    return proc
+
+
+def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Both servers up at once (memory_ratio 0.4 each), chat at 4 requests/s against each in turn."""
+    model = str(Path(args.model).resolve())
+    low = ["--endpoint", "chat", "--tokenizer", model, "--num-prompts", str(args.low_prompts)]
+    low += [*args.workload[2:], "--request-rate", str(LOW_RATE)]
+    result: dict[str, Any] = {"minisgl": [], "peer": []}
+    peer_port, port = _free_port(), _free_port()
+    with (
+        _peer_server(args, out, peer_port, "--memory-ratio", "0.4") as peer,
+        _serve(
+            args, out, "minisgl-serve-light", port, "--memory-ratio", "0.4", "--served-model-name", model
+        ) as server,
+    ):
+        result["start_s"] = {"minisgl": server.start_s, "peer": peer.start_s}
+        bases = {"minisgl": f"http://127.0.0.1:{port}/v1", "peer": f"http://127.0.0.1:{peer_port}/v1"}
+        for base in bases.values():
+            bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP)
+        for i in range(args.low_reps):
+            for name, base in bases.items():
+                report = bench_serving(base, *low)
+                result[name].append(report)
+                print(_line(f"light {name} #{i + 1}", report), flush=True)
+                (out / "light.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 # ------------------------------------------------------------------------------------------------ table
 
 
@@ -551,6 +591,18 @@ def table(results: dict[str, Any]) -> str:
     if offline:
         rows.append(("offline tok/s (median)", f"{off_tok:,.0f}"))
         rows.append(("offline TTFT p50 ms (median)", f"{off_ttft:.0f}"))
+    light = results.get("light") or {}
+    for key, name in (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p99")):
+        q = "p99" if key == "itl_ms" else "p50"
+        if light.get("minisgl") and light.get("peer"):
+            ours = _median([r[key][q] for r in light["minisgl"]])
+            theirs = _median([r[key][q] for r in light["peer"]])
+            rows.append(
+                (
+                    f"4 req/s chat {name} ms: minisgl / Mini-SGLang",
+                    f"{ours:.2f} / {theirs:.2f} = {ours / theirs:.3f}x",
+                )
+            )
     http = results.get("http") or {}
     if http.get("rate_inf"):
         runs = http["rate_inf"]
@@ -643,6 +695,8 @@ def main() -> None:
     try:
         if "stub" in parts:
             results["stub"] = part_stub(out)
+        if "light" in parts:
+            results["light"] = part_light(args, out)
         if "peer" in parts:  # first: its compilation then disturbs nothing of minisgl's
             results["peer"] = part_peer(args, out)
         if "offline" in parts:
