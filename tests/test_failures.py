@@ -237,11 +237,11 @@ def test_a_request_failing_inside_the_llm_does_not_poison_it(tiny_text_llm):
     sample = llm.engine.sampler.sample
     calls = []
 
-    def failing_sample(logits, args):
+    def failing_sample(logits, args, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise Fault(FAULT)
-        return sample(logits, args)
+        return sample(logits, args, **kw)
 
     llm.engine.sampler.sample = failing_sample
     try:
@@ -251,7 +251,7 @@ def test_a_request_failing_inside_the_llm_does_not_poison_it(tiny_text_llm):
     assert out.finish_reason == "error" and FAULT in out.error and len(out.token_ids) <= 1
     llm_clean(llm)
     assert llm.generate(["Hello there"], GREEDY)[0].token_ids == before
-    llm.engine.sampler.sample = lambda logits, args: (_ for _ in ()).throw(Fault(FAULT))
+    llm.engine.sampler.sample = lambda logits, args, **kw: (_ for _ in ()).throw(Fault(FAULT))
     try:
         stream = llm.stream("Hello there", GREEDY)
         with pytest.raises(RequestError, match=FAULT):

@@ -221,7 +221,7 @@ def test_a_follower_that_samples_otherwise_stops(engines):
     pair = Pair(engines)
     sampler = pair.follow.engine.sampler
     original = sampler.sample
-    sampler.sample = lambda logits, args: (original(logits, args) + 1) % 300
+    sampler.sample = lambda logits, args, **kw: (original(logits, args, **kw) + 1) % 300
     try:
         pair.add([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
         with pytest.raises(FatalEngineError, match="diverged from rank 0"):
