@@ -120,23 +120,38 @@ def test_rope_store_applies_only_on_cuda_half_precision():
         assert not R.rope_store_applies(x.t(), 16)
 
 
-# -- the GEMV prologues ---------------------------------------------------------------------------------
+# -- the GEMV kernel and its prologues ------------------------------------------------------------------
 
-# (N, K, output rows per program): one block of K; two blocks with a ragged end (BLOCK_K is 1024); two
-# rows per program (the kernel's choice from N = 4096 up) with N odd
-GEMV_SHAPES = [(48, 64, 1), (33, 1500, 1), (33, 96, 2)]
+# (rows of x, N, K, output rows per program): one block of K; two blocks with a ragged end (BLOCK_K is
+# 1024); two output rows per program (the kernel's choice from N = 4096 up) with N odd; then several
+# rows of x (one program per row and block of output rows)
+GEMV_SHAPES = [(1, 48, 64, 1), (1, 33, 1500, 1), (1, 33, 96, 2), (3, 33, 96, 2), (5, 48, 64, 1)]
 
 
 @pytest.fixture
 def rows_per_program(monkeypatch, request):
-    n, k, block_n = request.param
+    m, n, k, block_n = request.param
     monkeypatch.setattr(G, "_block_n", lambda n: block_n)
-    return n, k
+    return m, n, k
 
 
 gemv_shapes = pytest.mark.parametrize(
-    "rows_per_program", GEMV_SHAPES, indirect=True, ids=["one-block", "two-blocks", "two-rows"]
+    "rows_per_program",
+    GEMV_SHAPES,
+    indirect=True,
+    ids=["one-block", "two-blocks", "two-rows", "3x-two-rows", "5x-one-block"],
 )
+
+
+def _each_row_as_alone(fn, batched, *row_args):
+    """Each row of a kernel's result for several rows equals that row's result alone, bit for bit (its
+    program computes exactly what the one-row launch's does). `fn` takes the one-row slices of `row_args`
+    (None stays None); `batched`: its result for all rows (a tensor or a tuple of them)."""
+    batched = batched if isinstance(batched, tuple) else (batched,)
+    for i in range(batched[0].shape[0]):
+        alone = fn(*(a[i : i + 1] if a is not None else None for a in row_args))
+        for got, want in zip(batched, alone if isinstance(alone, tuple) else (alone,), strict=True):
+            assert torch.equal(got[i : i + 1], want), i
 
 
 def _weights(n, k, dtype, g):
@@ -147,10 +162,10 @@ def _weights(n, k, dtype, g):
 @pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first-layer"])
 @gemv_shapes
 def test_add_rms_norm_gemv_matches_unfused(rows_per_program, with_residual, dtype):
-    n, k = rows_per_program
-    g = _gen(n + k)
-    x = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
-    residual = torch.randn(1, k, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    m, n, k = rows_per_program
+    g = _gen(n + k + m)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(m, k, generator=g).to(dtype).to(DEVICE) if with_residual else None
     norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE)
     w = _weights(n, k, dtype, g)
     bias = torch.randn(n, generator=g).to(dtype).to(DEVICE) if with_residual else None
@@ -163,33 +178,58 @@ def test_add_rms_norm_gemv_matches_unfused(rows_per_program, with_residual, dtyp
     else:
         normed, ref_residual = rms_norm(f[0], f[2], 1e-6), f[0]
     ref = F.linear(normed, f[3], f[4])
-    assert y.shape == (1, n) and y.dtype == dtype
+    assert y.shape == (m, n) and y.dtype == dtype and new_residual.shape == (m, k)
     assert rel_err(y.float().cpu(), ref) < TOL[dtype]
     assert rel_err(new_residual.float().cpu(), ref_residual) < TOL[dtype]
     if not with_residual:
         assert torch.equal(new_residual, x)
+    if m > 1:
+        alone = lambda x, r: G.add_rms_norm_gemv(x, r, norm_w, w, bias, 1e-6)  # noqa: E731
+        _each_row_as_alone(alone, (y, new_residual), x, residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @gemv_shapes
 def test_silu_mul_gemv_matches_unfused(rows_per_program, dtype):
-    n, k = rows_per_program
-    g = _gen(n * k)
-    gate_up = torch.randn(1, 2 * k, generator=g).to(dtype).to(DEVICE)
+    m, n, k = rows_per_program
+    g = _gen(n * k + m)
+    gate_up = torch.randn(m, 2 * k, generator=g).to(dtype).to(DEVICE)
     w = _weights(n, k, dtype, g)
     y = G.silu_mul_gemv(gate_up, w)
     gate, up = gate_up.float().cpu().chunk(2, dim=-1)
     ref = F.linear(F.silu(gate) * up, w.float().cpu())
-    assert y.shape == (1, n) and rel_err(y.float().cpu(), ref) < TOL[dtype]
+    assert y.shape == (m, n) and rel_err(y.float().cpu(), ref) < TOL[dtype]
+    if m > 1:
+        _each_row_as_alone(lambda gate_up: G.silu_mul_gemv(gate_up, w), y, gate_up)
 
 
 @gemv_shapes
 def test_plain_gemv_matches_linear(rows_per_program):
-    n, k = rows_per_program
-    g = _gen(7)
-    x, w = torch.randn(1, k, generator=g).to(DEVICE), _weights(n, k, torch.float32, g)
+    m, n, k = rows_per_program
+    g = _gen(7 + m)
+    x, w = torch.randn(m, k, generator=g).to(DEVICE), _weights(n, k, torch.float32, g)
     bias = torch.randn(n, generator=g).to(DEVICE)
-    assert rel_err(G.gemv(x, w, bias).cpu(), F.linear(x, w, bias).cpu()) < TOL[torch.float32]
+    y = G.gemv(x, w, bias)
+    assert y.shape == (m, n) and rel_err(y.cpu(), F.linear(x, w, bias).cpu()) < TOL[torch.float32]
+    if m > 1:
+        _each_row_as_alone(lambda x: G.gemv(x, w, bias), y, x)
+
+
+def test_gemv_takes_strided_rows_and_refuses_too_many():
+    """Rows that are views into wider tensors give what their contiguous copies give; more rows than
+    `GEMV_MAX_ROWS` are refused with an error that names the count."""
+    g = _gen(11)
+    wide = torch.randn(3, 2 * 64 + 8, generator=g).to(DEVICE)
+    x, residual = wide[:, :64], wide[:, 70:134]
+    norm_w, w = (torch.rand(64, generator=g) + 0.5).to(DEVICE), _weights(24, 64, torch.float32, g)
+    y, h = G.add_rms_norm_gemv(x, residual, norm_w, w, None, 1e-6)
+    want_y, want_h = G.add_rms_norm_gemv(x.contiguous(), residual.contiguous(), norm_w, w, None, 1e-6)
+    assert torch.equal(y, want_y) and torch.equal(h, want_h)
+    gate_up = wide[:, : 2 * 64]
+    assert torch.equal(G.silu_mul_gemv(gate_up, w), G.silu_mul_gemv(gate_up.contiguous(), w))
+    too_many = G.GEMV_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"1 to {G.GEMV_MAX_ROWS} rows, got {too_many}"):
+        G.gemv(torch.zeros(too_many, 64, device=DEVICE), w)
 
 
 # -- the row kernels and the ops that pick kernels by row count --------------------------------------------
@@ -235,10 +275,11 @@ def test_row_kernels_take_no_rows():
     assert L.silu_mul_rows(torch.zeros(0, 16, device=DEVICE)).shape == (0, 8)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_ops_pick_kernels_by_row_count(monkeypatch, rows):
-    """One row runs the GEMV kernels, more rows the row kernels and F.linear; both agree with the
-    unfused layers (float32)."""
+@pytest.mark.parametrize("rows, gemv_rows", [(1, 1), (3, 1), (3, 4)])
+def test_ops_pick_kernels_by_row_count(monkeypatch, rows, gemv_rows):
+    """1 to `LINEAR_GEMV_ROWS` rows run the GEMV kernels, more rows the row kernels and F.linear; both
+    agree with the unfused layers (float32)."""
+    monkeypatch.setattr(L, "LINEAR_GEMV_ROWS", gemv_rows)
     calls = []
     for name in ("gemv", "add_rms_norm_gemv", "silu_mul_gemv", "add_rms_norm_rows", "silu_mul_rows"):
         fn = getattr(L, name)
@@ -261,8 +302,8 @@ def test_ops_pick_kernels_by_row_count(monkeypatch, rows):
     assert rel_err(y2.cpu(), ref2.cpu()) < TOL[torch.float32]
     assert rel_err(h.cpu(), ref_h.cpu()) < TOL[torch.float32]
     assert rel_err(y3.cpu(), F.linear(F.silu(gate) * up, w_down).cpu()) < TOL[torch.float32]
-    one_row = ["gemv", "add_rms_norm_gemv", "silu_mul_gemv"]
-    assert calls == (one_row if rows == 1 else ["add_rms_norm_rows", "silu_mul_rows"])
+    gemv_kernels = ["gemv", "add_rms_norm_gemv", "silu_mul_gemv"]
+    assert calls == (gemv_kernels if rows <= gemv_rows else ["add_rms_norm_rows", "silu_mul_rows"])
 
 
 # -- the whole model through the fused path -------------------------------------------------------------
@@ -323,12 +364,16 @@ ODD_SHAPES = {
     reason="runs the kernels on CPU tensors, under Triton's interpreter (a CPU machine); the GPU tests "
     "run the fused path on the GPU (tests/gpu/test_gpu.py)",
 )
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3_moe", *ODD_SHAPES])
-def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize(
+    "arch, gemv_rows",
+    [(arch, 1) for arch in ["qwen3", "llama", "qwen2", "qwen3_moe", *ODD_SHAPES]] + [("qwen3", 2)],
+)
+def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, monkeypatch, arch, gemv_rows):
     """Teacher-forced logits of a tiny model with the fused kernels equal the unfused path's (float32)
     and transformers'. One request decodes one row a step (the GEMV kernels and their prologues); its
-    prefill, and every step of a batch of two, run the row kernels with plain GEMMs; every forward runs
-    the fused RoPE kernel."""
+    prefill, and every step of a batch of two, run the row kernels with plain GEMMs, except that with
+    `LINEAR_GEMV_ROWS` 2 the batch's steps run the GEMV kernels too; every forward runs the fused RoPE
+    kernel."""
     arch, overrides = ODD_SHAPES.get(arch, (arch, {}))
     folder = make_tiny_model(tmp_path, arch, **overrides)
     steps = 2
@@ -349,16 +394,17 @@ def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, 
         unfused = run(False)
         with monkeypatch.context() as m:
             calls = _open_gates(m)
+            m.setattr(L, "LINEAR_GEMV_ROWS", gemv_rows)
             fused = run(True)
         layers = 3
         forwards = steps + 1
         assert calls["rope_store"] == layers * forwards
-        one_row_steps = steps if len(lens) == 1 else 0
+        gemv_steps = steps if len(lens) <= gemv_rows else 0
         dense_layers = 1 if arch == "qwen3_moe" else 3  # the MoE model's layer 1 alone is dense
         norms = layers + dense_layers  # norm_linear calls per forward
-        assert calls["add_rms_norm_gemv"] == norms * one_row_steps
-        assert calls["silu_mul_gemv"] == dense_layers * one_row_steps
-        assert calls["add_rms_norm_rows"] == norms * (forwards - one_row_steps)
-        assert calls["silu_mul_rows"] == dense_layers * (forwards - one_row_steps)
+        assert calls["add_rms_norm_gemv"] == norms * gemv_steps
+        assert calls["silu_mul_gemv"] == dense_layers * gemv_steps
+        assert calls["add_rms_norm_rows"] == norms * (forwards - gemv_steps)
+        assert calls["silu_mul_rows"] == dense_layers * (forwards - gemv_steps)
         assert rel_err(fused, unfused) < 1e-5
         assert rel_err(fused, reference_logits(folder, seqs, lens, steps)) < 1e-4

@@ -19,7 +19,9 @@ def test_gemv_does_not_apply_off_its_shape():
     if torch.cuda.is_available() and G.triton is not None:
         xc, wc = x.cuda().bfloat16(), w.cuda().bfloat16()
         assert G.gemv_applies(xc, wc)
-        assert not G.gemv_applies(torch.cat([xc, xc]), wc)  # two rows: cuBLAS
+        assert not G.gemv_applies(torch.cat([xc, xc]), wc)  # two rows: cuBLAS by default
+        assert G.gemv_applies(torch.cat([xc, xc]), wc, max_rows=2)
+        assert not G.gemv_applies(xc.expand(G.GEMV_MAX_ROWS + 1, -1), wc, max_rows=64)
         assert not G.gemv_applies(xc.float(), wc.float())
         assert not G.gemv_applies(xc, wc.t().contiguous().t())  # a transposed weight
 

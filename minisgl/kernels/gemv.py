@@ -1,9 +1,14 @@
-"""A one-row linear layer (y = x W^T + b for a single row x) as a Triton kernel.
+"""A linear layer of a few rows (y = x W^T + b for x of 1 to `GEMV_MAX_ROWS` rows) as a Triton kernel.
 
 Decoding one request multiplies one row by every weight matrix of the model. cuBLAS's kernels for that
 shape read small matrices well below HBM bandwidth (see docs/performance.md, `python -m perf.gpu.gemv`);
 this kernel gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so
 every load is in flight at once) and reduces in float32.
+
+For M rows the grid holds M programs per block of output rows, adjacent in launch order (program i
+takes block i // M and row i % M), so the M programs that read one weight block run together and all
+but the first find it in L2: HBM reads the weights about once. The ops of `minisgl.kernels.linear`
+send the kernel `LINEAR_GEMV_ROWS` rows at most; the others go to cuBLAS.
 
 The same kernel has two prologues, so that a one-row decode step runs fewer kernels per layer:
 `add_rms_norm_gemv` (the residual add and RMSNorm before the QKV and gate/up projections) and
@@ -29,6 +34,8 @@ except ImportError:  # CPU-only installs: F.linear serves every shape
 
 # the widest row (K) the kernel takes; its sweep is unrolled, so this bounds the code size
 MAX_K = 16384
+# the most rows the kernel takes (the ops send it fewer: `minisgl.kernels.linear.LINEAR_GEMV_ROWS`)
+GEMV_MAX_ROWS = 16
 
 
 def _block_n(n: int) -> int:
@@ -55,9 +62,9 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when x is one row that the kernel can multiply by `weight` (`gemv_fits`)."""
-    return gemv_fits(x, weight) and x.shape[0] == 1
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = 1) -> bool:
+    """True when x has 1 to `max_rows` rows that the kernel can multiply by `weight` (`gemv_fits`)."""
+    return gemv_fits(x, weight) and 1 <= x.shape[0] <= min(max_rows, GEMV_MAX_ROWS)
 
 
 # the kernel's prologues: what it does to the row before multiplying
@@ -75,6 +82,8 @@ if triton is not None:
         y_ptr,
         residual_out_ptr,
         N,
+        M,
+        x_stride,
         eps,
         K: tl.constexpr,
         PROLOGUE: tl.constexpr,
@@ -84,7 +93,12 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        pid = tl.program_id(0) // M  # the block of output rows
+        m = tl.program_id(0) % M  # the row of x: the M programs of a block are adjacent
+        x_ptr += m * x_stride
+        residual_ptr += m * K
+        residual_out_ptr += m * K
+        y_ptr += m * N
         if USE_PDL:  # see minisgl.kernels.pdl: the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,7 +126,7 @@ if triton is not None:
                 if PROLOGUE == 1:  # ADD_RMS_NORM: scale by rstd after the sweep
                     if HAS_RESIDUAL:  # the new residual: stored rounded, normalised in float32
                         x = x + tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    if pid == 0:  # one program writes the new residual stream
+                    if pid == 0:  # one program per row writes the new residual stream
                         h = x.to(residual_out_ptr.dtype.element_ty)
                         tl.store(residual_out_ptr + cols, h, mask=col_mask)
                     sum_sq += x * x
@@ -141,10 +155,14 @@ def gemv_launch(
     eps: float = 0.0,
     pdl: bool = False,
 ) -> None:
-    """Launches the kernel with an explicit configuration (the benchmark sweeps these); `pdl`: with
-    programmatic dependent launch (`minisgl.kernels.pdl`)."""
+    """Launches the kernel with an explicit configuration (the benchmark sweeps these) on the rows of x
+    (contiguous; `residual` too), into `out` (rows, n); `pdl`: with programmatic dependent launch
+    (`minisgl.kernels.pdl`)."""
     n, k = weight.shape
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_ROWS:
+        raise ValueError(f"the GEMV kernel takes 1 to {GEMV_MAX_ROWS} rows, got {m}; use F.linear")
+    _gemv_kernel[(triton.cdiv(n, block_n) * m,)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -153,6 +171,8 @@ def gemv_launch(
         out,
         residual_out if residual_out is not None else out,
         n,
+        m,
+        x.stride(0),
         eps,
         K=k,
         PROLOGUE=prologue,
@@ -173,8 +193,8 @@ def _launch(x, weight, bias, out, **prologue) -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (1, K) @ weight (N, K)^T (+ bias (N,)) -> (1, N), on the Triton kernel."""
-    out = x.new_empty(1, weight.shape[0])
+    """x (M, K) @ weight (N, K)^T (+ bias (N,)) -> (M, N), on the Triton kernel."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
     _launch(x.contiguous(), weight, bias, out)
     return out
 
@@ -187,22 +207,23 @@ def add_rms_norm_gemv(
     bias: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` and `linear` of one row in one kernel: h = x + residual (x when residual is None),
-    y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (1, N), h (1, K)).
+    """`add_rms_norm` and `linear` of each row in one kernel: h = x + residual (x when residual is None),
+    y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (M, N), h (M, K)).
 
     The norm's scale is applied to the dot products, after the sweep (each program reads the whole row
     anyway), so the normalised row is never rounded to the model's dtype as the unfused path rounds it;
     the norm reads the float32 sum x + residual (h, the new residual, is stored rounded)."""
-    out = x.new_empty(1, weight.shape[0])
-    residual_out = torch.empty_like(x)
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual = None if residual is None else residual.contiguous()
     prologue = dict(residual=residual, norm_weight=norm_weight, residual_out=residual_out, eps=eps)
     _launch(x.contiguous(), weight, bias, out, prologue=ADD_RMS_NORM, **prologue)
     return out, residual_out
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SiLU-and-multiply and `linear` of one row in one kernel: gate_up (1, 2 K) = [gate | up] ->
-    (silu(gate) * up) @ weight (N, K)^T, (1, N). The product is not rounded to the model's dtype."""
-    out = gate_up.new_empty(1, weight.shape[0])
+    """SiLU-and-multiply and `linear` of each row in one kernel: gate_up (M, 2 K) = [gate | up] ->
+    (silu(gate) * up) @ weight (N, K)^T, (M, N). The product is not rounded to the model's dtype."""
+    out = gate_up.new_empty(gate_up.shape[0], weight.shape[0])
     _launch(gate_up.contiguous(), weight, None, out, prologue=SILU_MUL)
     return out

@@ -7,7 +7,9 @@ Triton kernel for the add + RMSNorm (`add_rms_norm_rows`) or the SiLU-and-multip
 one needed a graph of its own: the forward compiled twice for decode and a third time for prefill.
 Made inside the ops, the choice leaves the traced graph the same for every row count, and the engine
 compiles the forward once (see `minisgl.engine.graph`). A CUDA graph captured at a batch size holds the
-kernels that size took.
+kernels that size took. The GEMV kernel takes up to 16 rows (one program per row and weight block, those
+of a block adjacent so that the later rows should find it in L2), but the ops send it `LINEAR_GEMV_ROWS` rows at most: 1 until its time at 2 to 16 rows is
+measured against cuBLAS (`python -m perf.gpu.gemv --rows 2 4 8 16`).
 
     torch.ops.minisgl.linear(x, weight, bias)                           -> y
     torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps) -> (y, new residual)
@@ -30,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
+
+# the most rows the ops run on the GEMV kernel (at most `minisgl.kernels.gemv.GEMV_MAX_ROWS`)
+LINEAR_GEMV_ROWS = 1
 
 try:
     import triton
@@ -131,7 +136,7 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("minisgl::linear", mutates_args=())
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, K) @ weight (N, K)^T (+ bias) -> (T, N): the GEMV kernel for one row, cuBLAS for more."""
-    if x.shape[0] == 1:
+    if 1 <= x.shape[0] <= LINEAR_GEMV_ROWS:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -152,7 +157,7 @@ def norm_linear_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of h = x + residual (x when residual is None), then the projection: (y (T, N), h (T, K)).
     One row: one kernel (`add_rms_norm_gemv`); more: `add_rms_norm_rows`, then cuBLAS."""
-    if x.shape[0] == 1:
+    if 1 <= x.shape[0] <= LINEAR_GEMV_ROWS:
         return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
     normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
     return F.linear(normed, weight, bias), h
@@ -167,7 +172,7 @@ def _(x, residual, norm_weight, weight, bias, eps):
 def silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up (T, 2 K) = [gate | up], then the projection: (T, N). One row: one
     kernel (`silu_mul_gemv`); more: `silu_mul_rows`, then cuBLAS."""
-    if gate_up.shape[0] == 1:
+    if 1 <= gate_up.shape[0] <= LINEAR_GEMV_ROWS:
         return silu_mul_gemv(gate_up, weight)
     return F.linear(silu_mul_rows(gate_up), weight)
 

@@ -1,12 +1,15 @@
-"""One-row linear layers on the GPU: cuBLAS (F.linear) against the Triton GEMV kernel of
+"""Linear layers of a decode step on the GPU: cuBLAS (F.linear) against the Triton GEMV kernel of
 `minisgl.kernels.gemv`, at Qwen3-0.6B's shapes.
 
-    python -m perf.gpu.gemv [--sweep]
+    python -m perf.gpu.gemv [--sweep] [--rows 1 2 4 8 16]
 
 Each figure is device time per call, measured inside a CUDA graph of 28 calls on 28 distinct weight
 copies (as in a decode step: the weights come from HBM, not from L2). `--sweep` also times every kernel
 configuration (rows per program, K block, warps) per shape. The last table: the 112 layer GEMMs and
-the LM head of one decode step, chained as in the model. A plain script, not a test.
+the LM head of one decode step, chained as in the model. `--rows`: instead, each projection at each
+row count as the ops of `minisgl.kernels.linear` run it past `LINEAR_GEMV_ROWS` (the row kernel for
+the add + RMSNorm before QKV and gate/up or the SiLU-and-multiply before down, then cuBLAS) against the
+GEMV kernel with the prologue fused, and the LM head (plain). A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels import gemv as G
+from minisgl.kernels import linear as L
 from perf.gpu.timing import gpu_ms
 
 LAYERS = 28
@@ -43,7 +47,13 @@ def graph_us(fn, reps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", help="time these row counts (fused ops against cuBLAS)"
+    )
     args = parser.parse_args()
+    if args.rows:
+        rows_table(args.rows)
+        return
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     x_by_k = {k: torch.randn(1, k, dtype=dt, device=dev) for k in (1024, 2048, 3072)}
@@ -142,6 +152,56 @@ def main() -> None:
 
     plain, pdl = graph_us(dependent_chain(False)), graph_us(dependent_chain(True))
     print(f"dependent GEMV chain (112 + LM head): plain launches {plain:.1f} us, PDL {pdl:.1f} us")
+
+
+# the prologue each projection runs in a decode step: QKV and gate/up after the add + RMSNorm, down after
+# the SiLU-and-multiply (its input is [gate | up], 2 K wide), O and the LM head plain
+PROLOGUES = {
+    "qkv": G.ADD_RMS_NORM,
+    "o": G.PLAIN,
+    "gate_up": G.ADD_RMS_NORM,
+    "down": G.SILU_MUL,
+    "lm_head": G.PLAIN,
+}
+
+
+def _row_ops(prologue: int, x, residual, norm_w):
+    """(the ops' path past LINEAR_GEMV_ROWS: the row kernel, then cuBLAS; the fused GEMV), each w -> y."""
+    if prologue == G.ADD_RMS_NORM:
+        return (
+            lambda w: F.linear(L.add_rms_norm_rows(x, residual, norm_w, 1e-6)[0], w),
+            lambda w: G.add_rms_norm_gemv(x, residual, norm_w, w, None, 1e-6)[0],
+        )
+    if prologue == G.SILU_MUL:
+        return lambda w: F.linear(L.silu_mul_rows(x), w), lambda w: G.silu_mul_gemv(x, w)
+    return lambda w: F.linear(x, w), lambda w: G.gemv(x, w)
+
+
+def rows_table(row_counts: list[int]) -> None:
+    """Per projection and row count: the row kernel + cuBLAS against the fused GEMV kernel (time per call
+    over 28 weight copies, one for the LM head; rel diff between their outputs)."""
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    print(f"{'shape':>8} {'rows':>4} {'cuBLAS us':>10} {'GEMV us':>8} {'ratio':>6} {'rel diff':>9}")
+    for name, n, k in [*SHAPES, LM_HEAD]:
+        ws = [
+            torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else LAYERS)
+        ]
+        for m in row_counts:
+            prologue = PROLOGUES[name]
+            x = torch.randn(m, 2 * k if prologue == G.SILU_MUL else k, dtype=dt, device=dev)
+            residual, norm_w = (
+                torch.randn(m, k, dtype=dt, device=dev),
+                torch.rand(k, dtype=dt, device=dev) + 0.5,
+            )
+            ops = _row_ops(prologue, x, residual, norm_w)
+            t_ref, t_gemv = (graph_us(lambda op=op, ws=ws: [op(w) for w in ws]) / len(ws) for op in ops)
+            ref = ops[0](ws[0]).float()
+            diff = ((ops[1](ws[0]).float() - ref).norm() / ref.norm()).item()
+            print(
+                f"{name:>8} {m:>4} {t_ref:>10.2f} {t_gemv:>8.2f} {t_gemv / t_ref:>6.2f} {diff:>9.1e}",
+                flush=True,
+            )
 
 
 def triton_next_pow2(k: int) -> int:

@@ -1,4 +1,4 @@
-"""The Triton kernels (`minisgl.kernels`) on the GPU: one-row GEMV against F.linear in float32 (also under
+"""The Triton kernels (`minisgl.kernels`) on the GPU: the GEMV (one row and several) against F.linear in float32 (also under
 torch.compile and in a CUDA graph), the fused KV store against `index_copy_`. Skipped without CUDA and
 Triton; the dispatch tests that run anywhere are in tests/test_kernels.py."""
 
@@ -33,22 +33,25 @@ def gpu(test):
         (6144, 1024, True, torch.float16),
     ],
 )
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @gpu
-def test_gemv_matches_float32_reference(n, k, bias, dtype):
-    torch.manual_seed(n + k)
+def test_gemv_matches_float32_reference(n, k, bias, dtype, rows):
+    torch.manual_seed(n + k + rows)
     dev = torch.device("cuda")
-    x = torch.randn(1, k, dtype=dtype, device=dev)
+    x = torch.randn(rows, k, dtype=dtype, device=dev)
     w = torch.randn(n, k, dtype=dtype, device=dev) / k**0.5
     b = torch.randn(n, dtype=dtype, device=dev) if bias else None
-    assert G.gemv_applies(x, w)
-    out = linear(x, w, b)
-    assert out.shape == (1, n) and out.dtype == dtype
+    assert G.gemv_applies(x, w, max_rows=rows)
+    out = linear(x, w, b) if rows == 1 else G.gemv(x, w, b)  # the layer sends one row to the kernel
+    assert out.shape == (rows, n) and out.dtype == dtype
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     err = ((out.float() - ref).norm() / ref.norm()).item()
     # only the output's rounding to 8 (bf16) or 11 (fp16) mantissa bits separates them
     assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
     cublas = F.linear(x, w, b).float()
     assert ((cublas - ref).norm() / ref.norm()).item() < (4e-3 if dtype == torch.bfloat16 else 1e-3)
+    if rows > 1:  # each row's program computes what the one-row launch does
+        assert torch.equal(out[1:2], G.gemv(x[1:2], w, b))
 
 
 @gpu
