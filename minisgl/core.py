@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
@@ -306,6 +306,53 @@ class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+class TokenLogprobs(Sequence[TokenLogprob | None]):
+    """A run of tokens' log probabilities in flat columns, cheap to add to and to send: every token's id
+    (`token_ids`), the log probability of each but the first few (`values`: the `unscored` ids given
+    first have none, as a prompt's first token), and each scored token's `k` alternatives, k after k
+    (`top_ids`, `top_values`, most likely first). Reading an entry makes its `TokenLogprob` (None for
+    an unscored token)."""
+
+    __slots__ = ("k", "token_ids", "values", "top_ids", "top_values")
+
+    def __init__(self, k: int, unscored: Sequence[int] = ()) -> None:
+        self.k = k
+        self.token_ids: list[int] = list(unscored)
+        self.values: list[float] = []
+        self.top_ids: list[int] = []
+        self.top_values: list[float] = []
+
+    @property
+    def unscored(self) -> int:
+        return len(self.token_ids) - len(self.values)
+
+    def extend(
+        self,
+        token_ids: Sequence[int],
+        values: Sequence[float],
+        top_ids: Sequence[int],
+        top_values: Sequence[float],
+    ) -> None:
+        """Adds scored tokens: their ids, log probabilities and k alternatives each (ids, log probabilities)."""
+        self.token_ids += token_ids
+        self.values += values
+        self.top_ids += top_ids
+        self.top_values += top_values
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = range(-self.unscored, len(self.values))[i]  # raises IndexError as a list does
+        if j < 0:
+            return None
+        k = self.k
+        top = zip(self.top_ids[j * k : j * k + k], self.top_values[j * k : j * k + k])
+        return TokenLogprob(self.token_ids[j + self.unscored], self.values[j], tuple(top))
 
 
 def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -78,8 +78,8 @@ class RequestOutput:
             time_to_first_token=None if first is None else first - state.arrival_time,
             total_time=state.finish_time - state.arrival_time,
             error=state.error,
-            logprobs=state.logprobs,
-            prompt_logprobs=state.prompt_logprobs,
+            logprobs=None if state.logprobs is None else list(state.logprobs),
+            prompt_logprobs=None if state.prompt_logprobs is None else list(state.prompt_logprobs),
         )
 
 

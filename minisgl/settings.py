@@ -125,6 +125,19 @@ class ServerConfig:
         "On SIGINT/SIGTERM, seconds the server lets running requests finish before aborting them.",
         ge=0,
     )
+    engine_restart: bool = setting(
+        True,
+        "When the engine (scheduler) process of a running server dies, start it again after a back-off "
+        "(1, 2, 4 ... 30 s) while the server answers 503 `engine_restarting`; after engine_restart_limit "
+        "deaths (a crash loop) the server stays up answering 503 with the last cause; false = the server "
+        "exits 1, for an outside supervisor to restart it. An engine that never started ends it either way.",
+    )
+    engine_restart_limit: int = setting(
+        5, "Deaths of one engine within engine_restart_window_s that end its restarts (a crash loop).", ge=1
+    )
+    engine_restart_window_s: float = setting(
+        600.0, "The window, in seconds, over which engine_restart_limit counts an engine's deaths.", gt=0
+    )
     max_request_bytes: int = setting(
         8 << 20, "Largest request body the server reads, in bytes (413 past it).", ge=1024
     )

@@ -166,7 +166,8 @@ def reference(smollm2_path):
 
 
 def test_health_and_models(server: Server, client: openai.OpenAI) -> None:
-    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.base + "/health").json()
+    assert health["status"] == "ok" and [r["state"] for r in health["replicas"]] == ["serving"]
     assert [m.id for m in client.models.list()] == [MODEL]
 
 

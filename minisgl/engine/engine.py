@@ -237,17 +237,10 @@ class Engine:
 
     def _init_cuda_graphs(self) -> None:
         cfg = self.config
-        graph_sizes = (cfg.cuda_graph_bs, cfg.cuda_graph_max_bs)
+        sizes = (cfg.max_running_req, self.max_seq_len, cfg.cuda_graph_bs, cfg.cuda_graph_max_bs)
+        prefill = ("compile_prefill", "prefill_graph_max_tokens", "prefill_graph_max_context")
         self.graph_runner = GraphRunner(
-            self.model,
-            self.ctx,
-            self.device,
-            cfg.max_running_req,
-            self.max_seq_len,
-            *graph_sizes,
-            compile_prefill=cfg.compile_prefill,
-            prefill_graph_max_tokens=cfg.prefill_graph_max_tokens,
-            prefill_graph_max_context=cfg.prefill_graph_max_context,
+            self.model, self.ctx, self.device, *sizes, **{name: getattr(cfg, name) for name in prefill}
         )
 
     def _log_ready(self, seconds: float, model_bytes: int) -> None:

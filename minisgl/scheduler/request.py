@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from minisgl.core import Req, SamplingParams, TokenLogprob
+from minisgl.core import Req, SamplingParams, TokenLogprobs
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.stops import StopScanner
@@ -39,8 +39,8 @@ class RequestState:
     grammar: GrammarState | None = None  # structured output: its matcher (`minisgl.scheduler.grammar`)
     # with SamplingParams.logprobs: one entry per output token; with prompt_logprobs: one per prompt
     # token, None for the first (nothing scores it), filled as the prefill's chunks run
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": what failed
     admit_time: float | None = None  # first admission (not moved by a preemption)
@@ -50,9 +50,9 @@ class RequestState:
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
-            self.logprobs = []
+            self.logprobs = TokenLogprobs(self.params.logprobs)
         if self.params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs = TokenLogprobs(self.params.prompt_logprobs, self.prompt_ids[:1])
 
     @property
     def finished(self) -> bool:
@@ -84,12 +84,13 @@ class RequestState:
 @dataclass
 class Update:
     """What one step did for one request: new token ids, new text (when detokenizing), finished or not;
-    with log probabilities asked, those of the new tokens, and with the first update (once the prefill
-    is done) the prompt's, whole."""
+    with log probabilities asked, the request's so far (`RequestState.logprobs`, whose last
+    ``len(token_ids)`` entries are the new tokens'), and with the first update (once the prefill is
+    done) the prompt's, whole."""
 
     state: RequestState
     token_ids: list[int]
-    text: str
-    finished: bool
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    text: str = ""
+    finished: bool = False
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None

@@ -84,7 +84,7 @@ from minisgl.core import (
     Phase,
     Req,
     SamplingParams,
-    TokenLogprob,
+    TokenLogprobs,
     as_token_ids,
 )
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
@@ -707,10 +707,10 @@ class Scheduler:
         for i, (state, req, token, produces) in enumerate(
             zip(launched.states, launched.reqs, tokens, launched.produces)
         ):
-            logprob = None if scored is None else scored.take(i, state, req, token)
+            row = None if scored is None else scored.take(i, state, req)
             if _takes(state, req, produces):
                 try:
-                    updates.append(self._process(state, token, now, logprob))
+                    updates.append(self._process(state, token, now, scored, row))
                 except Exception as e:  # this request's own output processing: it alone fails
                     failed += self._fail([state], e, "processing its token")
         batch_size, num_generated = len(launched.states), len(updates)
@@ -741,7 +741,10 @@ class Scheduler:
             )
         return updates + failed
 
-    def _process(self, state: RequestState, token: int, now: float, logprob: TokenLogprob | None) -> Update:
+    def _process(
+        self, state: RequestState, token: int, now: float, scored: _Scored | None, row: int | None
+    ) -> Update:
+        """One request's token (and its log probability, `scored`'s row `row`, when it has one)."""
         if self.follows:  # rank 0 decides when a request stops, and says so in the next step's message
             state.req.input_ids.append(token)
             state.output_ids.append(token)
@@ -756,10 +759,9 @@ class Scheduler:
         state.req.input_ids.append(token)
         state.output_ids.append(token)
         self.metrics.token(state, now)
-        logprobs = None
-        if state.logprobs is not None and logprob is not None:
-            state.logprobs.append(logprob)
-            logprobs = [logprob]
+        logprobs = state.logprobs if row is not None else None
+        if logprobs is not None:
+            scored.write(logprobs, row, token)
         reason = self.output.check_stop(state, token)
         if reason is not None:
             self._finish(state, reason, now)
@@ -787,25 +789,37 @@ class _Read:
 
 
 class _Scored:
-    """A forward's log probabilities on the host, handed out request by request in batch order: prompt
+    """A forward's log probabilities on the host, read request by request in batch order: prompt
     entries go to the request's `prompt_logprobs` (those it has not got yet: a chunk recomputed after a
-    preemption scores its positions again), the sampled token's is returned."""
+    preemption scores its positions again), the sampled token's row is handed back (`take`) for
+    `write`. Entries are written as columns, only where they are kept."""
 
     def __init__(self, launched: _InFlight) -> None:
         assert launched.scoring is not None and launched.output.logprobs is not None
         self.plan = launched.scoring.plan
-        self.chosen, self.ids, self.values = (t.tolist() for t in launched.output.logprobs)
+        chosen, ids, values = launched.output.logprobs
+        self.top = ids.shape[1]  # the alternatives of each row, flattened below
+        self.chosen, self.ids, self.values = (
+            chosen.tolist(),
+            ids.flatten().tolist(),
+            values.flatten().tolist(),
+        )
         self.at = 0  # the row of the next request's first entry
 
-    def entry(self, token: int, k: int) -> TokenLogprob:
-        row = self.at
-        self.at += 1
-        return TokenLogprob(token, self.chosen[row], tuple(zip(self.ids[row][:k], self.values[row][:k])))
+    def write(self, entries: TokenLogprobs, row: int, token: int) -> None:
+        """Row `row`'s log probability of `token` and its first `entries.k` alternatives, added."""
+        start = row * self.top
+        end = start + entries.k
+        entries.extend((token,), (self.chosen[row],), self.ids[start:end], self.values[start:end])
 
-    def take(self, i: int, state: RequestState, req: Req, token: int) -> TokenLogprob | None:
-        start, prompt_rows, sampled, k_prompt, k_sampled = self.plan[i]
-        for p in range(start, start + prompt_rows):
-            entry = self.entry(req.input_ids[p + 1], k_prompt)
-            if state.prompt_logprobs is not None and p + 1 == len(state.prompt_logprobs):
-                state.prompt_logprobs.append(entry)
-        return self.entry(token, k_sampled) if sampled else None
+    def take(self, i: int, state: RequestState, req: Req) -> int | None:
+        """The `i`-th request's rows: its prompt's written, the row of its sampled token (None: none)."""
+        start, prompt_rows, sampled, _, _ = self.plan[i]
+        row = self.at
+        self.at += prompt_rows + sampled
+        prompt = state.prompt_logprobs
+        if prompt_rows and prompt is not None:
+            for p in range(start, start + prompt_rows):
+                if p + 1 == len(prompt):
+                    self.write(prompt, row + p - start, req.input_ids[p + 1])
+        return row + prompt_rows if sampled else None

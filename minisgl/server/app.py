@@ -24,7 +24,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from minisgl.core import SamplingParams, TokenLogprob
+from minisgl.core import SamplingParams, TokenLogprobs
 from minisgl.metrics import HotHistogram
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import Grammars
@@ -53,13 +53,13 @@ from minisgl.server.connections import (
 )
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.protocol import APIError
-from minisgl.server.replicas import Replicas, replica_settings
+from minisgl.server.replicas import Replicas, become_subreaper, kill_process_group, replica_settings
 from minisgl.server.tokenize import PromptTooLong, TemplateFailed, TokenizerPool, default_workers
 from minisgl.server.worker import (
-    decode_logprobs,
     encode_params,
     frame_ids,
     ids_frame,
+    read_logprobs,
     scheduler_main,
     set_parent_death_signal,
     unpack,
@@ -94,6 +94,9 @@ DELIVERY_BUCKETS = (
 
 def _scheduler_entry(devices: str | None, *args: Any) -> None:
     set_parent_death_signal()
+    # the leader of a process group of its own: it, the ranks it spawns and their workers are killed
+    # together when it dies (`kill_process_group`)
+    os.setpgid(0, 0)
     # a terminal's Ctrl-C reaches the whole process group: the front end drains, then stops this one
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if devices is not None:  # a data-parallel replica's GPUs (before anything here touches CUDA)
@@ -123,8 +126,8 @@ class Choice:
     times: list[float | None] | None = None  # the scheduler's [arrived, admitted, first token, finished]
     stops: StopScanner | None = None  # the search for the stop strings (made with the first check)
     # with log probabilities asked: one per token of token_ids; the prompt's (None first) with echo
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
     prompt_ids: list[int] | None = None  # with prompt_logprobs
     emitted_logprobs: int = 0  # entries of `logprobs` already handed out (streaming)
     text_offset: int = 0  # characters of the text handed out with their logprobs (streamed completions)
@@ -179,16 +182,16 @@ class Choice:
         self.emitted_ids = len(self.token_ids)
         return delta, new_ids
 
-    def text_logprobs(self) -> list[TokenLogprob]:
-        """The log probabilities of the tokens of its text (without a final EOS or stop token)."""
+    def text_logprobs(self) -> int:
+        """How many entries of `logprobs` are of the tokens of its text (not a final EOS or stop token)."""
         assert self.logprobs is not None
-        return self.logprobs[: len(self.logprobs) - self.hidden_last] if self.finished else self.logprobs
+        return len(self.logprobs) - self.hidden_last if self.finished else len(self.logprobs)
 
-    def take_logprobs(self) -> list[TokenLogprob]:
-        """The entries of `text_logprobs` not handed out yet."""
-        entries = self.text_logprobs()[self.emitted_logprobs :]
-        self.emitted_logprobs += len(entries)
-        return entries
+    def take_logprobs(self) -> tuple[int, int]:
+        """The entries [start, end) of `text_logprobs` not handed out yet."""
+        start = self.emitted_logprobs
+        self.emitted_logprobs = max(start, self.text_logprobs())
+        return start, self.emitted_logprobs
 
 
 class Job:
@@ -414,7 +417,7 @@ class SchedulerClient:
         header = json.loads(frames[0])
         op = header["op"]
         if op == "step":
-            self._step(header, frame_ids(frames[1]), frame_ids(frames[2]))
+            self._step(header, frame_ids(frames[1]), frame_ids(frames[2]), frames[3:])
         elif op == "rejected":
             choice = self.choices.pop(header["rid"], None)
             if choice is not None:
@@ -430,24 +433,36 @@ class SchedulerClient:
         elif op == "failed":
             self._fail(header["error"])
 
-    def _step(self, header: dict[str, Any], served: list[int], tokens: list[int]) -> None:
+    def _step(
+        self, header: dict[str, Any], served: list[int], tokens: list[int], scored: Sequence[bytes] = ()
+    ) -> None:
         """One scheduler step: each served choice takes its tokens (detokenized, stop strings checked)
-        and its request is woken."""
+        and their log probabilities (`scored`: the message's `LogprobFrames`, if any), and its request
+        is woken."""
         now, step_time, sent = time.perf_counter(), header["t"], header["s"]
         counts = header["n"]
         starts = None if counts is None else [0, *itertools.accumulate(counts)]
         done = {row: rest for row, *rest in header["done"]}
-        scored, prompts = header.get("lp"), dict(header.get("plp", ()))
         choices = self.choices
+
+        def row_tokens(row: int) -> list[int]:
+            return tokens[row : row + 1] if starts is None else tokens[starts[row] : starts[row + 1]]
+
+        for row, new_tokens, values, top_ids, top_values in read_logprobs(scored) if scored else ():
+            choice = choices.get(served[row])
+            if choice is None:
+                continue
+            if new_tokens and choice.logprobs is not None:
+                choice.logprobs.extend(row_tokens(row), values, top_ids, top_values)
+            elif not new_tokens and choice.prompt_logprobs is not None and choice.prompt_ids is not None:
+                have = len(choice.prompt_logprobs)
+                ids = choice.prompt_ids[have : have + len(values)]
+                choice.prompt_logprobs.extend(ids, values, top_ids, top_values)
         for row, rid in enumerate(served):
-            ids = tokens[row : row + 1] if starts is None else tokens[starts[row] : starts[row + 1]]
+            ids = row_tokens(row)
             choice = choices.get(rid)
             if choice is None:
                 continue
-            if row in prompts and choice.prompt_logprobs is not None:
-                choice.prompt_logprobs += decode_logprobs(choice.prompt_ids[1:], prompts[row])
-            if scored is not None and scored[row] is not None and choice.logprobs is not None:
-                choice.logprobs += decode_logprobs(ids, scored[row])
             finished = row in done
             if finished:
                 reason, error, choice.times = done[row]
@@ -472,7 +487,7 @@ class SchedulerClient:
         self.failed = error
         logger.error("the engine is gone: %s", error)
         for choice in self.choices.values():
-            choice.end("error", error)
+            choice.end("engine_died", error)
             choice.job.wake.set()
         self.choices.clear()
         if self.on_failure is not None:
@@ -497,6 +512,8 @@ class SchedulerClient:
         if self.proc.is_alive():
             self.proc.kill()
             await asyncio.to_thread(self.proc.join, 5)
+        # what it started and left behind (ranks blocked in a collective, compile workers)
+        await asyncio.to_thread(kill_process_group, self.proc.pid)
         self._out.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -569,10 +586,16 @@ class ServerState:
             self.trace = open(self.server.request_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     async def start(self) -> None:
-        if self.dp_size == 1:
+        server = self.server
+        if self.dp_size == 1 and not server.engine_restart:  # its death ends the server
             self.client = self.client_class(self.explicit, self.config)
         else:
-            self.client = Replicas(self.replicas, self.config, self.client_class)
+            limits = {
+                "crash_limit": server.engine_restart_limit,
+                "crash_window_s": server.engine_restart_window_s,
+            }
+            restart = server.engine_restart
+            self.client = Replicas(self.replicas, self.config, self.client_class, restart=restart, **limits)
         self.client.on_failure = self.on_failure
         asyncio.create_task(self._when_ready())
 
@@ -622,6 +645,11 @@ class ServerState:
         if self.trace is not None:
             record = trace_record(job, request_id, prompt_tokens, self.clock_offset)
             self.trace.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _json_response(body: dict[str, Any]) -> Response:
+    """A JSON response whose body may hold `protocol.RawJSON` values (log probabilities)."""
+    return Response(protocol.to_json(body), media_type="application/json")
 
 
 def _error(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -707,13 +735,25 @@ def create_app(state: ServerState) -> FastAPI:
         if unavailable is None:
             return JSONResponse({"status": "ok", **replicas})
         failed = state.client is not None and state.client.failed is not None
-        status = "failed" if failed else "starting" if not state.ready else "shutting down"
+        restarting = failed and getattr(state.client, "restarting", False)
+        status = (
+            "restarting"
+            if restarting
+            else "failed"
+            if failed
+            else "starting"
+            if not state.ready
+            else "shutting down"
+        )
         body = {**replicas, "status": status, **protocol.error_body(unavailable)}
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        if not state.ready or state.client.failed is not None:
+        # with restarts, the front end's series and the restart counts while no engine serves
+        if not state.ready or (
+            state.client.failed is not None and not getattr(state.client, "restarting", False)
+        ):
             return _error(_unavailable(state))
         text = await state.client.metrics() + generate_latest(state.registry).decode()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -923,7 +963,7 @@ def _answer(state: ServerState, make: Any) -> Response:
 def _unavailable(state: ServerState) -> APIError | None:
     client = state.client
     if client is not None and client.failed is not None:
-        return APIError(f"the engine failed: {client.failed}", status=503, type="server_error")
+        return protocol.engine_unavailable(client.failed, getattr(client, "restarting", False))
     if not state.ready:
         return APIError(
             "the server is starting; retry when GET /health answers 200", status=503, type="server_error"
@@ -988,9 +1028,10 @@ def _admit(state: ServerState, job: Job, params: list[SamplingParams], prompt_id
     ]
     for choice in job.choices:
         if choice.params.logprobs is not None:
-            choice.logprobs = []
+            choice.logprobs = TokenLogprobs(choice.params.logprobs)
         if choice.params.prompt_logprobs is not None:
-            choice.prompt_logprobs, choice.prompt_ids = [None], prompt_ids
+            choice.prompt_ids = prompt_ids
+            choice.prompt_logprobs = TokenLogprobs(choice.params.prompt_logprobs, prompt_ids[:1])
     state.outstanding += len(job.choices)
     client.submit(job.choices, ids_frame(prompt_ids), len(prompt_ids))
     job.sent = time.perf_counter()
@@ -1019,7 +1060,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     try:
         await _wait_all(job)
         respond = protocol.chat_response if kind == "chat" else protocol.completion_response
-        return JSONResponse(
+        return _json_response(
             respond(
                 request_id,
                 state.served_model,
@@ -1093,17 +1134,16 @@ class _Generation:
         return self._split[1]
 
     @property
-    def logprobs(self) -> dict[str, Any] | None:
+    def logprobs(self) -> protocol.RawJSON | None:
         choice = self.choice
         if choice.logprobs is None or self.texts is None:
             return None
         if self.kind == "chat":
-            return chat_logprobs(self.texts, choice.text_logprobs())
-        entries: list[TokenLogprob | None] = list(choice.text_logprobs())
-        ids = choice.token_ids[: len(entries)]
-        if self.echo is not None and choice.prompt_logprobs is not None and choice.prompt_ids is not None:
-            entries, ids = choice.prompt_logprobs + entries, choice.prompt_ids + ids
-        return completion_logprobs(self.texts, entries, ids)
+            return protocol.RawJSON(chat_logprobs(self.texts, choice.logprobs, 0, choice.text_logprobs()))
+        runs = [(choice.logprobs, 0, choice.text_logprobs())]
+        if self.echo is not None and choice.prompt_logprobs is not None:
+            runs.insert(0, (choice.prompt_logprobs, 0, len(choice.prompt_logprobs)))
+        return protocol.RawJSON(completion_logprobs(self.texts, runs)[0])
 
     @property
     def reasoning(self) -> str | None:  # None: not asked for, or none in the reply (as SGLang)
@@ -1216,12 +1256,15 @@ async def _stream(
     news (text and token ids, final chunks), then the delay since the step that made them is recorded.
     `thinking` (separate_reasoning; see `_thinking`): each text is split into reasoning and content.
     `echo` (completions): each choice's first chunk is the prompt's text (with its log probabilities
-    once the prefill has them). Chunks with log probabilities are built whole (`_chunk`)."""
+    once the prefill has them). Chunks with log probabilities carry them as `RawJSON` (`_streamed_logprobs`)."""
     prompt_tokens = len(prompt_ids)
     model = state.served_model
     wants_ids = req.wants_token_ids
     choices = job.choices
-    formats = [protocol.ChunkFormat(kind, request_id, model, c.index, wants_ids, created) for c in choices]
+    formats = [
+        protocol.ChunkFormat(kind, request_id, model, c.index, wants_ids, created, c.logprobs is not None)
+        for c in choices
+    ]
     splitters = None if thinking is None else [ReasoningSplitter(thinking) for _ in choices]
     try:
         if kind == "chat":
@@ -1273,18 +1316,7 @@ async def _stream(
                         tokens = True
                 elif scored is not None:
                     if text or ids:
-                        chunk = _chunk(
-                            kind,
-                            request_id,
-                            model,
-                            choice.index,
-                            text,
-                            ids if wants_ids else None,
-                            None,
-                            created,
-                            scored,
-                        )
-                        parts.append(protocol.sse(chunk))
+                        parts.append(fmt.event(text, ids, scored))
                         tokens = True
                 elif text or (wants_ids and ids):
                     parts.append(fmt.event(text, ids))
@@ -1321,7 +1353,7 @@ def _chunk(
     ids: Any,
     reason: Any,
     created: int,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: protocol.RawJSON | None = None,
 ) -> dict[str, Any]:
     if kind == "chat":
         return protocol.chat_chunk(
@@ -1341,20 +1373,25 @@ def _chunk(
 
 def _streamed_logprobs(
     state: ServerState, kind: str, choice: Choice, echo: str | None = None
-) -> dict[str, Any] | None:
+) -> protocol.RawJSON | None:
     """The `logprobs` of a streamed chunk: its new tokens' (`Choice.take_logprobs`), or with `echo`
     the prompt's (completions; None without prompt log probabilities)."""
     texts = state.token_texts
     if echo is not None:
-        if choice.prompt_logprobs is None or choice.prompt_ids is None:
-            return None
-        return completion_logprobs(texts, choice.prompt_logprobs, choice.prompt_ids)
-    entries = choice.take_logprobs()
+        prompt = choice.prompt_logprobs
+        return (
+            None
+            if prompt is None
+            else protocol.RawJSON(completion_logprobs(texts, [(prompt, 0, len(prompt))])[0])
+        )
+    assert choice.logprobs is not None
+    start, end = choice.take_logprobs()
     if kind == "chat":
-        return chat_logprobs(texts, entries)
-    scored = completion_logprobs(texts, entries, [e.token_id for e in entries], choice.text_offset)
-    choice.text_offset += sum(len(t) for t in scored["tokens"])
-    return scored
+        return protocol.RawJSON(chat_logprobs(texts, choice.logprobs, start, end))
+    scored, choice.text_offset = completion_logprobs(
+        texts, [(choice.logprobs, start, end)], choice.text_offset
+    )
+    return protocol.RawJSON(scored)
 
 
 # ------------------------------------------------------------------------------------------------ serving
@@ -1417,6 +1454,7 @@ def serve(explicit: dict[str, Any], config: str | None) -> None:
     )
     logger.info("starting at http://%s:%d (the engine loads in the background)", server.host, server.port)
     runner = _Server(uv_config, state)
+    become_subreaper()  # a dead scheduler's ranks and workers are reaped here
     runner.run()
     if runner.exit_code or state.client is None or state.client.failed is not None:
         reason = "it did not start" if state.client is None else state.client.failed

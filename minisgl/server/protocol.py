@@ -733,6 +733,20 @@ class Generation(Protocol):
     error: str | None
 
 
+def engine_unavailable(cause: str, restarting: bool) -> APIError:
+    """The 503 of a request that the engine cannot serve because its process died: `engine_restarting`
+    while it is being started again (retry), `engine_failed` when it will not be (the server exits,
+    or a crash loop ended the restarts)."""
+    if restarting:
+        return APIError(
+            f"the engine process died ({cause}); it is being started again: retry the request",
+            status=503,
+            type="server_error",
+            code="engine_restarting",
+        )
+    return APIError(f"the engine failed: {cause}", status=503, type="server_error", code="engine_failed")
+
+
 def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop", "length"]:
     """The engine's finish reason as OpenAI's; "error" and "abort" raise the APIError that replaces the
     choice (see the module docstring): a 400 where the request's grammar reached a dead end
@@ -746,6 +760,8 @@ def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop
             type="server_error",
             code="request_aborted",
         )
+    if reason == "engine_died":  # its engine process died under it
+        raise engine_unavailable(error or "the engine process died", restarting=True)
     if reason == "error" and error and DEAD_END in error:  # the request's grammar, not the server
         raise APIError(f"generation stopped: {error}", code="grammar_dead_end")
     detail = f": {error}" if error else ""
@@ -845,7 +861,7 @@ def completion_chunk(
     finish_reason: Literal["stop", "length"] | None = None,
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | RawJSON | None = None,
 ) -> dict[str, Any]:
     """A streamed `text_completion` chunk: new text of choice `index` (the last one with its
     finish_reason); `token_ids` (the new tokens) when the request wants them; `logprobs`, theirs."""
@@ -874,7 +890,7 @@ def chat_chunk(
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
     reasoning_content: str | None = None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | RawJSON | None = None,
 ) -> dict[str, Any]:
     """A `chat.completion.chunk` for choice `index`: the first carries ``role="assistant"`` (and
     ``content=""``), later ones ``content`` (and, with separate_reasoning, ``reasoning_content``), the
@@ -923,19 +939,49 @@ def model_list(model: str, *, created: int | None = None, owned_by: str = "minis
     return {"object": "list", "data": [model_card(model, created=created, owned_by=owned_by)]}
 
 
+@dataclass(frozen=True)
+class RawJSON:
+    """A value already written as JSON (log probabilities, `minisgl.server.logprobs`): `to_json` puts
+    its text in as it is."""
+
+    text: str
+
+
+_RAW_SLOT = "\x00raw-" + uuid.uuid4().hex  # stands for a RawJSON while `to_json` writes: no text holds it
+_RAW_SLOT_JSON = json.dumps(_RAW_SLOT)
+
+
+def to_json(payload: Any) -> str:
+    """A response body or event as JSON on one line (non-ASCII kept), its `RawJSON` values as they are."""
+    raws: list[str] = []
+
+    def raw(value: Any) -> str:
+        if not isinstance(value, RawJSON):
+            raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+        raws.append(value.text)
+        return _RAW_SLOT
+
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), default=raw)
+    if not raws:
+        return text
+    parts = text.split(_RAW_SLOT_JSON)
+    return "".join(part + value for part, value in zip(parts, raws)) + parts[-1]
+
+
 def sse(payload: Mapping[str, Any]) -> str:
     """One server-sent event: ``data: {json}`` and a blank line (the JSON on one line)."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {to_json(payload)}\n\n"
 
 
-_TEXT_SLOT, _IDS_SLOT = "\x00text\x00", "\x00ids\x00"  # placeholders no text or id can be
+_TEXT_SLOT, _IDS_SLOT, _LOGPROBS_SLOT = "\x00text\x00", "\x00ids\x00", "\x00logprobs\x00"  # no text is one
 
 
 class ChunkFormat:
     """The streamed chunks of one choice as server-sent events, cheaply: the chunk is built once by
     `completion_chunk` / `chat_chunk` with placeholders for the text and the token ids and serialized
-    as `sse` does; `event(text, ids)` then joins the parts around the JSON-encoded text and ids. The
-    bytes equal ``sse(completion_chunk(...))`` (or the chat chunk) for the same values."""
+    as `sse` does; `event(text, ids)` then joins the parts around the JSON-encoded text and ids (and,
+    made `with_logprobs`, their log probabilities). The bytes equal ``sse(completion_chunk(...))`` (or
+    the chat chunk) for the same values."""
 
     def __init__(
         self,
@@ -945,23 +991,38 @@ class ChunkFormat:
         index: int,
         with_ids: bool,
         created: int,
+        with_logprobs: bool = False,
     ) -> None:
         ids = [_IDS_SLOT] if with_ids else None
+        options = {
+            "token_ids": ids,
+            "created": created,
+            "logprobs": _LOGPROBS_SLOT if with_logprobs else None,
+        }
         if kind == "chat":
-            payload = chat_chunk(request_id, model, index, content=_TEXT_SLOT, token_ids=ids, created=created)
+            payload = chat_chunk(request_id, model, index, content=_TEXT_SLOT, **options)
         else:
-            payload = completion_chunk(request_id, model, index, _TEXT_SLOT, token_ids=ids, created=created)
+            payload = completion_chunk(request_id, model, index, _TEXT_SLOT, **options)
         event = sse(payload)
-        text_slot, ids_slot = json.dumps(_TEXT_SLOT), json.dumps([_IDS_SLOT])
+        text_slot, ids_slot, logprobs_slot = (
+            json.dumps(_TEXT_SLOT),
+            json.dumps([_IDS_SLOT]),
+            json.dumps(_LOGPROBS_SLOT),
+        )
         self._head, rest = event.split(text_slot)
+        self._scored, rest = rest.split(logprobs_slot) if with_logprobs else ("", rest)
         self._mid, self._tail = rest.split(ids_slot) if with_ids else (rest, "")
         self.with_ids = with_ids
 
-    def event(self, text: str, ids: Sequence[int]) -> str:
-        """One chunk carrying `text` (and, if the request wants them, the token ids `ids`)."""
+    def event(self, text: str, ids: Sequence[int], logprobs: RawJSON | None = None) -> str:
+        """One chunk carrying `text` (and, if the request wants them, the token ids `ids`; `logprobs`,
+        theirs, for a format made `with_logprobs`)."""
+        head = self._head + _encode_str(text)
+        if logprobs is not None:
+            head += self._scored + logprobs.text
         if not self.with_ids:
-            return self._head + _encode_str(text) + self._mid
-        return f"{self._head}{_encode_str(text)}{self._mid}[{','.join(map(str, ids))}]{self._tail}"
+            return head + self._mid
+        return f"{head}{self._mid}[{','.join(map(str, ids))}]{self._tail}"
 
 
 _encode_str = json.encoder.encode_basestring  # a str as JSON, non-ASCII kept (sse's ensure_ascii=False)

@@ -1,4 +1,7 @@
-"""Data-parallel replicas (`minisgl-run serve --dp N`): N scheduler processes behind one front end.
+"""The engine processes behind the front end and their supervision: data-parallel replicas
+(`minisgl-run serve --dp N`, N scheduler processes behind one front end) and, with N = 1, the one
+engine of a plain server (unless `engine_restart` is off, when `app.SchedulerClient` stands alone and
+the server exits when it dies).
 
 Each replica is a scheduler process of its own (`app.SchedulerClient`), with its own engine (or its
 own tensor-parallel group of `tp_size` ranks, meeting at its own rendezvous), prefix cache and KV
@@ -12,10 +15,16 @@ pages; on CUDA replica i sees the GPUs i*tp_size .. (i+1)*tp_size-1 of the front
 - `/metrics` merges the replicas' series, each sample labelled `dp_rank` (`merge_metrics`), and adds
   `minisgl_dp_replica_up` and `minisgl_dp_replica_restarts_total`; `/flush_cache` flushes every
   serving replica;
-- a replica that dies fails its own requests only (its client ends them with the error); it stops
-  getting requests and is started again after a back-off (1, 2, 4 ... 30 s; from 1 s again once a
-  start has served for a minute); `/health` answers 200 while one replica serves (its body lists the
-  replicas, `down` names the others) and 503 when none does;
+- a replica that dies fails its own requests only (its client ends them with the error: 503
+  `engine_restarting`); it stops getting requests, its process group (the scheduler, its
+  tensor-parallel ranks, their compile workers) is killed and reaped (`kill_process_group`), and it
+  is started again after a back-off (1, 2, 4 ... 30 s; from 1 s again once a start has served for a
+  minute); `/health` answers 200 while one replica serves (its body lists the replicas, `down` names
+  the others) and 503 when none does;
+- a replica that dies `crash_limit` times within `crash_window_s` (settings `engine_restart_limit`,
+  `engine_restart_window_s`) is not started again: a crash loop leaves the server up, answering 503
+  with the last cause, rather than spinning;
+- `restart=False` (setting `engine_restart: false`): the first death ends the server (`on_failure`);
 - a replica that cannot start at all (before the server first served) ends the server with its
   reason, as one scheduler process does: a setting that cannot work does not go round in restarts.
 """
@@ -28,6 +37,7 @@ import functools
 import itertools
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +48,52 @@ logger = logging.getLogger(__name__)
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0  # a replica that served this long starts its back-off from BACKOFF_FIRST_S again
+
+
+def become_subreaper() -> None:
+    """Linux: orphaned descendants of this process (a dead scheduler's tensor-parallel ranks, compile
+    workers) become its children rather than init's, so that `kill_process_group` can reap them."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+
+def _group_members(pgid: int) -> dict[int, str]:
+    """pid -> state letter of each process in process group `pgid` (from /proc)."""
+    members = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid:
+                members[int(name)] = fields[0]
+    return members
+
+
+def kill_process_group(pgid: int, timeout: float = 10.0) -> int:
+    """SIGKILLs every process of group `pgid` (a scheduler process leads its own: it, its ranks and
+    their children) until none is left, reaping those that are this process's children; returns how
+    many were alive. Zombies whose parent is another process are that parent's to reap."""
+    deadline = time.monotonic() + timeout
+    killed: set[int] = set()
+    while time.monotonic() < deadline:
+        members = _group_members(pgid)
+        alive = [pid for pid, state in members.items() if state != "Z"]
+        for pid in members:
+            with contextlib.suppress(ChildProcessError, OSError):
+                if members[pid] == "Z":
+                    os.waitpid(pid, os.WNOHANG)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+        if not alive:
+            return len(killed)
+        time.sleep(0.02)
+    logger.error("process group %d: %s still alive after %.0f s", pgid, sorted(_group_members(pgid)), timeout)
+    return len(killed)
 
 
 def _cuda_ids() -> list[str]:
@@ -99,6 +155,8 @@ class Replica:
     error: str | None = None  # why it went down last
     restarts: int = 0
     failures: int = 0  # deaths in a row: the back-off doubles with each
+    deaths: list[float] = field(default_factory=list)  # time.monotonic() of its recent deaths
+    given_up: bool = False  # a crash loop: not started again
     up_since: float = 0.0  # time.monotonic() when it last became ready (0: not serving)
     retry_at: float | None = None  # time.monotonic() of the next start
 
@@ -113,7 +171,10 @@ class Replicas:
     config: str | None
     make_client: Callable[..., Any]
     info: dict[str, Any] | None = None  # replica 0's facts, max_running_req summed, once all are up
-    on_failure: Any = None  # called once if the server cannot start
+    on_failure: Any = None  # called once if the server cannot start (or, without restarts, on a death)
+    restart: bool = True  # start a dead replica again (else its death ends the server)
+    crash_limit: int = 5  # deaths within crash_window_s that end a replica's restarts
+    crash_window_s: float = 600.0
     replicas: list[Replica] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -161,13 +222,27 @@ class Replicas:
         if replica.client is not client:
             return
         replica.client, replica.serving, replica.error = None, False, client.failed
-        if self.info is None:  # it never served: the settings cannot work
-            self._failed = f"replica dp_rank={replica.rank}: {client.failed}"
+        now = time.monotonic()
+        replica.deaths = [t for t in replica.deaths if now - t < self.crash_window_s] + [now]
+        if (
+            self.info is None or not self.restart
+        ):  # it never served (the settings cannot work), or no restarts
+            self._failed = f"{self._name(replica)}{client.failed}"
             self._spawn(client.close(), self._restarts)
             if self.on_failure is not None:
                 self.on_failure()
             return
-        now = time.monotonic()
+        if len(replica.deaths) >= self.crash_limit:
+            replica.given_up, replica.retry_at, replica.up_since = True, None, 0.0
+            logger.error(
+                "replica dp_rank=%d died %d times within %.0f s (%s): not starting it again",
+                replica.rank,
+                len(replica.deaths),
+                self.crash_window_s,
+                client.failed,
+            )
+            self._spawn(client.close(), self._restarts)
+            return
         if replica.up_since and now - replica.up_since >= STABLE_S:
             replica.failures = 0
         replica.up_since = 0.0
@@ -200,17 +275,32 @@ class Replicas:
 
     # -- state
 
+    def _name(self, replica: Replica) -> str:
+        """How messages name a replica: by its dp_rank when there are several."""
+        return f"replica dp_rank={replica.rank}: " if len(self.replicas) > 1 else ""
+
+    @property
+    def restarting(self) -> bool:
+        """True while a replica that is not serving will serve again (not a crash loop, not the end)."""
+        return self._failed is None and any(not r.serving and not r.given_up for r in self.replicas)
+
     @property
     def failed(self) -> str | None:
-        """Why no request can be served: the server could not start, or no replica serves now."""
+        """Why no request can be served: the server could not start, or no replica serves now (each
+        one's last cause, and whether it is being started again)."""
         if self._failed is not None:
             return self._failed
         if self.info is not None and not any(r.serving for r in self.replicas):
-            return (
-                "no replica is serving ("
-                + "; ".join(f"dp_rank={r.rank}: {r.error}" for r in self.replicas)
-                + ")"
+            causes = "; ".join(
+                f"{self._name(r)}{r.error or 'starting'}"
+                + (
+                    f" (died {len(r.deaths)} times within {self.crash_window_s:.0f} s: not started again)"
+                    if r.given_up
+                    else " (starting again)"
+                )
+                for r in self.replicas
             )
+            return causes if len(self.replicas) == 1 else f"no replica is serving ({causes})"
         return None
 
     def status(self) -> dict[str, Any]:
@@ -220,7 +310,13 @@ class Replicas:
         for r in self.replicas:
             entry: dict[str, Any] = {
                 "dp_rank": r.rank,
-                "state": "serving" if r.serving else "restarting" if r.restarts or r.error else "starting",
+                "state": "serving"
+                if r.serving
+                else "failed"
+                if r.given_up
+                else "restarting"
+                if r.restarts or r.error
+                else "starting",
                 "pid": r.pid,
                 "restarts": r.restarts,
             }
@@ -247,7 +343,7 @@ class Replicas:
         serving = [r for r in self.replicas if r.serving]
         if not serving:
             for choice in choices:
-                choice.end("error", self.failed)
+                choice.end("engine_died", self.failed)
                 choice.job.wake.set()
             return
         client = min(serving, key=lambda r: r.client.load_tokens).client
@@ -270,6 +366,8 @@ class Replicas:
         serving = [r for r in self.replicas if r.serving]
         texts = await asyncio.gather(*(r.client.metrics() for r in serving), return_exceptions=True)
         parts = [(r.rank, text) for r, text in zip(serving, texts) if isinstance(text, str)]
+        # one replica (a plain server): its series as they are, without a dp_rank label
+        merged = "".join(text for _, text in parts) if len(self.replicas) == 1 else merge_metrics(parts)
         up = "\n".join(f'minisgl_dp_replica_up{{dp_rank="{r.rank}"}} {int(r.serving)}' for r in self.replicas)
         restarts = "\n".join(
             f'minisgl_dp_replica_restarts_total{{dp_rank="{r.rank}"}} {r.restarts}' for r in self.replicas
@@ -280,7 +378,7 @@ class Replicas:
             "# HELP minisgl_dp_replica_restarts_total Times the front end started the replica again.\n"
             f"# TYPE minisgl_dp_replica_restarts_total counter\n{restarts}\n"
         )
-        return merge_metrics(parts) + own
+        return merged + own
 
     async def flush_cache(self) -> int:
         """Empties every serving replica's prefix cache; the KV pages freed in all."""

@@ -29,9 +29,9 @@ scheduler -> front end
                                                                which finished, each with its times in
                                                                the scheduler [arrived, admitted, first
                                                                token, finished] (null: never reached);
-                                                               with log probabilities asked, "lp": per
-                                                               row null or its tokens' (`encode_logprobs`)
-                                                               and "plp": [[row, the prompt's], ...]
+                                                               with log probabilities, four frames more
+                                                               (`LogprobFrames`: the new tokens' and
+                                                               with a first update the prompt's)
     {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
     {"op": "metrics", "id": int, "text": str}
     {"op": "flush", "id": int, "pages": int}                   the KV pages the flush freed
@@ -49,12 +49,13 @@ import socket
 import struct
 import time
 from array import array
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
 import zmq
 
-from minisgl.core import FATAL_ERRORS, SamplingParams, TokenLogprob
+from minisgl.core import FATAL_ERRORS, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -82,24 +83,57 @@ def decode_params(data: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**data)
 
 
-def encode_logprobs(entries: list[TokenLogprob]) -> list[list[Any]]:
-    """Log probabilities as JSON: per token [logprob, [alternative ids], [their logprobs]]."""
-    return [[e.logprob, [t for t, _ in e.top], [v for _, v in e.top]] for e in entries]
-
-
-def decode_logprobs(ids: list[int], data: list[list[Any]]) -> list[TokenLogprob]:
-    """`encode_logprobs`' entries again, for the tokens `ids`."""
-    return [TokenLogprob(t, lp, tuple(zip(alt, vals))) for t, (lp, alt, vals) in zip(ids, data)]
-
-
 def ids_frame(ids: list[int]) -> bytes:
     return array("q", ids).tobytes()
 
 
-def frame_ids(frame: bytes) -> list[int]:
-    ids = array("q")
+def frame_ids(frame: bytes, typecode: str = "q") -> list[Any]:
+    """`ids_frame`'s ids again (typecode "d": float64 numbers)."""
+    ids = array(typecode)
     ids.frombytes(frame)
     return ids.tolist()
+
+
+class LogprobFrames:
+    """A step's log probabilities in four frames, block after block (a block: a served row's prompt
+    entries, or its new tokens'): per block [row, 1 for tokens or 0 for the prompt, entries, k] (int64),
+    then each entry's log probability (float64), its k alternatives' ids (int64) and their log
+    probabilities (float64). Token ids are not sent: they are the step's, or the prompt's."""
+
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.values: list[float] = []
+        self.top_ids: list[int] = []
+        self.top_values: list[float] = []
+
+    def add(self, row: int, tokens: bool, entries: TokenLogprobs, n: int) -> None:
+        """The last `n` entries of `entries`, as row `row`'s new tokens' or its prompt's."""
+        k = entries.k
+        self.blocks += (row, tokens, n, k)
+        self.values += entries.values[len(entries.values) - n :]
+        self.top_ids += entries.top_ids[len(entries.top_ids) - n * k :]
+        self.top_values += entries.top_values[len(entries.top_values) - n * k :]
+
+    def frames(self) -> tuple[bytes, ...]:
+        floats = array("d", self.values).tobytes(), array("d", self.top_values).tobytes()
+        return ids_frame(self.blocks), floats[0], ids_frame(self.top_ids), floats[1]
+
+
+def read_logprobs(frames: list[bytes]) -> Iterator[tuple[int, bool, list[float], list[int], list[float]]]:
+    """`LogprobFrames`' blocks: (row, tokens or prompt, log probabilities, alternatives' ids, theirs)."""
+    blocks, values, top_ids = frame_ids(frames[0]), frame_ids(frames[1], "d"), frame_ids(frames[2])
+    top_values = frame_ids(frames[3], "d")
+    at = top = 0
+    for b in range(0, len(blocks), 4):
+        row, tokens, n, k = blocks[b : b + 4]
+        yield (
+            row,
+            bool(tokens),
+            values[at : at + n],
+            top_ids[top : top + n * k],
+            top_values[top : top + n * k],
+        )
+        at, top = at + n, top + n * k
 
 
 def pack(header: dict[str, Any], *frames: bytes) -> bytes:
@@ -263,34 +297,39 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
             raise
         if not updates:
             continue
-        served, counts, tokens, done, scored, prompts = [], [], [], [], [], []
-        for update in updates:
-            state = update.state
-            rid = rids.get(state.uid)
-            if rid is None:  # aborted meanwhile
-                continue
-            if update.finished:
-                times = [state.arrival_time, state.admit_time, state.first_token_time, state.finish_time]
-                done.append([len(served), state.finish_reason, state.error, times])
-                states.pop(rid, None)
-                rids.pop(state.uid, None)
-            if update.prompt_logprobs is not None:
-                prompts.append([len(served), encode_logprobs(update.prompt_logprobs[1:])])
-            scored.append(None if update.logprobs is None else encode_logprobs(update.logprobs))
-            served.append(rid)
-            counts.append(len(update.token_ids))
-            tokens += update.token_ids
-        if served:
-            n = None if all(c == 1 for c in counts) else counts
-            header = {
-                "op": "step",
-                "t": scheduler.tokens_time,
-                "s": time.perf_counter(),
-                "n": n,
-                "done": done,
-            }
-            if any(entry is not None for entry in scored):
-                header["lp"] = scored
-            if prompts:
-                header["plp"] = prompts
-            outbox.send(header, ids_frame(served), ids_frame(tokens))
+        message = step_message(updates, rids, states, scheduler.tokens_time)
+        if message is not None:
+            outbox.send(*message)
+
+
+def step_message(
+    updates: list[Any], rids: dict[int, int], states: dict[int, Any], tokens_time: float
+) -> tuple[Any, ...] | None:
+    """A step's message to the front end (its header, then its frames) from the step's updates; None
+    when none of their requests is still wanted. Finished requests leave `states` and `rids`."""
+    served, counts, tokens, done = [], [], [], []
+    scored = LogprobFrames()
+    for update in updates:
+        state = update.state
+        rid = rids.get(state.uid)
+        if rid is None:  # aborted meanwhile
+            continue
+        if update.finished:
+            times = [state.arrival_time, state.admit_time, state.first_token_time, state.finish_time]
+            done.append([len(served), state.finish_reason, state.error, times])
+            states.pop(rid, None)
+            rids.pop(state.uid, None)
+        if update.prompt_logprobs is not None:
+            prompt = update.prompt_logprobs
+            scored.add(len(served), False, prompt, len(prompt.values))
+        if update.logprobs is not None:
+            scored.add(len(served), True, update.logprobs, len(update.token_ids))
+        served.append(rid)
+        counts.append(len(update.token_ids))
+        tokens += update.token_ids
+    if not served:
+        return None
+    n = None if all(c == 1 for c in counts) else counts
+    header = {"op": "step", "t": tokens_time, "s": time.perf_counter(), "n": n, "done": done}
+    frames = ids_frame(served), ids_frame(tokens), *(scored.frames() if scored.blocks else ())
+    return header, *frames

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,8 +36,9 @@ def _fake_client_class() -> type:
     class FakeSchedulerClient(SchedulerClient):
         """Takes `add` and `abort` messages and makes steps in this event loop, one token per request."""
 
-        def __init__(self, settings: dict[str, Any], config: str | None) -> None:
+        def __init__(self, settings: dict[str, Any], config: str | None, *where: Any) -> None:
             self.settings, self.config, self.failed, self.on_failure = settings, config, None, None
+            self.proc = SimpleNamespace(pid=os.getpid())  # what the supervisor (`Replicas`) names
             self.choices, self._answers = {}, {}
             self.rids, self._ids = iter(range(1 << 62)), iter(range(1 << 62))
             self.running: dict[int, int] = {}  # rid -> tokens left
