@@ -19,6 +19,7 @@ from minisgl.engine.sample import (
     TOP_K_ALL,
     WEIGHT_BITS,
     BatchSamplingArgs,
+    LogprobArgs,
     Sampler,
     blocked_cumsum,
     draw,
@@ -275,6 +276,25 @@ def test_args_from_reqs() -> None:
         SamplingParams(temperature=1.0, min_p=0.1),
     ):
         assert BatchSamplingArgs.from_reqs([make_req(0, params)], CPU).need_filter
+
+
+def test_logprob_args_of_a_decode_batch_equal_the_general_paths() -> None:
+    """Without prompt log probabilities (a decode step) `LogprobArgs.from_reqs` takes a shorter path:
+    the same rows, targets, plan and top as the general one, for requests scored or not and one still
+    prefilling (a partial chunk: its sampled token is not scored)."""
+    partial = make_req(2, SamplingParams(logprobs=2))
+    partial.input_ids = list(range(1, 12))  # its prefill has 6 prompt tokens left after this chunk
+    reqs = [make_req(0, SamplingParams(logprobs=5)), make_req(1, SamplingParams()), partial]
+    reqs += [make_req(3, SamplingParams(logprobs=0, temperature=1.0), offset=9)]
+    fast, general = LogprobArgs._sampled_only(reqs, CPU), LogprobArgs._with_prompts(reqs, CPU)
+    assert LogprobArgs.from_reqs(reqs, CPU).plan == fast.plan
+    assert fast.rows is None and fast.last is None and general.rows is None and general.last is None
+    for name in ("lp_rows", "targets", "sampled_of"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.lp_rows.tolist() == [0, 3] and fast.targets.tolist() == [-1, -1]
+    assert (fast.top, fast.plan) == (general.top, general.plan) == (5, fast.plan)
+    assert fast.plan[2] == general.plan[2] == (0, 0, 0, 0, 0)
+    assert LogprobArgs.from_reqs([make_req(0, SamplingParams())], CPU) is None
 
 
 def test_padded_vocab_columns_are_ignored() -> None:

@@ -368,6 +368,14 @@ class LogprobArgs:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device: torch.device) -> LogprobArgs | None:
+        if all(req.sampling_params.prompt_logprobs is None for req in reqs):
+            return cls._sampled_only(reqs, device)
+        return cls._with_prompts(reqs, device)
+
+    @classmethod
+    def _with_prompts(cls, reqs: list[Req], device: torch.device) -> LogprobArgs | None:
+        """`from_reqs` in general: prompt rows scored for the requests that ask, sampled tokens for the
+        others (`_sampled_only` gives the same, faster, where none asks for the prompt's)."""
         spans = [prompt_logprob_span(req) for req in reqs]
         prompt_rows = any(end > start for start, end in spans)
         rows, last, lp_rows, targets, sampled_of, plan = [], [], [], [], [], []
@@ -397,11 +405,36 @@ class LogprobArgs:
             token_row += req.extend_len
         if not lp_rows:
             return None
+        return cls._made(
+            lp_rows, targets, sampled_of, top, plan, device, (rows, last) if prompt_rows else None
+        )
+
+    @classmethod
+    def _sampled_only(cls, reqs: list[Req], device: torch.device) -> LogprobArgs | None:
+        """`from_reqs` where no request asks for prompt log probabilities (every decode step): each
+        scored request's last row, which is its index, scores its sampled token."""
+        lp_rows, plan, top = [], [], 0
+        for i, req in enumerate(reqs):
+            k = req.sampling_params.logprobs
+            if k is not None and not req.is_partial:
+                lp_rows.append(i)
+                top = max(top, k)
+                plan.append((req.cached_len, 0, 1, 0, k))
+            else:
+                plan.append((req.cached_len, 0, 0, 0, 0))
+        if not lp_rows:
+            return None
+        return cls._made(lp_rows, [-1] * len(lp_rows), lp_rows, top, plan, device, None)
+
+    @classmethod
+    def _made(cls, lp_rows, targets, sampled_of, top, plan, device, picked) -> LogprobArgs:
+        """The arguments, their index lists copied to `device` without blocking; `picked`: the (rows,
+        last) lists when prompt rows are scored, else None."""
         pin = device.type == "cuda"
         with torch.inference_mode(False):
             host = torch.tensor([lp_rows, targets, sampled_of], dtype=torch.int64, pin_memory=pin)
-            picks = torch.tensor(rows, dtype=torch.int64, pin_memory=pin) if prompt_rows else None
-            lasts = torch.tensor(last, dtype=torch.int64, pin_memory=pin) if prompt_rows else None
+            picks = None if picked is None else torch.tensor(picked[0], dtype=torch.int64, pin_memory=pin)
+            lasts = None if picked is None else torch.tensor(picked[1], dtype=torch.int64, pin_memory=pin)
         host = host.to(device, non_blocking=True)
         return cls(
             rows=None if picks is None else picks.to(device, non_blocking=True),
