@@ -487,7 +487,7 @@ def test_replicas_route_by_outstanding_tokens_and_restart_a_dead_one(monkeypatch
         c5 = choice(1)
         c5.end = lambda reason, error: setattr(c5, "ended", (reason, error))
         group.submit([c5], b"", 5)
-        assert c5.ended[0] == "error" and c5.job.wake.is_set()
+        assert c5.ended[0] == "engine_died" and c5.job.wake.is_set()  # a 503 engine_restarting
         await group.close()
         assert all(c.closed for c in made) and failures == []  # no restart after close
 
@@ -512,5 +512,53 @@ def test_a_replica_that_never_served_fails_the_server():
         assert len(made) == 2  # no restart
         await group.close()
         assert made[0].closed and made[1].closed
+
+    asyncio.run(main())
+
+
+def test_one_engine_restarts_until_a_crash_loop_and_without_restarts_fails_the_server(monkeypatch):
+    """One replica (a plain server's engine): a death restarts it; `crash_limit` deaths within the
+    window end the restarts (the supervisor says why, and stops saying it restarts); with
+    `restart=False` the first death calls `on_failure` (the server exits)."""
+    monkeypatch.setattr(replicas, "BACKOFF_FIRST_S", 0.01)
+    made: list[StandIn] = []
+
+    def make(*args: Any) -> StandIn:
+        made.append(StandIn(*args))
+        return made[-1]
+
+    async def until(condition) -> None:
+        deadline = asyncio.get_running_loop().time() + 5
+        while not condition() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        group = replicas.Replicas([({}, None)], None, make, crash_limit=2, crash_window_s=60)
+        failures = []
+        group.on_failure = lambda: failures.append(1)
+        made[0].up()
+        await asyncio.wait_for(group.ready.wait(), 5)
+        made[0].die("the scheduler process exited (exit code -9)")
+        assert group.restarting and group.failed.startswith("the scheduler process exited")
+        await until(lambda: len(made) == 2)
+        made[1].up()
+        await until(lambda: group.failed is None)
+        assert group.failed is None and not group.restarting
+        made[1].die("CUDA error: an illegal memory access")  # the second death within the window
+        await asyncio.sleep(0.05)
+        assert len(made) == 2 and not group.restarting and failures == []
+        assert "illegal memory access" in group.failed and "not started again" in group.failed
+        assert group.status()["replicas"][0]["state"] == "failed"
+        await group.close()
+
+        made.clear()
+        once = replicas.Replicas([({}, None)], None, make, restart=False)
+        once.on_failure = lambda: failures.append(1)
+        made[0].up()
+        await asyncio.wait_for(once.ready.wait(), 5)
+        made[0].die("killed")
+        await asyncio.sleep(0.05)
+        assert failures == [1] and once.failed == "killed" and len(made) == 1
+        await once.close()
 
     asyncio.run(main())
