@@ -149,8 +149,8 @@ class ServerConfig:
     )
     max_connections: int = setting(
         2048,
-        "Open HTTP connections the server keeps; one more is answered 503 and closed (lowered to what "
-        "the open-file limit allows).",
+        "Open HTTP connections the server keeps (lowered to what the open-file limit allows); at the cap "
+        "a new one closes the oldest idle one, or is answered 503 when every one has a request in flight.",
         ge=1,
     )
     idle_timeout_s: float = setting(

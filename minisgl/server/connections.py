@@ -6,12 +6,18 @@ exposed to slow or hostile clients needs, which uvicorn leaves out.
   arrive within `header_timeout_s` of their first byte, the body within `body_timeout_s` of the headers'
   end; past either the client gets a 408 and the connection is closed. A client that stops reading a
   response (its buffers full) is dropped after `send_timeout_s`, which ends its request.
-- **A cap on open connections** (`max_connections`, lowered to what the open-file limit allows): one
-  more is accepted, answered 503 and closed at once, so that file descriptors never run out.
+- **A cap on open connections** (`max_connections`, lowered to what the open-file limit allows), so that
+  file descriptors never run out. At the cap a new connection closes the oldest idle one (as nginx does
+  with kept-alive connections): one with no request in flight, kept alive after a response or still
+  short of a whole request line and headers. A connection whose request is in flight (headers read,
+  response not finished: a long stream, a body being uploaded) is never closed for another; only when
+  every open connection has one is the new connection answered 503 and closed at once. So a flood of
+  idle connections cannot lock clients out. The idle connections are kept in the order they became
+  idle (`GuardedHttpProtocol.idle`), which makes an eviction O(1).
 - **Bounded request heads**: a URL over 8 KiB gets 414, headers over 64 KiB (or 200 of them) 431.
 - Every answer made here is an OpenAI error body (as the app's are), and the warnings that a client can
-  cause (malformed HTTP, an upgrade request, the event loop's accept errors) are logged at most once per
-  `LOG_EVERY_S` each, with a count of the ones left out.
+  cause (malformed HTTP, an upgrade request, evictions and refusals at the cap, the event loop's accept
+  errors) are logged at most once per `LOG_EVERY_S` each, with a count of the ones left out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import os
 import resource
 import time
+from collections import OrderedDict
 from typing import Any
 
 import httptools
@@ -129,14 +136,14 @@ class _Refused(Exception):
 def protocol_class(limits: Any, max_connections: int) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (uvicorn.Config(http=...)) with the timeouts of `limits` (a
     ServerConfig: idle_timeout_s, header_timeout_s, body_timeout_s) and a cap of `max_connections`."""
-    return type(
-        "GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "max_connections": max_connections}
-    )
+    fields = {"limits": limits, "max_connections": max_connections, "idle": OrderedDict()}
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), fields)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     limits: Any  # set by protocol_class
     max_connections: int
+    idle: OrderedDict[GuardedHttpProtocol, None]  # the connections with no request in flight, oldest first
 
     _timer: asyncio.TimerHandle | None = None  # the idle, head or body timeout
     _stall: asyncio.TimerHandle | None = None  # the send timeout, while the client reads nothing
@@ -147,11 +154,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        if len(self.connections) > self.max_connections and not self._evict_idle():
             log_limited(
                 "connections",
                 logging.WARNING,
-                "%d open connections: refusing more",
+                "%d open connections, each with a request in flight: refusing more",
                 len(self.connections) - 1,
             )
             error = APIError(
@@ -163,8 +170,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._answer(503, error, "Service Unavailable")
             return
         self._arm(self.limits.idle_timeout_s, self._idle)
+        self.idle[self] = None
+
+    def _evict_idle(self) -> bool:
+        """Closes the connection idle the longest (if any) to make room for this one."""
+        if not self.idle:
+            return False
+        oldest, _ = self.idle.popitem(last=False)
+        oldest._disarm()
+        oldest.transport.close()
+        log_limited(
+            "evicted",
+            logging.WARNING,
+            "at the limit of %d open connections: closing the oldest idle one for each new one",
+            self.max_connections,
+        )
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.idle.pop(self, None)
         self._disarm()
         if self._stall is not None:
             self._stall.cancel()
@@ -273,7 +297,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusal = _Refused(status, error)
         raise self._refusal
 
-    def on_headers_complete(self) -> None:
+    def on_headers_complete(self) -> None:  # a request in flight: the connection is no longer idle
+        self.idle.pop(self, None)
         seconds = self.limits.body_timeout_s
         self._arm(seconds, lambda: self._too_slow("body", seconds))
         super().on_headers_complete()
@@ -290,6 +315,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm()
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:  # idle again, unless closing or a pipelined request began
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.cycle.response_complete:
+            self.idle[self] = None
 
     # -- uvicorn's answers, as OpenAI error bodies and rate-limited logs
 
