@@ -327,7 +327,8 @@ def test_a_stop_string_flood_is_refused_and_health_answers_throughout(server, us
             httpx.post(server.url + "/completions", json=flood, headers=AUTH, timeout=30), 400
         )
     assert error["param"] == "stop" and "max_stop_strings" in error["message"]
-    assert health.count > 5 and health.worst < 0.1, (health.count, health.worst)
+    # refused in about 0.1 s here; /health answered within 10-30 ms (0.5 s: a margin for a loaded machine)
+    assert health.count > 5 and health.worst < 0.5, (health.count, health.worst)
     # the most the limits allow works, and finds its stop string
     stops = [f"{i:02d}" + "z" * 254 for i in range(31)] + [usual[3:5]]
     r = httpx.post(server.url + "/completions", json={**NORMAL, "stop": stops}, headers=AUTH, timeout=30)
@@ -340,7 +341,7 @@ def test_a_token_id_prompt_longer_than_the_context_is_refused_before_its_ids_are
     with _Health(server) as health:
         error = _assert_error(_post(server, "/completions", body), 400)
     assert error["code"] == "context_length_exceeded" and "2000000 tokens" in error["message"]
-    assert health.worst < 1.0, health.worst  # json.loads of 2 million numbers: 0.2 s here
+    assert health.worst < 2.0, health.worst  # json.loads of 2 million numbers: 0.2 s here (margin: load)
     assert _normal(server) == usual
 
 
@@ -365,7 +366,8 @@ def test_a_chat_of_300k_messages_is_checked_without_stalling_the_others(server, 
     # as long as the large one took. On 2 cores: the large one alone 2.8 s, the normal one 0.23 s alone
     # and 1.0 to 1.3 s beside it (the engine shares the cores with the template's rendering); with
     # 100k messages (0.9 s) the two ended within 0.1 s of each other, either first.
-    assert normal_done < done[1] and health.worst < 1.5, (normal_done, done[1], health.worst)
+    # (/health: under the large one's 2.8 s alone, with room for a loaded machine)
+    assert normal_done < done[1] and health.worst < 2.5, (normal_done, done[1], health.worst)
 
 
 def _rss_kib(pid: int) -> int:
