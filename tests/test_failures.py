@@ -4,7 +4,6 @@ can no longer be scheduled are finished; interrupted calls and closed or dropped
 requests at once; several threads share one LLM; a shut-down LLM says so. After each: no request holds
 a page, every slot is free, and a normal request still gives the tokens it gives alone."""
 
-import os
 import signal
 import threading
 import time
@@ -272,7 +271,9 @@ def test_an_interrupted_generate_aborts_its_requests_between_steps(tiny_text_llm
     def step_with_ctrl_c():
         calls.append(1)
         if len(calls) == 4:
-            os.kill(os.getpid(), signal.SIGINT)
+            # to this (the main) thread, handled before raise_signal returns (os.kill(os.getpid()) is
+            # process-directed: POSIX lets any thread without it blocked take it, at its own pace)
+            signal.raise_signal(signal.SIGINT)
         updates = step()
         completed.append(1)
         return updates

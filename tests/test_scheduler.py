@@ -248,7 +248,7 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_step_records(tiny_llama, overlap):
+def test_step_records(tiny_llama, overlap, monkeypatch):
     """Each forward leaves a StepRecord (in the order the forwards ran, the last N kept): what ran, and
     its host times split into launch, wait for the tokens and processing; off by default."""
     engine = _engine(tiny_llama, page_size=4, max_running_req=4)
@@ -258,17 +258,19 @@ def test_step_records(tiny_llama, overlap):
     assert off.record_steps == 0 and not off.step_records
 
     sched = Scheduler(engine, max_prefill_tokens=8, overlap=overlap, record_steps=100)
-    # slow launches and slow token copies, to see each in its own field
-    forward_batch = engine.forward_batch
+    # slow launches (20 ms) and slow token copies (30 ms), to see each in its own field: on a clock that
+    # only they move, so each field is exactly its own wait however loaded the machine is
+    forward_batch, clock = engine.forward_batch, [0.0]
 
     class SlowCopy:
         def synchronize(self) -> None:
-            time.sleep(0.03)
+            clock[0] += 0.03
 
     def slow_forward(batch, args):
-        time.sleep(0.02)
+        clock[0] += 0.02
         return forward_batch(batch, args)._replace(copy_done_event=SlowCopy())
 
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     engine.forward_batch = slow_forward
     try:
         long = sched.add_request(list(range(3, 15)), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -276,6 +278,7 @@ def test_step_records(tiny_llama, overlap):
         _drain(sched)
     finally:
         del engine.forward_batch
+        monkeypatch.undo()
     assert len(long.output_ids) == 4 and len(short.output_ids) == 2
     records = list(sched.step_records)
     # 12 + 3 prompt tokens in chunks of 8: the long one's first chunk, then its rest with the short one
@@ -288,7 +291,7 @@ def test_step_records(tiny_llama, overlap):
     ]
     for r in records:
         assert isinstance(r, StepRecord) and r.mode == "eager" and r.device_ms is None  # CPU
-        assert r.launch_s >= 0.02 and r.wait_s >= 0.03 and 0 <= r.process_s < 0.03
+        assert (r.launch_s, r.wait_s, r.process_s) == (pytest.approx(0.02), pytest.approx(0.03), 0.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         records[0].phase = "decode"
     sched.record_steps = 2  # keeps the latest

@@ -15,13 +15,16 @@ import httpx2 as httpx
 import openai
 import pytest
 import transformers
-from test_server import Server
+from test_server import Server, _wait_for
 
 from minisgl.core import SamplingParams
 from minisgl.server.app import TRACE_STAGES, Choice, Job, trace_record
 from minisgl.server.worker import Outbox, ids_frame, unpack
 
 STAGES = [stage for _, stage in TRACE_STAGES]
+# how long a stopped front end waits for the scheduler to go idle; the CPU time "idle" allows a second
+STALL_LIMIT_S = 120.0
+IDLE_CPU_S = 0.05
 
 
 def test_trace_record_stages_add_up_to_the_request_time() -> None:
@@ -77,6 +80,35 @@ def _trace(path: Path, count: int, timeout: float = 30.0) -> list[dict]:
             return [json.loads(line) for line in lines]
         time.sleep(0.1)
     raise AssertionError(f"the trace has {len(lines)} lines, expected {count}")
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """The CPU time (user and system, seconds) the live processes `pids` have used (from /proc)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _idle(pids: list[int], window_s: float = 1.0, busy_s: float = IDLE_CPU_S):
+    """A condition for `_wait_for`: true once `pids` together used under `busy_s` of CPU time in a
+    `window_s` (an idle scheduler polls its inbox every 50 ms; a stepping one uses far more, even on a
+    loaded machine's shared cores)."""
+    since = [time.monotonic(), _cpu_s(pids)]
+
+    def idle() -> bool:
+        now = time.monotonic()
+        if now - since[0] < window_s:
+            return False
+        used = _cpu_s(pids) - since[1]
+        since[:] = now, since[1] + used
+        return used < busy_s
+
+    return idle
 
 
 @pytest.fixture(scope="module")
@@ -161,19 +193,23 @@ def test_a_stalled_front_end_does_not_stall_the_scheduler(traced) -> None:
         "temperature": 0,
         "ignore_eos": True,
     }
-    reference = httpx.post(server.url + "/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    reference = httpx.post(server.url + "/completions", json=body, timeout=STALL_LIMIT_S)
+    reference = reference.json()["choices"][0]["text"]
     texts, stalled_until = [], None
     with httpx.stream(
-        "POST", server.url + "/completions", json={**body, "stream": True}, timeout=60
+        "POST", server.url + "/completions", json={**body, "stream": True}, timeout=2 * STALL_LIMIT_S
     ) as response:
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             texts.append(json.loads(line[6:])["choices"][0]["text"])
-            if stalled_until is None:  # first chunk: stop the front end's process (its event loop) for 2 s
+            if stalled_until is None:
+                # first chunk: stop the front end's process (its event loop) until its children (the
+                # scheduler) have gone idle, however long a loaded machine makes the remaining steps. A
+                # scheduler that waited on the front end would go idle too, and finish only after.
                 os.kill(server.proc.pid, signal.SIGSTOP)
                 try:
-                    time.sleep(2.0)
+                    _wait_for(_idle(server.children()), STALL_LIMIT_S, "the scheduler to go idle")
                 finally:
                     stalled_until = time.time()
                     os.kill(server.proc.pid, signal.SIGCONT)
