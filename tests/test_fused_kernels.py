@@ -306,6 +306,29 @@ def test_ops_pick_kernels_by_row_count(monkeypatch, rows, gemv_rows):
     assert calls == (gemv_kernels if rows <= gemv_rows else ["add_rms_norm_rows", "silu_mul_rows"])
 
 
+def test_ops_send_several_rows_to_the_gemv_only_for_the_shapes_in_the_table(monkeypatch):
+    """`GEMV_ROWS_BY_SHAPE` raises the GEMV's row limit for its weight shapes only: 3 rows take the GEMV
+    for a (40, 96) weight listed at 4 rows, the row kernel + F.linear for a (96, 20) weight not listed."""
+    monkeypatch.setattr(L, "GEMV_ROWS_BY_SHAPE", {(40, 96): 4})
+    calls = []
+    for name in ("gemv", "silu_mul_gemv", "silu_mul_rows"):
+        fn = getattr(L, name)
+        monkeypatch.setattr(L, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    g = _gen(3)
+    x, w, w_down = (
+        torch.randn(3, 96, generator=g).to(DEVICE),
+        _weights(40, 96, torch.float32, g),
+        _weights(96, 20, torch.float32, g),
+    )
+    y = torch.ops.minisgl.linear(x, w, None)
+    y2 = torch.ops.minisgl.silu_mul_linear(y, w_down)
+    gate, up = y.chunk(2, dim=-1)
+    assert rel_err(y.cpu(), F.linear(x, w).cpu()) < TOL[torch.float32]
+    assert rel_err(y2.cpu(), F.linear(F.silu(gate) * up, w_down).cpu()) < TOL[torch.float32]
+    assert calls == ["gemv", "silu_mul_rows"]
+    assert L.gemv_rows(w) == 4 and L.gemv_rows(w_down) == L.LINEAR_GEMV_ROWS == 1
+
+
 # -- the whole model through the fused path -------------------------------------------------------------
 
 

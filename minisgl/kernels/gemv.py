@@ -5,10 +5,11 @@ shape read small matrices well below HBM bandwidth (see docs/performance.md, `py
 this kernel gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so
 every load is in flight at once) and reduces in float32.
 
-For M rows the grid holds M programs per block of output rows, adjacent in launch order (program i
-takes block i // M and row i % M), so the M programs that read one weight block run together and all
-but the first find it in L2: HBM reads the weights about once. The ops of `minisgl.kernels.linear`
-send the kernel `LINEAR_GEMV_ROWS` rows at most; the others go to cuBLAS.
+For M rows (up to 16) each program loads its block of weights once and multiplies it by every row
+(products M x BLOCK_N x BLOCK_K), so HBM reads the weights once whatever M; each row's result equals
+its one-row launch up to the order of float32 additions (bit for bit under Triton's interpreter). The
+ops of `minisgl.kernels.linear` send the kernel several rows only for the weight shapes where it beat
+the row kernels and cuBLAS (`GEMV_ROWS_BY_SHAPE`); the others go to cuBLAS.
 
 The same kernel has two prologues, so that a one-row decode step runs fewer kernels per layer:
 `add_rms_norm_gemv` (the residual add and RMSNorm before the QKV and gate/up projections) and
@@ -34,7 +35,7 @@ except ImportError:  # CPU-only installs: F.linear serves every shape
 
 # the widest row (K) the kernel takes; its sweep is unrolled, so this bounds the code size
 MAX_K = 16384
-# the most rows the kernel takes (the ops send it fewer: `minisgl.kernels.linear.LINEAR_GEMV_ROWS`)
+# the most rows the kernel takes (the ops send it fewer: `minisgl.kernels.linear.gemv_rows`)
 GEMV_MAX_ROWS = 16
 
 
@@ -73,6 +74,26 @@ PLAIN, ADD_RMS_NORM, SILU_MUL = 0, 1, 2
 if triton is not None:
 
     @triton.jit
+    def _prologue(
+        x_at, residual_at, residual_out_at, norm_ptr, cols, mask, col_mask, K, PROLOGUE, HAS_RESIDUAL, STORE
+    ):
+        """The rows of x at x_at (a [BLOCK_K] or [BLOCK_M, BLOCK_K] block of pointers) as the GEMV
+        multiplies them, in float32, and their squares for the norm (ADD_RMS_NORM; zeros otherwise)."""
+        if PROLOGUE == 2:  # SILU_MUL: a row is [gate | up], 2 K wide
+            gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_at + K, mask=mask, other=0.0).to(tl.float32)
+            x = gate * tl.sigmoid(gate) * up
+            return x, x * 0.0
+        x = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:  # ADD_RMS_NORM: the caller scales by rstd after the sweep
+            if HAS_RESIDUAL:  # the new residual: stored rounded, normalised in float32
+                x = x + tl.load(residual_at, mask=mask, other=0.0).to(tl.float32)
+            if STORE:  # one program writes the new residual stream
+                tl.store(residual_out_at, x.to(residual_out_at.dtype.element_ty), mask=mask)
+            return x * tl.load(norm_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), x * x
+        return x, x * 0.0
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr,
         residual_ptr,
@@ -89,23 +110,27 @@ if triton is not None:
         PROLOGUE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
-        pid = tl.program_id(0) // M  # the block of output rows
-        m = tl.program_id(0) % M  # the row of x: the M programs of a block are adjacent
-        x_ptr += m * x_stride
-        residual_ptr += m * K
-        residual_out_ptr += m * K
-        y_ptr += m * N
+        pid = tl.program_id(0)  # the block of output rows, for every row of x at once
         if USE_PDL:  # see minisgl.kernels.pdl: the next kernel may launch now
             tl.extra.cuda.gdc_launch_dependents()
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         row_start = rows.to(tl.int64) * K
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ms = tl.arange(0, BLOCK_M)  # the rows of x
+        m_mask = ms < M
+        # one row: products (BLOCK_N, BLOCK_K); several: (BLOCK_M, BLOCK_N, BLOCK_K), the weight block
+        # loaded once for all of them
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+            sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in tl.static_range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
@@ -115,29 +140,38 @@ if triton is not None:
                 other=0.0,
             )
             if USE_PDL:
-                if k0 == 0:  # the first block of weights is in flight: now wait for the input row
+                if k0 == 0:  # the first block of weights is in flight: now wait for the input rows
                     tl.extra.cuda.gdc_wait()
-            if PROLOGUE == 2:  # SILU_MUL: the row is [gate | up], 2 K wide
-                gate = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                up = tl.load(x_ptr + K + cols, mask=col_mask, other=0.0).to(tl.float32)
-                x = gate * tl.sigmoid(gate) * up
+            if BLOCK_M == 1:
+                x, sq = _prologue(
+                    x_ptr + cols, residual_ptr + cols, residual_out_ptr + cols, norm_ptr, cols, col_mask,
+                    col_mask, K, PROLOGUE, HAS_RESIDUAL, pid == 0,
+                )  # fmt: skip
+                acc += w.to(tl.float32) * x[None, :]
             else:
-                x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                if PROLOGUE == 1:  # ADD_RMS_NORM: scale by rstd after the sweep
-                    if HAS_RESIDUAL:  # the new residual: stored rounded, normalised in float32
-                        x = x + tl.load(residual_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    if pid == 0:  # one program per row writes the new residual stream
-                        h = x.to(residual_out_ptr.dtype.element_ty)
-                        tl.store(residual_out_ptr + cols, h, mask=col_mask)
-                    sum_sq += x * x
-                    x = x * tl.load(norm_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
-        if PROLOGUE == 1:
-            y = y * tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+                at = ms[:, None] * K + cols[None, :]
+                x, sq = _prologue(
+                    x_ptr + ms[:, None] * x_stride + cols[None, :], residual_ptr + at, residual_out_ptr + at,
+                    norm_ptr, cols[None, :], m_mask[:, None] & col_mask[None, :], col_mask[None, :], K,
+                    PROLOGUE, HAS_RESIDUAL, pid == 0,
+                )  # fmt: skip
+                acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            sum_sq += sq
+        if BLOCK_M == 1:
+            y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+            if PROLOGUE == 1:
+                y = y * tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        else:
+            y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+            if PROLOGUE == 1:
+                y = y * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+        if BLOCK_M == 1:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+        else:
+            out_mask = m_mask[:, None] & row_mask[None, :]
+            tl.store(y_ptr + ms[:, None] * N + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 def gemv_launch(
@@ -162,7 +196,7 @@ def gemv_launch(
     m = x.shape[0]
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"the GEMV kernel takes 1 to {GEMV_MAX_ROWS} rows, got {m}; use F.linear")
-    _gemv_kernel[(triton.cdiv(n, block_n) * m,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,
@@ -178,6 +212,7 @@ def gemv_launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=num_warps,
@@ -185,11 +220,17 @@ def gemv_launch(
     )
 
 
-def _launch(x, weight, bias, out, **prologue) -> None:
-    k = weight.shape[1]
+def _config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, warps) for m rows of x and an (n, k) weight. Several rows: four output rows
+    a program (the fastest at 2 to 8 rows on an H200 at Qwen3-0.6B's shapes and its LM head,
+    `python -m perf.gpu.gemv --rows 2 4 8 --sweep`)."""
     block_k = min(1024, triton.next_power_of_2(k))
-    pdl = pdl_enabled(x)
-    gemv_launch(x, weight, bias, out, _block_n(weight.shape[0]), block_k, 4, pdl=pdl, **prologue)
+    return (_block_n(n) if m == 1 else 4), block_k, 4
+
+
+def _launch(x, weight, bias, out, **prologue) -> None:
+    config = _config(x.shape[0], *weight.shape)
+    gemv_launch(x, weight, bias, out, *config, pdl=pdl_enabled(x), **prologue)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,9 +7,10 @@ Triton kernel for the add + RMSNorm (`add_rms_norm_rows`) or the SiLU-and-multip
 one needed a graph of its own: the forward compiled twice for decode and a third time for prefill.
 Made inside the ops, the choice leaves the traced graph the same for every row count, and the engine
 compiles the forward once (see `minisgl.engine.graph`). A CUDA graph captured at a batch size holds the
-kernels that size took. The GEMV kernel takes up to 16 rows (one program per row and weight block, those
-of a block adjacent so that the later rows should find it in L2), but the ops send it `LINEAR_GEMV_ROWS` rows at most: 1 until its time at 2 to 16 rows is
-measured against cuBLAS (`python -m perf.gpu.gemv --rows 2 4 8 16`).
+kernels that size took. The GEMV kernel takes up to 16 rows (each weight block loaded once for all
+of them), and the ops send it more than one row where it measured faster than the row kernel + cuBLAS:
+`GEMV_ROWS_BY_SHAPE` (`python -m perf.gpu.gemv --rows 2 4 8 --sweep`; docs/performance.md), one row for
+every other shape (`LINEAR_GEMV_ROWS`).
 
     torch.ops.minisgl.linear(x, weight, bias)                           -> y
     torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps) -> (y, new residual)
@@ -33,8 +34,19 @@ import torch.nn.functional as F
 
 from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
 
-# the most rows the ops run on the GEMV kernel (at most `minisgl.kernels.gemv.GEMV_MAX_ROWS`)
+# the most rows the ops run on the GEMV kernel for a weight of shape (N, K) (at most
+# `minisgl.kernels.gemv.GEMV_MAX_ROWS`): where it beat add_rms_norm_rows / silu_mul_rows + cuBLAS on an
+# H200 at Qwen3-0.6B's projections (QKV to 2 rows: 6.2 vs 6.9 us; O to 4: 4.0-4.7 vs 8.4-13.1; down to 4:
+# 5.7-7.5 vs 8.8-9.0; gate/up and the LM head lost at 2 rows already)
+GEMV_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {(4096, 1024): 2, (1024, 2048): 4, (1024, 3072): 4}
+# every other shape
 LINEAR_GEMV_ROWS = 1
+
+
+def gemv_rows(weight: torch.Tensor) -> int:
+    """The most rows of x the ops multiply by `weight` on the GEMV kernel."""
+    return GEMV_ROWS_BY_SHAPE.get((weight.shape[0], weight.shape[1]), LINEAR_GEMV_ROWS)
+
 
 try:
     import triton
@@ -136,7 +148,7 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("minisgl::linear", mutates_args=())
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (T, K) @ weight (N, K)^T (+ bias) -> (T, N): the GEMV kernel for one row, cuBLAS for more."""
-    if 1 <= x.shape[0] <= LINEAR_GEMV_ROWS:
+    if 1 <= x.shape[0] <= gemv_rows(weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -157,7 +169,7 @@ def norm_linear_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of h = x + residual (x when residual is None), then the projection: (y (T, N), h (T, K)).
     One row: one kernel (`add_rms_norm_gemv`); more: `add_rms_norm_rows`, then cuBLAS."""
-    if 1 <= x.shape[0] <= LINEAR_GEMV_ROWS:
+    if 1 <= x.shape[0] <= gemv_rows(weight):
         return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
     normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
     return F.linear(normed, weight, bias), h
@@ -172,7 +184,7 @@ def _(x, residual, norm_weight, weight, bias, eps):
 def silu_mul_linear_op(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up (T, 2 K) = [gate | up], then the projection: (T, N). One row: one
     kernel (`silu_mul_gemv`); more: `silu_mul_rows`, then cuBLAS."""
-    if 1 <= gate_up.shape[0] <= LINEAR_GEMV_ROWS:
+    if 1 <= gate_up.shape[0] <= gemv_rows(weight):
         return silu_mul_gemv(gate_up, weight)
     return F.linear(silu_mul_rows(gate_up), weight)
 

@@ -7,9 +7,10 @@ Each figure is device time per call, measured inside a CUDA graph of 28 calls on
 copies (as in a decode step: the weights come from HBM, not from L2). `--sweep` also times every kernel
 configuration (rows per program, K block, warps) per shape. The last table: the 112 layer GEMMs and
 the LM head of one decode step, chained as in the model. `--rows`: instead, each projection at each
-row count as the ops of `minisgl.kernels.linear` run it past `LINEAR_GEMV_ROWS` (the row kernel for
+row count as the ops of `minisgl.kernels.linear` run it past the GEMV's row limit (the row kernel for
 the add + RMSNorm before QKV and gate/up or the SiLU-and-multiply before down, then cuBLAS) against the
-GEMV kernel with the prologue fused, and the LM head (plain). A plain script, not a test.
+GEMV kernel with the prologue fused, and the LM head (plain); with `--sweep`, the kernel's fastest
+configurations at each row count. Its wins set `GEMV_ROWS_BY_SHAPE`. A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.rows:
-        rows_table(args.rows)
+        rows_table(args.rows, sweep=args.sweep)
         return
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -166,7 +167,7 @@ PROLOGUES = {
 
 
 def _row_ops(prologue: int, x, residual, norm_w):
-    """(the ops' path past LINEAR_GEMV_ROWS: the row kernel, then cuBLAS; the fused GEMV), each w -> y."""
+    """(the ops' path past the GEMV's row limit: the row kernel, then cuBLAS; the fused GEMV), each w -> y."""
     if prologue == G.ADD_RMS_NORM:
         return (
             lambda w: F.linear(L.add_rms_norm_rows(x, residual, norm_w, 1e-6)[0], w),
@@ -177,9 +178,10 @@ def _row_ops(prologue: int, x, residual, norm_w):
     return lambda w: F.linear(x, w), lambda w: G.gemv(x, w)
 
 
-def rows_table(row_counts: list[int]) -> None:
+def rows_table(row_counts: list[int], sweep: bool = False) -> None:
     """Per projection and row count: the row kernel + cuBLAS against the fused GEMV kernel (time per call
-    over 28 weight copies, one for the LM head; rel diff between their outputs)."""
+    over 28 weight copies, one for the LM head; rel diff between their outputs). `sweep`: also the
+    kernel's fastest configurations (block_n, block_k, warps) at each row count."""
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     print(f"{'shape':>8} {'rows':>4} {'cuBLAS us':>10} {'GEMV us':>8} {'ratio':>6} {'rel diff':>9}")
@@ -202,6 +204,31 @@ def rows_table(row_counts: list[int]) -> None:
                 f"{name:>8} {m:>4} {t_ref:>10.2f} {t_gemv:>8.2f} {t_gemv / t_ref:>6.2f} {diff:>9.1e}",
                 flush=True,
             )
+            if sweep:
+                print(f"{'':>8} best: {_sweep_rows(prologue, x, residual, norm_w, ws)}", flush=True)
+
+
+def _sweep_rows(prologue: int, x, residual, norm_w, ws) -> str:
+    """The kernel's six fastest configurations (us per call (block_n, block_k, warps)) on rows x."""
+    n, k = ws[0].shape
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    args = {}
+    if prologue == G.ADD_RMS_NORM:
+        residual_out = torch.empty(x.shape[0], k, dtype=x.dtype, device=x.device)
+        args = dict(residual=residual, norm_weight=norm_w, residual_out=residual_out, eps=1e-6)
+    results = []
+    for bn, bk, nw in itertools.product((1, 2, 4), (128, 256, 512, 1024), (4, 8)):
+        if bk > triton_next_pow2(k):
+            continue
+        launch = lambda w, cfg=(bn, bk, nw): G.gemv_launch(x, w, None, out, *cfg, prologue=prologue, **args)  # noqa: E731
+        try:
+            t = graph_us(lambda launch=launch: [launch(w) for w in ws], reps=10)
+        except Exception as e:  # a configuration Triton rejects (too many registers, say)
+            results.append((float("inf"), f"{bn},{bk},{nw} {type(e).__name__}"))
+            continue
+        results.append((t / len(ws), f"{bn},{bk},{nw}"))
+    results.sort()
+    return ", ".join(f"{t:.2f} ({cfg})" for t, cfg in results[:6])
 
 
 def triton_next_pow2(k: int) -> int:

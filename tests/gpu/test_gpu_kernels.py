@@ -50,8 +50,11 @@ def test_gemv_matches_float32_reference(n, k, bias, dtype, rows):
     assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), err
     cublas = F.linear(x, w, b).float()
     assert ((cublas - ref).norm() / ref.norm()).item() < (4e-3 if dtype == torch.bfloat16 else 1e-3)
-    if rows > 1:  # each row's program computes what the one-row launch does
-        assert torch.equal(out[1:2], G.gemv(x[1:2], w, b))
+    if rows > 1:  # a row among several: its one-row launch's result, up to the order of additions
+        alone = G.gemv(x[1:2], w, b).float()
+        assert ((out[1:2].float() - alone).norm() / alone.norm()).item() < (
+            4e-3 if dtype == torch.bfloat16 else 1e-3
+        )
 
 
 @gpu
