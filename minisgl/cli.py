@@ -282,7 +282,7 @@ def bench(workload, temperature, seed, as_json, single_request, passes, keep_cac
     import dataclasses
     import time
 
-    from minisgl.bench import default_shape, dumps, format_report, run_bench
+    from minisgl.bench.offline import default_shape, dumps, format_report, run_bench
 
     given = {name: kwargs.pop(name) for _, name, _ in _SHAPE_OPTIONS}
     given = {name: value for name, value in given.items() if value is not None}
@@ -466,7 +466,7 @@ def bench_serving_command(
 ) -> None:
     """Benchmark a running OpenAI-compatible server (`minisgl-run serve`): the offline `bench` workload
     sent as streamed /v1/completions (or chat) requests; reports throughput, TTFT, ITL, TPOT and E2E."""
-    from minisgl.server.bench_serving import bench_serving, dumps, format_report, with_texts, workload
+    from minisgl.bench.serving import bench_serving, dumps, format_report, with_texts, workload
 
     if (endpoint == "chat" or prompt_format == "text") and tokenizer is None:
         what = "--endpoint chat" if endpoint == "chat" else "--prompt-format text"

@@ -12,7 +12,7 @@ fields, an unknown model, a context overflow and a body over the server's limit 
 4xx). The first pass goes through the table once in order (every row runs; caches warm), then rows are
 drawn by weight from `random.Random(seed)`, each request's fields from its own seeded generator. At
 most 16 requests are in flight (`--concurrency`, 16 at most), so a 503 for a valid request is a
-failure. Requests go through `minisgl.server.bench_client` (its raw HTTP/1.1 protocol, one connection
+failure. Requests go through `minisgl.bench.client` (its raw HTTP/1.1 protocol, one connection
 per request).
 
 Sampled every `--sample-every` seconds: RSS (`/proc/PID/status` VmRSS) and open descriptors
@@ -65,8 +65,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from minisgl.server.bench_client import RequestResult, Server, _JSONResponse, _Measured, run_loop
-from minisgl.server.bench_serving import first_model, percentile
+from minisgl.bench.client import RequestResult, Server, _JSONResponse, _Measured, run_loop
+from minisgl.bench.serving import first_model, percentile
 
 MAX_IN_FLIGHT = 16
 RSS_GROWTH = 0.05  # the RSS check's bound: +5% over the baseline
@@ -488,7 +488,7 @@ MIX: list[Row] = [
 ]
 
 
-# -- the client (minisgl.server.bench_client's protocol)
+# -- the client (minisgl.bench.client's protocol)
 
 
 class _Exchange(_Measured):

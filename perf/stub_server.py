@@ -473,7 +473,7 @@ def measure_client(
     `step_interval` seconds, like an engine's decode steps) instead of streaming as fast as it can.
     Returns the client's report plus `tokens_per_chunk` and
     `stub_processes`; `output_throughput` is the tokens per second the client counted."""
-    from minisgl.server.bench_serving import bench_serving, workload
+    from minisgl.bench.serving import bench_serving, workload
 
     requests = workload(num_prompts, 16, 16, output_len, output_len)
     stub = StubProcess(

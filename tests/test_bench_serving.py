@@ -28,11 +28,9 @@ from click.testing import CliRunner
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from minisgl.bench import WorkloadShape, make_workload
-from minisgl.cli import main
-from minisgl.server import protocol
-from minisgl.server.bench_client import _Measured
-from minisgl.server.bench_serving import (
+from minisgl.bench.client import _Measured
+from minisgl.bench.offline import WorkloadShape, make_workload
+from minisgl.bench.serving import (
     RequestInput,
     RequestResult,
     arrival_offsets,
@@ -46,6 +44,9 @@ from minisgl.server.bench_serving import (
     with_texts,
     workload,
 )
+from minisgl.cli import main
+from minisgl.server import protocol, responses
+from minisgl.server.errors import APIError, error_body
 
 MODEL = "stub-model"
 TOKEN_DELAY = 0.002  # seconds per token
@@ -81,7 +82,7 @@ def _app(stub: Stub) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return protocol.model_list(MODEL)
+        return responses.model_list(MODEL)
 
     async def generate(request: Request, chat: bool) -> Any:
         body = await request.json()
@@ -92,8 +93,8 @@ def _app(stub: Stub) -> FastAPI:
         n, choices = body["max_tokens"], body.get("n", 1)
         first = prompt[0] if isinstance(prompt, list) else None
         if first in stub.fail_http:
-            error = protocol.APIError("stub failure", status=500, type="server_error")
-            return JSONResponse(protocol.error_body(error), status_code=500)
+            error = APIError("stub failure", status=500, type="server_error")
+            return JSONResponse(error_body(error), status_code=500)
         kind = "chat" if chat else "completion"
         if not body.get("stream") and not stub.mini_sglang:
             ids = [j % 97 for j in range(n)]
@@ -119,12 +120,12 @@ def _app(stub: Stub) -> FastAPI:
                 return f"data: {json.dumps(obj)}\n\n"
             if chat:
                 text = " x" * len(ids) if ids else None
-                obj = protocol.chat_chunk(
+                obj = responses.chat_chunk(
                     "cmpl-1", MODEL, i, content=text, finish_reason=finish, token_ids=ids
                 )
             else:
-                obj = protocol.completion_chunk("cmpl-1", MODEL, i, "", finish_reason=finish, token_ids=ids)
-            return protocol.sse(obj)
+                obj = responses.completion_chunk("cmpl-1", MODEL, i, "", finish_reason=finish, token_ids=ids)
+            return responses.sse(obj)
 
         async def events() -> Iterator[str]:
             stub.in_flight += 1
@@ -133,8 +134,8 @@ def _app(stub: Stub) -> FastAPI:
                 sent = 0
                 if chat and not stub.mini_sglang:
                     for i in range(choices):
-                        yield protocol.sse(
-                            protocol.chat_chunk("cmpl-1", MODEL, i, role="assistant", content="")
+                        yield responses.sse(
+                            responses.chat_chunk("cmpl-1", MODEL, i, role="assistant", content="")
                         )
                 while sent < n or stub.hang:
                     k = min(stub.tokens_per_chunk, n - sent) if not stub.hang else 1
@@ -145,17 +146,19 @@ def _app(stub: Stub) -> FastAPI:
                     sent += k
                     stub.tokens_sent += k * choices
                     if first in stub.fail_stream:
-                        error = protocol.APIError("stub broke", status=500, type="server_error")
-                        yield protocol.sse(protocol.error_body(error))
-                        yield protocol.SSE_DONE
+                        error = APIError("stub broke", status=500, type="server_error")
+                        yield responses.sse(error_body(error))
+                        yield responses.SSE_DONE
                         return
                 for i in range(choices):
                     yield chunk(i, None, finish="length")
                 usage = stub.with_usage and not stub.mini_sglang
                 if usage and (body.get("stream_options") or {}).get("include_usage"):
                     p_tokens = usage_prompt_tokens(prompt)
-                    yield protocol.sse(protocol.usage_chunk(kind, "cmpl-1", MODEL, p_tokens, sent * choices))
-                yield protocol.SSE_DONE
+                    yield responses.sse(
+                        responses.usage_chunk(kind, "cmpl-1", MODEL, p_tokens, sent * choices)
+                    )
+                yield responses.SSE_DONE
             finally:
                 stub.in_flight -= 1
 

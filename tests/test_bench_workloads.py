@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 import minisgl.llm
-from minisgl.bench import WORKLOADS, drive_conversations, format_report, step_bound
+from minisgl.bench.offline import WORKLOADS, drive_conversations, format_report, step_bound
 from minisgl.bench.workloads import (
     MULTI_TURN_CPU_SHAPE,
     SHARED_PREFIX_CPU_SHAPE,

@@ -21,7 +21,7 @@ import yaml
 from click.testing import CliRunner
 
 import minisgl.llm
-from minisgl.bench import WorkloadShape, make_workload
+from minisgl.bench.offline import WorkloadShape, make_workload
 from minisgl.cli import STDIN_PROMPT_NOTE, main
 from minisgl.core import SamplingParams
 from minisgl.settings import NON_SETTING_ENV_VARS, EngineSettings

@@ -3,8 +3,8 @@
 Bottom to top (a module may import from its own layer and the layers below it, never from above):
 
     entry        cli, __main__ (`python -m minisgl`), bench.__main__ (`python -m minisgl.bench`)
-    server       server (the HTTP server: OpenAI protocol, SGLang native API, scheduler processes, replicas)
-    bench        bench (the offline benchmark library)
+    server       server (the HTTP server: OpenAI and SGLang APIs, guards, scheduler processes, replicas)
+    bench        bench (the benchmarks: offline on an LLM in this process; serving, a client of a server)
     llm          llm (the LLM front end: tokenizer, scheduler, TP ranks)
     launch       launch (tensor-parallel ranks as processes; later the server's processes)
     settings     settings (YAML, MINISGL_*, --key and LLM(key=...) -> the engine's config)

@@ -14,7 +14,7 @@ import pytest
 import transformers
 
 from minisgl.core import TokenLogprob, TokenLogprobs
-from minisgl.server import protocol
+from minisgl.server import responses
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.worker import LogprobFrames, read_logprobs
 
@@ -168,22 +168,22 @@ def test_numbers_are_written_as_json_dumps_writes_them(texts) -> None:
 def test_raw_json_goes_in_as_it_is_and_chunks_carry_logprobs(texts) -> None:
     ids = texts.tokenizer(TEXT)["input_ids"]
     entries = _entries(ids, 5)
-    raw = protocol.RawJSON(chat_logprobs(texts, entries, 0, 4))
+    raw = responses.RawJSON(chat_logprobs(texts, entries, 0, 4))
     payload = {"a": [raw, "x\x00raw-y"], "b": raw, "c": None}
     want = {"a": [json.loads(raw.text), "x\x00raw-y"], "b": json.loads(raw.text), "c": None}
-    assert protocol.to_json(payload) == json.dumps(want, ensure_ascii=False, separators=(",", ":"))
+    assert responses.to_json(payload) == json.dumps(want, ensure_ascii=False, separators=(",", ":"))
     with pytest.raises(TypeError):
-        protocol.to_json({"a": object()})
+        responses.to_json({"a": object()})
     for kind, with_ids in (("completion", False), ("chat", True)):
-        fmt = protocol.ChunkFormat(kind, "cmpl-1", "m", 1, with_ids, 1700000000, with_logprobs=True)
+        fmt = responses.ChunkFormat(kind, "cmpl-1", "m", 1, with_ids, 1700000000, with_logprobs=True)
         ids_or_none = [5, 6] if with_ids else None
         if kind == "chat":
-            chunk = protocol.chat_chunk(
+            chunk = responses.chat_chunk(
                 "cmpl-1", "m", 1, content="é\n", token_ids=ids_or_none, created=1700000000, logprobs=raw
             )
         else:
-            chunk = protocol.completion_chunk(
+            chunk = responses.completion_chunk(
                 "cmpl-1", "m", 1, "é\n", token_ids=ids_or_none, created=1700000000, logprobs=raw
             )
-        assert fmt.event("é\n", [5, 6], raw) == protocol.sse(chunk)
-        assert json.loads(protocol.sse(chunk)[6:])["choices"][0]["logprobs"] == json.loads(raw.text)
+        assert fmt.event("é\n", [5, 6], raw) == responses.sse(chunk)
+        assert json.loads(responses.sse(chunk)[6:])["choices"][0]["logprobs"] == json.loads(raw.text)

@@ -18,7 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.core import SamplingParams
 from minisgl.server import native, replicas
-from minisgl.server.protocol import APIError, parse_chat_request, parse_completion_request, sampling_params
+from minisgl.server.errors import APIError
+from minisgl.server.protocol import parse_chat_request, parse_completion_request
+from minisgl.server.sampling import sampling_params
 from minisgl.settings import EngineSettings
 
 MODEL = "tiny-model"

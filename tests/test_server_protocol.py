@@ -17,31 +17,31 @@ from openai.types import Completion, CompletionChoice, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from minisgl.core import INT64_MAX, SamplingParams
+from minisgl.server.errors import APIError, error_body, invalid_request
+from minisgl.server.guards import load_json
 from minisgl.server.protocol import (
     MAX_N,
-    SSE_DONE,
-    APIError,
     ChatCompletionRequest,
-    ChunkFormat,
     CompletionRequest,
+    check_model,
+    parse_chat_request,
+    parse_completion_request,
+)
+from minisgl.server.responses import (
+    SSE_DONE,
+    ChunkFormat,
     chat_chunk,
     chat_response,
-    check_model,
     completion_chunk,
     completion_response,
-    error_body,
-    invalid_request,
-    load_json,
     model_card,
     model_list,
     new_request_id,
     openai_finish_reason,
-    parse_chat_request,
-    parse_completion_request,
-    sampling_params,
     sse,
     usage_chunk,
 )
+from minisgl.server.sampling import sampling_params
 
 MODEL = "tiny-model"
 CONTEXT = 64
@@ -122,7 +122,7 @@ def test_load_json_refuses_invalid_json_and_non_objects():
 
 
 def test_load_json_bounds_depth_and_refuses_lone_surrogates():
-    from minisgl.server.protocol import MAX_DEPTH
+    from minisgl.server.guards import MAX_DEPTH
 
     nested = lambda n: b'{"x":' + b"[" * (n - 1) + b"]" * (n - 1) + b"}"  # noqa: E731
     assert load_json(nested(MAX_DEPTH))  # the deepest allowed

@@ -18,7 +18,7 @@ import transformers
 from test_server import Server, _wait_for
 
 from minisgl.core import SamplingParams
-from minisgl.server.app import TRACE_STAGES, Choice, Job, trace_record
+from minisgl.server.jobs import TRACE_STAGES, Choice, Job, trace_record
 from minisgl.server.worker import Outbox, ids_frame, unpack
 
 STAGES = [stage for _, stage in TRACE_STAGES]

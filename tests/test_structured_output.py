@@ -431,7 +431,8 @@ def test_the_token_mask_allows_only_the_grammars_tokens(llm32) -> None:
 
 
 def test_request_fields_map_onto_sampling_params() -> None:
-    from minisgl.server.protocol import parse_chat_request, parse_completion_request, sampling_params
+    from minisgl.server.protocol import parse_chat_request, parse_completion_request
+    from minisgl.server.sampling import sampling_params
 
     def params(**fields) -> SamplingParams:
         chat = parse_chat_request(

@@ -1,7 +1,8 @@
 """`python -m minisgl.bench ...`: the same as `python -m minisgl bench ...` (`minisgl-run bench`).
 
-An entry point at the top of the import layers: it imports the command line, which imports the
-benchmark library (`minisgl.bench`), so the library never imports the command line.
+An entry point at the top of the import layers, beside the command line (tests/test_layers.py puts it
+in the entry layer): it imports the command line, which imports the offline benchmark
+(`minisgl.bench.offline`); nothing in `minisgl.bench` imports this file or the command line.
 """
 
 import sys

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP server of `minisgl-run serve` (in progress).
-
-`minisgl.server.protocol` holds its protocol layer: request bodies -> `SamplingParams`, engine results
--> OpenAI-shaped responses, streamed chunks and errors, as pure functions with no server or engine.
+"""The HTTP server of `minisgl-run serve`: the OpenAI API (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`) and SGLang's native one (`/generate` and what its router reads), in a front-end process
+in front of scheduler processes (one, or `--dp N` replicas). `minisgl.server.app` assembles it and its
+docstring lists the modules by what they own; docs/server.md describes the server. Only what serves
+lives here: the serving benchmark, a client, is `minisgl.bench.serving`.
 """

@@ -34,7 +34,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from minisgl.server.protocol import APIError, error_body, short
+from minisgl.server.errors import APIError, error_body, short
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 bytes, top_logprobs). The numbers are the engine's (`minisgl.core.TokenLogprobs`: the model's own
 distribution, before logit_bias, penalties and temperature).
 
-The objects are written straight to JSON text (`protocol.RawJSON`), as ``json.dumps`` would write them:
+The objects are written straight to JSON text (`responses.RawJSON`), as ``json.dumps`` would write them:
 each token's JSON pieces are made once (`TokenTexts.pieces`) and the numbers of a whole run of entries
 are written by one ``json.dumps``, so a response is joined from strings, not built from dicts."""
 
@@ -89,7 +89,7 @@ class TokenTexts:
 
 
 def _dumps(value: object) -> str:
-    """`value` as the responses write JSON (`protocol.to_json`)."""
+    """`value` as the responses write JSON (`responses.to_json`)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 

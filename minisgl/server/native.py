@@ -1,6 +1,8 @@
 """SGLang's native API on a minisgl server: `POST /generate` and the endpoints SGLang's router
-(`sglang-router`, docs/scale-out.md) asks its workers for. Pure functions, like `protocol`: bodies in,
-checked requests and SGLang-shaped JSON out; the server (`app.py`) runs them.
+(`sglang-router`, docs/scale-out.md) asks its workers for (`/server_info`, `/model_info`, `/get_load`).
+The parsing and the answers are pure functions, like `protocol`'s: bodies in, checked requests and
+SGLang-shaped JSON out. `add_routes` puts them on the server's app; `/generate` goes through the steps
+every generation route shares (`minisgl.server.generation`).
 
 `POST /generate` takes `text` (one string) or `input_ids` (one list of token ids), `sampling_params`
 and `stream`. The sampling parameters become a `/v1/completions` request checked by `protocol`
@@ -23,15 +25,24 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from minisgl.core import SamplingParams
-from minisgl.server import protocol
-from minisgl.server.protocol import APIError
+from minisgl.server import protocol, responses
+from minisgl.server.errors import APIError, error_body, invalid_request, short
+from minisgl.server.generation import admit_job, prepare_request, release_job, tokenize_prompt, wait_all
+from minisgl.server.guards import error_response, why_unavailable
+from minisgl.server.jobs import Job
+from minisgl.server.sampling import sampling_params
+from minisgl.server.state import ServerState
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for max_new_tokens
 
@@ -147,13 +158,14 @@ class GenerateRequest:
             raise self.renamed(e) from None
 
     def sampling_params(self, prompt_len: int, max_context: int) -> list[SamplingParams]:
-        """One SamplingParams (`protocol.sampling_params`), with SGLang's default max_new_tokens."""
+        """One SamplingParams (`minisgl.server.sampling.sampling_params`), with SGLang's default
+        max_new_tokens."""
         request = self.request
         if self.default_max:
             room = max_context - prompt_len
             request = request.model_copy(update={"max_tokens": max(1, min(DEFAULT_MAX_NEW_TOKENS, room))})
         try:
-            return protocol.sampling_params(request, prompt_len, max_context)
+            return sampling_params(request, prompt_len, max_context)
         except APIError as e:
             raise self.renamed(e) from None
 
@@ -188,7 +200,7 @@ def _json_schema_format(schema: Any) -> dict[str, Any]:
         ) from None
     if not isinstance(parsed, dict):
         raise APIError(
-            f"sampling_params.json_schema must be a JSON schema object as a string, got {protocol.short(schema)}",
+            f"sampling_params.json_schema must be a JSON schema object as a string, got {short(schema)}",
             param="sampling_params.json_schema",
         )
     return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": parsed}}
@@ -205,9 +217,7 @@ def parse_generate(body: Any, served_model: str, limits: protocol.Limits | None 
     sampling = body.get("sampling_params")
     sampling = {} if sampling is None else sampling
     if not isinstance(sampling, dict):
-        raise APIError(
-            f"sampling_params must be an object, got {protocol.short(sampling)}", param="sampling_params"
-        )
+        raise APIError(f"sampling_params must be an object, got {short(sampling)}", param="sampling_params")
     _check_fields(sampling, {*_SAMPLING, "json_schema"}, _SAMPLING_DEFAULTS, "sampling_params.")
     if type(sampling.get("max_new_tokens")) is int and sampling["max_new_tokens"] == 0:
         raise APIError(
@@ -216,7 +226,7 @@ def parse_generate(body: Any, served_model: str, limits: protocol.Limits | None 
         )
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
-        raise APIError(f"rid must be a string, got {protocol.short(rid)}", param="rid")
+        raise APIError(f"rid must be a string, got {short(rid)}", param="rid")
     model = body.get("model")
     completion = {
         "model": served_model if model is None else model,
@@ -244,11 +254,11 @@ def parse_generate(body: Any, served_model: str, limits: protocol.Limits | None 
 
 def finish_reason(choice: Any) -> dict[str, Any] | None:
     """SGLang's finish_reason of a choice (the server's `Choice`): null while it runs; "error" and
-    "abort" raise the APIError that replaces the answer (`protocol.openai_finish_reason`)."""
+    "abort" raise the APIError that replaces the answer (`responses.openai_finish_reason`)."""
     reason = choice.finish_reason
     if reason is None:
         return None
-    protocol.openai_finish_reason(reason, choice.error)
+    responses.openai_finish_reason(reason, choice.error)
     if reason == "length":
         return {"type": "length", "length": len(choice.token_ids)}
     if choice.hidden_last:  # EOS or a stop token
@@ -295,7 +305,7 @@ async def stream_events(
             await job.wake.wait()
             job.wake.clear()
             if choice.finish_reason == "rejected":
-                raise protocol.invalid_request(ValueError(choice.error))
+                raise invalid_request(ValueError(choice.error))
             before = choice.emitted_ids
             delta, _ = choice.take()
             text += delta
@@ -303,13 +313,13 @@ async def stream_events(
                 answer = generate_response(
                     request, choice, text, choice.token_ids[: choice.emitted_ids], prompt_tokens, elapsed()
                 )
-                yield protocol.sse(answer).encode()
+                yield responses.sse(answer).encode()
                 written()
             if choice.finished:
                 break
-        yield protocol.SSE_DONE.encode()
+        yield responses.SSE_DONE.encode()
     except APIError as e:
-        yield (protocol.sse(protocol.error_body(e)) + protocol.SSE_DONE).encode()
+        yield (responses.sse(error_body(e)) + responses.SSE_DONE).encode()
     finally:
         release()
 
@@ -355,3 +365,78 @@ def model_info(model_path: str, has_tokenizer: bool) -> dict[str, Any]:
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures"),
     }
+
+
+# ------------------------------------------------------------------------------------------- the routes
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's routes on `app`: `POST /generate` and what its router reads."""
+
+    @app.post("/generate")
+    async def generate_route(request: Request) -> Response:
+        return await _generate(state, request)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info_route() -> Response:
+        return _answer(
+            state,
+            lambda info: server_info(
+                info["model_path"],
+                state.served_model,
+                state.tp_size,
+                state.dp_size,
+                info["max_running_req"],
+                info["max_context"],
+            ),
+        )
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info_route() -> Response:
+        return _answer(state, lambda info: model_info(info["model_path"], state.encoder is not None))
+
+    @app.get("/get_load")
+    async def get_load_route() -> Response:
+        return _answer(state, lambda info: state.client.loads())
+
+
+async def _generate(state: ServerState, request: Request) -> Response:
+    """`POST /generate`: one choice, answered whole or streamed as the text and token ids so far."""
+    job = Job(time.perf_counter())
+    prepared = await prepare_request(
+        state,
+        request,
+        parse_generate,
+        lambda req: req.checked(tokenize_prompt(state, req.request, "completion")),
+        lambda req, prompt_len, max_context: req.sampling_params(prompt_len, max_context),
+    )
+    if isinstance(prepared, Response):
+        return prepared
+    req, prompt_ids, params = prepared
+    admit_job(state, job, params, prompt_ids)
+    elapsed = lambda: time.perf_counter() - job.received  # noqa: E731
+    release = lambda: release_job(state, job, req.rid, len(prompt_ids))  # noqa: E731
+    if req.stream:
+        written = lambda: state.delivery.observe(job.written(time.perf_counter()))  # noqa: E731
+        return StreamingResponse(
+            stream_events(req, job, len(prompt_ids), elapsed, written, release),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        await wait_all(job)
+        [choice] = job.choices
+        answer = generate_response(req, choice, choice.text, choice.token_ids, len(prompt_ids), elapsed())
+        return JSONResponse(answer)
+    except APIError as e:
+        return error_response(e)
+    finally:
+        release()
+
+
+def _answer(state: ServerState, make: Any) -> Response:
+    """`make(the scheduler's facts)` as JSON once the server serves; else the 503 that says why."""
+    unavailable = why_unavailable(state)
+    return error_response(unavailable) if unavailable is not None else JSONResponse(make(state.client.info))

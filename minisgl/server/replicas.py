@@ -1,9 +1,9 @@
 """The engine processes behind the front end and their supervision: data-parallel replicas
 (`minisgl-run serve --dp N`, N scheduler processes behind one front end) and, with N = 1, the one
-engine of a plain server (unless `engine_restart` is off, when `app.SchedulerClient` stands alone and
+engine of a plain server (unless `engine_restart` is off, when a `SchedulerClient` stands alone and
 the server exits when it dies).
 
-Each replica is a scheduler process of its own (`app.SchedulerClient`), with its own engine (or its
+Each replica is a scheduler process of its own (`scheduler_client.SchedulerClient`), with its own engine (or its
 own tensor-parallel group of `tp_size` ranks, meeting at its own rendezvous), prefix cache and KV
 pages; on CUDA replica i sees the GPUs i*tp_size .. (i+1)*tp_size-1 of the front end's
 (`CUDA_VISIBLE_DEVICES`), on the CPU each gets its share of the cores. `Replicas` stands where one

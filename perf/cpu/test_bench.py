@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from minisgl.bench import CPU_SHAPE, make_workload, run_bench
+from minisgl.bench.offline import CPU_SHAPE, make_workload, run_bench
 from minisgl.llm import LLM
 from minisgl.models import default_model_path
 

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _fake_client_class() -> type:
-    from minisgl.server.app import SchedulerClient
+    from minisgl.server.scheduler_client import SchedulerClient
 
     class FakeSchedulerClient(SchedulerClient):
         """Takes `add` and `abort` messages and makes steps in this event loop, one token per request."""
@@ -90,11 +90,12 @@ def _serve(port: int, model_path: str | None) -> None:
     import uvicorn
 
     from minisgl.server import app as server_app
+    from minisgl.server.state import ServerState
     from minisgl.settings import EngineSettings
 
     explicit = {"port": port, "model_path": model_path} if model_path else {"port": port}
     settings = EngineSettings.load(None, **explicit)
-    state = server_app.ServerState(settings, explicit, None)
+    state = ServerState(settings, explicit, None)
     state.client_class = _fake_client_class()
     import os
 

@@ -17,16 +17,11 @@ from minisgl.core import SamplingParams, TokenLogprobs
 from minisgl.models import default_model_path
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.request import RequestState, Update
-from minisgl.server import protocol
-from minisgl.server.app import (
-    Choice,
-    Job,
-    SchedulerClient,
-    _Generation,
-    _json_response,
-    _streamed_logprobs,
-)
+from minisgl.server import responses
+from minisgl.server.jobs import Choice, Job
 from minisgl.server.logprobs import TokenTexts
+from minisgl.server.openai_api import _Generation, _json_response, _streamed_logprobs
+from minisgl.server.scheduler_client import SchedulerClient
 from minisgl.server.worker import Outbox, frame_ids, ids_frame, step_message, unpack
 
 STREAMS = 256
@@ -142,7 +137,7 @@ def test_logprobs_step_256_streams(benchmark, tokenizer, channel, kind):
             client.choices[rid] = choice
             states[rid] = RequestState(rid, [1, 2, 3], params, 0.0)
             uids[rid] = rid
-        formats = {kind: protocol.ChunkFormat(kind, "cmpl-1", "m", 0, False, 1, True)}
+        formats = {kind: responses.ChunkFormat(kind, "cmpl-1", "m", 0, False, 1, True)}
         send_s = recv_s = render_s = 0.0
         for step in range(STEPS):
             token = text_ids[step % len(text_ids)]
@@ -191,7 +186,7 @@ def test_logprobs_response(benchmark, tokenizer, kind):
     choice.logprobs = TokenLogprobs(K)
     for i, token in enumerate(ids):
         _add_entry(choice.logprobs, token, i, text_ids)
-    respond = protocol.chat_response if kind == "chat" else protocol.completion_response
+    respond = responses.chat_response if kind == "chat" else responses.completion_response
 
     def render() -> bytes:
         generation = _Generation(choice, None, None, texts, kind)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from minisgl.bench import WorkloadShape, make_workload, run_pass
+from minisgl.bench.offline import WorkloadShape, make_workload, run_pass
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig, generate
 from minisgl.llm import LLM

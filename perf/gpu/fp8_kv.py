@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from minisgl.bench import WorkloadShape, make_workload, run_pass
+from minisgl.bench.offline import WorkloadShape, make_workload, run_pass
 from minisgl.llm import LLM
 
 GIB = 1 << 30

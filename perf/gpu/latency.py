@@ -382,8 +382,8 @@ def _trace_line(path: Path, rid: str, timeout: float = 30.0) -> dict[str, Any]:
 
 
 def part_server(args: argparse.Namespace, shape: Shape, out: Path) -> dict[str, Any]:
+    from minisgl.bench.serving import load_tokenizer, request_body, with_texts, workload
     from minisgl.llm import TOKENIZER_FILES
-    from minisgl.server.bench_serving import load_tokenizer, request_body, with_texts, workload
     from minisgl.settings import EngineSettings
 
     model_dir = Path(EngineSettings.load(args.config, **_model(args)).resolved_model_path())

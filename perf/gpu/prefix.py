@@ -4,10 +4,10 @@
         [--passes 2] [--config configs/h200-qwen3-0.6b.yaml]
 
 Starts one `LLM` with the preset, `cache_type` and `page_size` given (one start for several workloads:
-each engine start costs tens of seconds on the GPU), runs each workload of `minisgl.bench` (`run_bench`:
-a warm-up, then `passes` passes, the prefix cache emptied before each), prints one JSON line per
-workload and a table last. Run it once per cache type and page size in the same call and compare the
-last passes (docs/performance.md#prefix-cache).
+each engine start costs tens of seconds on the GPU), runs each workload of `minisgl.bench.offline`
+(`run_bench`: a warm-up, then `passes` passes, the prefix cache emptied before each), prints one JSON
+line per workload and a table last. Run it once per cache type and page size in the same call and
+compare the last passes (docs/performance.md#prefix-cache).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from minisgl.bench import WORKLOADS, default_shape, run_bench
+from minisgl.bench.offline import WORKLOADS, default_shape, run_bench
 from minisgl.llm import LLM
 
 

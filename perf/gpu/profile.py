@@ -23,7 +23,7 @@ import traceback
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minisgl.bench import CPU_SHAPE, WorkloadShape, make_workload, run_pass, run_single
+from minisgl.bench.offline import CPU_SHAPE, WorkloadShape, make_workload, run_pass, run_single
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler import Scheduler

@@ -7,8 +7,8 @@ model's tokenizer files); weights are dummy (the preset, `--config`). Parts, run
 
 - stub: `bench-serving` against `perf.stub_server` streaming as fast as it can, 256 streams of 1,024
   tokens, 1 and 3 tokens per chunk: the rate the client can count.
-- offline: the offline workload in a child process (`minisgl.bench.run_pass`, `--reps` passes), then
-  each prompt of the low-load run alone with one new token: the engine's own TTFT for it.
+- offline: the offline workload in a child process (`minisgl.bench.offline.run_pass`, `--reps`
+  passes), then each prompt of the low-load run alone with one new token: the engine's own TTFT for it.
 - http: `minisgl-run serve` with a request trace; `bench-serving` at rate inf (`--reps` runs) on the
   same workload, then in chat mode (the workload decoded to text once); each run's trace gives where
   the time went (stage means and percentiles).
@@ -173,7 +173,7 @@ def _offline_child(
     model: str, config: str, reps: int, low_prompts: list[list[int]], path: str, cpu: bool
 ) -> None:
     """In a child process: `reps` passes of the offline workload, then each low-load prompt alone."""
-    from minisgl.bench import CPU_SHAPE, WorkloadShape, make_workload, run_pass
+    from minisgl.bench.offline import CPU_SHAPE, WorkloadShape, make_workload, run_pass
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
@@ -218,7 +218,7 @@ def _offline_child(
 def part_offline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import multiprocessing as mp
 
-    from minisgl.server.bench_serving import workload
+    from minisgl.bench.serving import workload
 
     cpu = {"min_input": 16, "max_input": 128} if args.shape == "cpu" else {}
     low = [r.prompt for r in workload(args.low_prompts, **cpu)]
@@ -311,8 +311,8 @@ def summarize_profiles(out: Path, top: int = 30) -> None:
 
 def breakdown(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per stage of the request trace: mean, p50 and p99 in ms over the records that have it."""
-    from minisgl.server.app import TRACE_STAGES
-    from minisgl.server.bench_serving import percentile
+    from minisgl.bench.serving import percentile
+    from minisgl.server.jobs import TRACE_STAGES
 
     table = {}
     for _, stage in TRACE_STAGES:

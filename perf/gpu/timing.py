@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from minisgl.bench import PassResult, run_pass
+from minisgl.bench.offline import PassResult, run_pass
 from minisgl.llm import LLM
 
 # decode batch sizes a step is grouped under (the largest one <= its size)
@@ -82,7 +82,7 @@ def timed_pass(
     temperature: float,
     host_profile: str | None = None,
 ) -> tuple[PassResult, str]:
-    """One workload pass (`minisgl.bench.run_pass`) with every step recorded: returns the pass and the
+    """One workload pass (`minisgl.bench.offline.run_pass`) with every step recorded: returns the pass and the
     `step_table` of its steps. With `host_profile` (a file name), the pass also runs under cProfile and
     the 30 functions of most own host time are written there."""
     sched = llm.scheduler

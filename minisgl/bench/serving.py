@@ -18,17 +18,17 @@ measures each request as it streams, the way SGLang's `bench_serving` and vLLM's
 
 The client is built not to be the bottleneck: no HTTP library, each request on its own connection read
 by an asyncio protocol that times and parses each server-sent event as its bytes arrive
-(`minisgl.server.bench_client`), uvloop when importable, and the requests spread over several client
+(`minisgl.bench.client`), uvloop when importable, and the requests spread over several client
 processes (`client_processes`), each with its own event loop, sending its share at the arrival times of
 one shared schedule.
 
-The default workload is the offline benchmark's (`minisgl.bench.make_workload`): seeded random token-id
-prompts, `ignore_eos`, `max_tokens` the drawn output length. Requests arrive as a Poisson process of
-`request_rate` per second (exponential gaps from a seeded generator, drawn once; `inf`: all at once),
-optionally behind `max_concurrency` (split over the client processes). The whole run is bounded by
-`timeout` seconds: requests still running then are cancelled and reported as failed.
+The default workload is the offline benchmark's (`minisgl.bench.offline.make_workload`): seeded random
+token-id prompts, `ignore_eos`, `max_tokens` the drawn output length. Requests arrive as a Poisson
+process of `request_rate` per second (exponential gaps from a seeded generator, drawn once; `inf`: all
+at once), optionally behind `max_concurrency` (split over the client processes). The whole run is
+bounded by `timeout` seconds: requests still running then are cancelled and reported as failed.
 
-    from minisgl.server.bench_serving import bench_serving, format_report, workload
+    from minisgl.bench.serving import bench_serving, format_report, workload
     report = bench_serving(workload(num_prompts=64), base_url="http://127.0.0.1:30000/v1", request_rate=8)
     print(format_report(report))
 """
@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from minisgl.server.bench_client import (
+from minisgl.bench.client import (
     CANCELLED,
     RequestResult,
     Server,
@@ -74,8 +74,8 @@ __all__ = [
 
 DEFAULT_BASE_URL = "http://127.0.0.1:30000/v1"
 DEFAULT_TIMEOUT = 3600.0
-# without --vocab-size, token ids stay below the offline workload's bound (minisgl.bench.TOKEN_ID_MAX)
-# and are not wrapped: the same prompts as `minisgl-run bench` on any vocabulary larger than 10,000
+# without --vocab-size, token ids stay below the offline workload's bound
+# (minisgl.bench.workloads.TOKEN_ID_MAX) and are not wrapped: the same prompts as `minisgl-run bench` on any vocabulary larger than 10,000
 UNWRAPPED_VOCAB = 10001
 PERCENTILES = (50, 90, 99)
 ENDPOINTS = ("completions", "chat")
@@ -106,9 +106,10 @@ def workload(
     seed: int = 0,
     vocab_size: int | None = None,
 ) -> list[RequestInput]:
-    """The offline benchmark's workload (`minisgl.bench.WorkloadShape`, `make_workload`): the same seed
-    and shape draw the same prompts and output lengths. Unset fields take WorkloadShape's defaults."""
-    from minisgl.bench import WorkloadShape, make_workload
+    """The offline benchmark's workload (`minisgl.bench.offline.WorkloadShape`, `make_workload`): the
+    same seed and shape draw the same prompts and output lengths. Unset fields take WorkloadShape's
+    defaults."""
+    from minisgl.bench.offline import WorkloadShape, make_workload
 
     names = ("num_seqs", "min_input", "max_input", "min_output", "max_output")
     given = zip(names, (num_prompts, min_input, max_input, min_output, max_output))
