@@ -12,8 +12,12 @@ from safetensors import safe_open
 
 from minisgl.core import SamplingParams
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.kernels import linear as linear_ops
+from minisgl.kernels import moe_gemm as moe_gemm_kernels
+from minisgl.kernels import moe_gemv as moe_gemv_kernels
+from minisgl.kernels.moe_gemv import moe_gemv
 from minisgl.models import ModelConfig
-from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe
+from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe, select_experts
 from minisgl.settings import EngineSettings
 
 PROMPT_LENS = [5, 17, 1, 40]
@@ -256,3 +260,125 @@ def test_forward_compiles_fullgraph(tmp_path):
         args = (batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
         assert rel_err(compiled(*args), engine.model(*args)) < 1e-5
     engine.shutdown()
+
+
+# -- the few-token kernels (minisgl.kernels.moe_gemv), under Triton's interpreter --------------------
+
+needs_triton = pytest.mark.skipif(moe_gemv_kernels.triton is None, reason="needs triton (its interpreter)")
+# launch configurations whose row blocks do not divide the rows or the width (masked tails, several
+# blocks along the row): [rows a program, row block, warps]
+SMALL_BLOCKS = {"gate_up": [4, 32, 4], "down": [8, 16, 2]}
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [None, SMALL_BLOCKS], ids=["default", "small-blocks"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 12, 3), (2, 128, 8)])
+def test_moe_gemv_matches_reference(tokens, experts, top_k, renormalize, config):
+    """Routing (top-k of E logits, E not a power of two too, softmax or renormalised weights), gate/up,
+    SiLU, down and the weighted sum of the slots, against the float64 per-token reference: float32 to
+    1e-5 (so no expert or weight is wrong), with hidden 72 and intermediate 40, neither a power of two."""
+    x, router_logits, w13, w2 = _random_moe(tokens, experts, hidden=72, inter=40, seed=tokens, unused=(1,))
+    got = moe_gemv(x, router_logits, w13, w2, top_k, renormalize, config=config)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert rel_err(got, _per_token_reference(x, router_logits, w13, w2, top_k, renormalize)) < 1e-5
+
+
+@needs_triton
+def test_moe_gemv_in_bfloat16():
+    """bf16 in and out: within 2x of the torch backend's own error against float64. (Triton's interpreter
+    truncates float32 to bf16 where a GPU rounds to nearest, which doubles a rounding's error; the GPU
+    tests hold the kernels to the torch backend directly.)"""
+    x, router_logits, w13, w2 = _random_moe(3, 16, hidden=64, inter=48, dtype=torch.bfloat16, seed=9)
+    args = (x, router_logits, w13, w2, 4, True)
+    want = _per_token_reference(*args)
+    got = moe_gemv(*args)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < max(2 * rel_err(TorchMoeBackend().forward(*args), want), 1e-3)
+
+
+@needs_triton
+def test_moe_gemv_empty_batch():
+    x, router_logits, w13, w2 = _random_moe(0, 8)
+    assert moe_gemv(x, router_logits, w13, w2, 2, True).shape == (0, 64)
+
+
+def test_moe_gemv_configuration_lookup(monkeypatch):
+    """The tuned configuration of the nearest token count at or above the batch's, else the largest
+    tuned, else the defaults; the file in the repository holds well-formed entries."""
+    tuned = {
+        "8,64,32,1": {"gate_up": [1, 32, 2], "down": [2, 32, 2]},
+        "8,64,32,4": {"gate_up": [4, 32, 4], "down": [4, 32, 4]},
+        "16,64,32,1": {"gate_up": [8, 32, 8], "down": [8, 32, 8]},
+    }
+    monkeypatch.setattr(moe_gemv_kernels, "MOE_GEMV_CONFIGS", {"gemv": tuned})
+    assert moe_gemv_kernels.moe_gemv_config(8, 32, 32, 1) == tuned["8,64,32,1"]
+    assert moe_gemv_kernels.moe_gemv_config(8, 32, 32, 3) == tuned["8,64,32,4"]
+    assert moe_gemv_kernels.moe_gemv_config(8, 32, 32, 16) == tuned["8,64,32,4"]
+    default = moe_gemv_kernels.moe_gemv_config(8, 16, 32, 2)
+    assert set(default) == {"gate_up", "down"} and all(len(v) == 3 for v in default.values())
+    # [block_n, block_k, warps] for the few-token kernels, [block_m, block_n, block_k, warps, stages]
+    # for the grouped ones
+    tables = json.loads(moe_gemv_kernels.CONFIG_FILE.read_text())
+    assert set(tables) <= {"gemv", "grouped"}
+    for name, table in tables.items():
+        for key, value in table.items():
+            assert len(key.split(",")) == 4 and all(part.isdigit() for part in key.split(","))
+            for part in ("gate_up", "down"):
+                config = value[part]
+                warps = config[2] if name == "gemv" else config[3]
+                assert len(config) == (3 if name == "gemv" else 5) and min(config) >= 1, (name, key)
+                assert warps in (1, 2, 4, 8, 16), (name, key)
+
+
+def test_moe_dispatch_table(monkeypatch):
+    """One table says how many tokens go to the few-row kernels, by weight shape: a projection (N, K) to
+    the GEMV, an expert tensor (E, 2I, H) to the MoE kernels; other shapes take each kind's default."""
+    monkeypatch.setattr(linear_ops, "GEMV_ROWS_BY_SHAPE", {(4, 64, 32): 12, (64, 32): 3})
+    assert linear_ops.gemv_rows(torch.empty(4, 64, 32)) == 12
+    assert linear_ops.gemv_rows(torch.empty(8, 64, 32)) == linear_ops.MOE_GEMV_TOKENS
+    assert linear_ops.gemv_rows(torch.empty(64, 32)) == 3
+    assert linear_ops.gemv_rows(torch.empty(32, 64)) == linear_ops.LINEAR_GEMV_ROWS
+
+
+# -- the grouped Triton GEMMs (minisgl.kernels.moe_gemm), under Triton's interpreter -----------------
+
+GEMM_BLOCKS = {"gate_up": [16, 16, 32, 4, 2], "down": [32, 16, 16, 4, 2]}
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (37, 16, 4), (1, 4, 1)])
+def test_align_pairs_groups_every_pair_once(tokens, experts, top_k):
+    """Each block of rows holds pairs of one expert (or padding), every pair appears exactly once, and
+    the grid has room for any routing; blocks past the last expert's are marked `experts`."""
+    _, router_logits, _, _ = _random_moe(tokens, experts, seed=tokens, unused=(1,))
+    ids = torch.topk(router_logits, top_k, dim=-1).indices
+    block_m = 4
+    pairs, block_expert = moe_gemm_kernels.align_pairs(ids, experts, block_m)
+    num_pairs = tokens * top_k
+    assert pairs.numel() == block_expert.numel() * block_m
+    assert block_expert.numel() == -(-num_pairs // block_m) + min(experts, num_pairs)
+    real = pairs[pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    flat = ids.flatten()
+    for block, expert in enumerate(block_expert.tolist()):
+        rows = pairs[block * block_m : (block + 1) * block_m]
+        rows = rows[rows < num_pairs]
+        if expert == experts:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows.long()] == expert).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("config", [None, GEMM_BLOCKS], ids=["default", "small-blocks"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens, experts, top_k", [(5, 8, 2), (37, 16, 4)])
+def test_moe_gemm_matches_reference(tokens, experts, top_k, renormalize, config):
+    """The grouped kernels after the reference's routing, float32, against the float64 per-token
+    reference: hidden 72 and intermediate 40 (masked tails), an expert that gets no token."""
+    x, router_logits, w13, w2 = _random_moe(tokens, experts, hidden=72, inter=40, seed=tokens, unused=(1,))
+    weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
+    got = moe_gemm_kernels.moe_gemm(x, weights, ids, w13, w2, config=config)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    assert rel_err(got, _per_token_reference(x, router_logits, w13, w2, top_k, renormalize)) < 1e-5

@@ -34,18 +34,30 @@ import torch.nn.functional as F
 
 from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
 
-# the most rows the ops run on the GEMV kernel for a weight of shape (N, K) (at most
-# `minisgl.kernels.gemv.GEMV_MAX_ROWS`): where it beat add_rms_norm_rows / silu_mul_rows + cuBLAS on an
-# H200 at Qwen3-0.6B's projections (QKV to 2 rows: 6.2 vs 6.9 us; O to 4: 4.0-4.7 vs 8.4-13.1; down to 4:
-# 5.7-7.5 vs 8.8-9.0; gate/up and the LM head lost at 2 rows already)
-GEMV_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {(4096, 1024): 2, (1024, 2048): 4, (1024, 3072): 4}
-# every other shape
+# the most rows (tokens) sent to a few-row kernel rather than a GEMM, by weight shape: (N, K) for a
+# projection, on the GEMV kernel (at most `minisgl.kernels.gemv.GEMV_MAX_ROWS`); (E, 2I, H) for the
+# experts' w13 of a MoE layer, on `minisgl.kernels.moe_gemv`. Set where the kernel beat the GEMM path on an
+# H200: Qwen3-0.6B's projections against add_rms_norm_rows / silu_mul_rows + cuBLAS (QKV to 2 rows: 6.2
+# vs 6.9 us; O to 4: 4.0-4.7 vs 8.4-13.1; down to 4: 5.7-7.5 vs 8.8-9.0; gate/up and the LM head lost at
+# 2 rows already); Qwen3-30B-A3B's experts against the grouped GEMMs (`python -m perf.gpu.moe`)
+GEMV_ROWS_BY_SHAPE: dict[tuple[int, ...], int] = {
+    (4096, 1024): 2,
+    (1024, 2048): 4,
+    (1024, 3072): 4,
+    (128, 1536, 2048): 8,
+}
+# every other projection
 LINEAR_GEMV_ROWS = 1
+# every other MoE layer: the experts' kernels read each chosen expert once, the grouped GEMMs' sort,
+# gather and scatter cost more than that up to a few tokens whatever the shape
+MOE_GEMV_TOKENS = 4
 
 
 def gemv_rows(weight: torch.Tensor) -> int:
-    """The most rows of x the ops multiply by `weight` on the GEMV kernel."""
-    return GEMV_ROWS_BY_SHAPE.get((weight.shape[0], weight.shape[1]), LINEAR_GEMV_ROWS)
+    """The most rows of x the ops multiply by `weight` on the GEMV kernel (`weight` (N, K)), or the
+    most tokens a MoE layer runs on its few-token kernels (`weight` the experts' w13, (E, 2I, H))."""
+    default = LINEAR_GEMV_ROWS if weight.dim() == 2 else MOE_GEMV_TOKENS
+    return GEMV_ROWS_BY_SHAPE.get(tuple(weight.shape), default)
 
 
 try:

@@ -2,8 +2,9 @@
 
 `torch` runs everywhere and is the reference: it loops over the experts that received tokens (reading
 their list on the host), so it is not captured in CUDA graphs. `fused` sorts the tokens by expert and
-runs two grouped GEMMs (`torch._grouped_mm`) with no host sync, so it is captured in CUDA graphs; on
-CUDA it needs bfloat16 and an sm90/sm100 GPU, on CPU it also runs (float32 too). `auto` picks `fused`
+runs two grouped GEMMs with no host sync, so it is captured in CUDA graphs: Triton's on CUDA (and two
+few-token kernels for decode batches), `torch._grouped_mm` on CPU (float32 too); on CUDA it needs
+bfloat16 and an sm90/sm100 GPU (where `torch._grouped_mm`, its path without Triton, has its kernel). `auto` picks `fused`
 where its fast kernel is (CUDA sm90/sm100, bfloat16 or unknown dtype) and `torch` elsewhere.
 """
 
@@ -14,7 +15,7 @@ import logging
 import torch
 
 from minisgl.moe.base import BaseMoeBackend, MoeFunction
-from minisgl.moe.fused_backend import FusedMoeBackend, fused_moe, fused_unsupported_reason
+from minisgl.moe.fused_backend import FusedMoeBackend, fused_moe, fused_unsupported_reason, grouped_moe
 from minisgl.moe.op import moe
 from minisgl.moe.torch_backend import TorchMoeBackend, select_experts, torch_moe
 
@@ -27,6 +28,7 @@ __all__ = [
     "TorchMoeBackend",
     "create_moe_backend",
     "fused_moe",
+    "grouped_moe",
     "moe",
     "select_experts",
     "torch_moe",

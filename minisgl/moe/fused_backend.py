@@ -1,4 +1,7 @@
-"""The fused MoE backend: two grouped GEMMs (`torch._grouped_mm`) over the tokens sorted by expert.
+"""The fused MoE backend: two grouped GEMMs over the tokens sorted by expert. On CUDA they are Triton's
+(`minisgl.kernels.moe_gemm`), and a batch of a few tokens (decode; up to
+`minisgl.kernels.linear.gemv_rows(w13)`) takes the two kernels of `minisgl.kernels.moe_gemv` instead,
+routing included. On a CPU (and as `grouped_moe`, to compare) they are `torch._grouped_mm`:
 
     1. route: `select_experts` (the reference's softmax, top-k, renormalisation);
     2. sort: the T * top_k (token, slot) pairs, stably by expert id; counts per expert by a fixed-size
@@ -23,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from minisgl.kernels.linear import gemv_rows
+from minisgl.kernels.moe_gemm import moe_gemm
+from minisgl.kernels.moe_gemv import moe_gemv, moe_gemv_fits
 from minisgl.moe.base import BaseMoeBackend
 from minisgl.moe.torch_backend import select_experts
 
@@ -94,6 +100,18 @@ def fused_moe(
 ) -> Tensor:
     """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`."""
     check_fused_moe_shapes(x, w13, w2, top_k)
+    if x.is_cuda and x.shape[0] > 0 and moe_gemv_fits(x, w13, w2):
+        if x.shape[0] <= gemv_rows(w13):
+            return moe_gemv(x, router_logits, w13, w2, top_k, renormalize)
+        weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
+        return moe_gemm(x, weights, ids, w13, w2)
+    return grouped_moe(x, router_logits, w13, w2, top_k, renormalize)
+
+
+def grouped_moe(
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+) -> Tensor:
+    """The grouped GEMM path of `fused_moe` at any token count (its shapes checked by the caller)."""
     num_tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     if num_tokens == 0:

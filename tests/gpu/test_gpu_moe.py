@@ -127,6 +127,36 @@ def test_fused_graph_replay_bit_identical_to_eager(moe_weights, tokens):
         assert torch.equal(out, fused_moe(new_x, new_logits, w13, w2, TOP_K, True)), f"seed {seed}"
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+def test_few_token_kernels_at_30b_shapes(moe_weights, monkeypatch, tokens, renormalize):
+    """The fused backend sends a decode batch to the few-token kernels (the table says up to 8 tokens
+    at these shapes): against the torch backend and float32, and free of host syncs."""
+    from minisgl.kernels.linear import gemv_rows
+    from minisgl.kernels.moe_gemv import moe_gemv
+    from minisgl.moe import fused_backend
+
+    w13, w2 = moe_weights
+    assert gemv_rows(w13) >= 8
+    calls = []
+    monkeypatch.setattr(fused_backend, "moe_gemv", lambda *a: calls.append(1) or moe_gemv(*a))
+    x, router_logits = _inputs(tokens, seed=tokens)
+    got = fused_moe(x, router_logits, w13, w2, TOP_K, renormalize)
+    assert calls == [1]
+    want = TorchMoeBackend().forward(x, router_logits, w13, w2, TOP_K, renormalize)
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < BF16_TOL
+    want32 = TorchMoeBackend().forward(
+        x.float(), router_logits.float(), w13.float(), w2.float(), TOP_K, renormalize
+    )
+    assert rel_err(got, want32) < BF16_TOL
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, router_logits, w13, w2, TOP_K, renormalize)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # -- engines ---------------------------------------------------------------------------------------
 
 

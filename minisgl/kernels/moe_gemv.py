@@ -1,0 +1,230 @@
+"""The mixture-of-experts MLP of a few tokens (decode) in two Triton kernels, routing included.
+
+A decode step of a Qwen3-30B-A3B layer sends each token to 8 of 128 experts: the work is reading those
+experts' weights (about 9.4 MB each at bf16), not multiplying. The grouped GEMMs of the `fused`
+backend (sort, counts, gather, two `torch._grouped_mm`, scatter) cost ~121 us for one token on an H200
+against a ~16 us read; here a step is two kernels that read each chosen expert's weights once:
+
+1. `_gate_up_kernel`, a program per (block of intermediate rows, token, slot): computes its token's
+   top-k from the router logits (E values: a few iterated max reductions, cheaper than a kernel of its
+   own), then the slot's expert's gate and up rows against the token and SiLU(gate) * up, stored
+   (T * top_k, I) in the model's dtype, as the grouped GEMM path stores it;
+2. `_down_kernel`, a program per (block of hidden rows, token): the token's top-k again with its routing
+   weights (softmax over all experts, renormalised over the chosen ones when asked, rounded to the
+   model's dtype as `select_experts` rounds them), then each chosen expert's down projection of its
+   activations, weighted and summed in float32: the combine of the top-k slots is part of the kernel.
+
+Programs of one block of rows run side by side for every token, so tokens routed to the same expert
+read its block once from HBM and again from L2. Nothing is read on the host: the kernels are captured
+in CUDA graphs. Their launch configurations (rows a program, warps) come from `MOE_GEMV_CONFIGS`
+("gemv"), tuned per (experts, 2I, H, tokens) on an H200 by `python -m perf.gpu.moe_tune`; the
+fused backend sends a batch here up to `minisgl.kernels.linear.gemv_rows(w13)` tokens (the table that
+also holds the dense projections' row counts). On a CPU the kernels run under Triton's interpreter
+(TRITON_INTERPRET=1), as the CPU tests run them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the grouped GEMM path serves every batch
+    triton = None
+
+# tuned launch configurations, two tables: "gemv" (these kernels) and "grouped" (`moe_gemm`'s), each
+# "E,2I,H,T" -> {"gate_up": [...], "down": [...]} for T tokens; written by `python -m perf.gpu.moe_tune`
+CONFIG_FILE = Path(__file__).with_name("moe_gemv_configs.json")
+
+
+def _load_configs() -> dict[str, dict[str, dict[str, list[int]]]]:
+    return json.loads(CONFIG_FILE.read_text()) if CONFIG_FILE.exists() else {}
+
+
+MOE_GEMV_CONFIGS = _load_configs()
+
+
+def lookup_config(table: dict, num_experts: int, inter: int, hidden: int, tokens: int) -> dict | None:
+    """The entry of `table` for this shape at the nearest token count at or above `tokens`, else at the
+    largest tuned count; None when the shape was never tuned."""
+    prefix = f"{num_experts},{2 * inter},{hidden},"
+    tuned = sorted(
+        (int(key.rsplit(",", 1)[1]), value) for key, value in table.items() if key.startswith(prefix)
+    )
+    for count, value in tuned:
+        if count >= tokens:
+            return value
+    return tuned[-1][1] if tuned else None
+
+
+def moe_gemv_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """True when the kernels can take these tensors (any token count): Triton present, one float dtype
+    throughout, contiguous expert weights."""
+    return (
+        triton is not None
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.dtype == w13.dtype == w2.dtype
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+        and (x.is_cuda or x.device.type == "cpu")
+    )
+
+
+def _default_config(tokens: int, rows: int, width: int) -> list[int]:
+    """[block_n, block_k, warps] before tuning: a few output rows a program, the row in 512-wide
+    blocks."""
+    return [4 if tokens == 1 else 8, min(512, triton.next_power_of_2(width)), 4]
+
+
+def moe_gemv_config(num_experts: int, inter: int, hidden: int, tokens: int) -> dict[str, list[int]]:
+    """The launch configuration of both kernels for this shape and token count (see `lookup_config`),
+    or the defaults."""
+    tuned = lookup_config(MOE_GEMV_CONFIGS.get("gemv", {}), num_experts, inter, hidden, tokens)
+    return tuned or {
+        "gate_up": _default_config(tokens, inter, hidden),
+        "down": _default_config(tokens, hidden, inter),
+    }
+
+
+if triton is not None:
+
+    @triton.jit
+    def _logits(logits_ptr, E, BLOCK_E: tl.constexpr):
+        """A token's router logits in float32 (-inf past E) and their offsets."""
+        offs = tl.arange(0, BLOCK_E)
+        return tl.load(logits_ptr + offs, mask=offs < E, other=float("-inf")).to(tl.float32), offs
+
+    @triton.jit
+    def _next_choice(rest, offs):
+        """The best remaining expert (ties to the lower id) and its logit; it leaves `rest`."""
+        best = tl.max(rest, axis=0)
+        index = tl.argmax(rest, axis=0)
+        return best, index, tl.where(offs == index, float("-inf"), rest)
+
+    @triton.jit
+    def _gate_up_kernel(
+        x_ptr,
+        logits_ptr,
+        w13_ptr,
+        act_ptr,
+        E,
+        x_stride,
+        logits_stride,
+        INTER: tl.constexpr,
+        H: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        block = tl.program_id(0)  # rows of the intermediate dimension
+        pair = tl.program_id(1)  # token * TOP_K + slot
+        token = pair // TOP_K
+        slot = pair % TOP_K
+        rest, offs = _logits(logits_ptr + token * logits_stride, E, BLOCK_E)
+        expert = slot * 0
+        for j in tl.static_range(TOP_K):
+            _, index, rest = _next_choice(rest, offs)
+            expert = tl.where(slot == j, index, expert)
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < INTER
+        gate_at = w13_ptr + expert.to(tl.int64) * (2 * INTER * H) + rows.to(tl.int64)[:, None] * H
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (cols < H)[None, :]
+            x = tl.load(x_ptr + token * x_stride + cols, mask=cols < H, other=0.0).to(tl.float32)
+            gate = tl.load(gate_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_at + INTER * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc_gate += gate * x[None, :]
+            acc_up += up * x[None, :]
+        gate = tl.sum(acc_gate, axis=1)
+        up = tl.sum(acc_up, axis=1)
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(act_ptr + pair * INTER + rows, act.to(act_ptr.dtype.element_ty), mask=row_mask)
+
+    @triton.jit
+    def _down_kernel(
+        act_ptr,
+        logits_ptr,
+        w2_ptr,
+        out_ptr,
+        E,
+        logits_stride,
+        INTER: tl.constexpr,
+        H: tl.constexpr,
+        TOP_K: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        block = tl.program_id(0)  # rows of the hidden dimension
+        token = tl.program_id(1)
+        logits, offs = _logits(logits_ptr + token * logits_stride, E, BLOCK_E)
+        top = tl.max(logits, axis=0)
+        norm = tl.sum(tl.exp(logits - top), axis=0)  # softmax over every expert
+        if RENORMALIZE:  # over the chosen ones
+            norm = norm * 0.0
+            rest = logits
+            for _ in tl.static_range(TOP_K):
+                best, _index, rest = _next_choice(rest, offs)
+                norm += tl.exp(best - top)
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < H
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        rest = logits
+        for j in tl.static_range(TOP_K):
+            best, expert, rest = _next_choice(rest, offs)
+            # the routing weight rounded to the model's dtype, as `select_experts` returns it
+            weight = (tl.exp(best - top) / norm).to(out_ptr.dtype.element_ty).to(tl.float32)
+            w_at = w2_ptr + expert.to(tl.int64) * (H * INTER) + rows.to(tl.int64)[:, None] * INTER
+            a_at = act_ptr + (token * TOP_K + j) * INTER
+            for k0 in tl.static_range(0, INTER, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(a_at + cols, mask=cols < INTER, other=0.0).to(tl.float32) * weight
+                mask = row_mask[:, None] & (cols < INTER)[None, :]
+                w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc += w * a[None, :]
+        out = tl.sum(acc, axis=1)
+        tl.store(out_ptr + token * H + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def moe_gemv(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    config: dict[str, list[int]] | None = None,
+) -> torch.Tensor:
+    """The MoE MLP of x (T, H) on the two kernels; shapes as in `BaseMoeBackend.forward`. `config`
+    overrides the tuned launch configuration (the tuning script sweeps it)."""
+    tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if tokens == 0:
+        return out
+    config = config or moe_gemv_config(num_experts, inter, hidden, tokens)
+    act = x.new_empty(tokens * top_k, inter)
+    block_e = triton.next_power_of_2(num_experts)
+    n, k, warps = config["gate_up"]
+    _gate_up_kernel[(triton.cdiv(inter, n), tokens * top_k)](
+        x, router_logits, w13, act, num_experts, x.stride(0), router_logits.stride(0),
+        INTER=inter, H=hidden, TOP_K=top_k, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
+    )  # fmt: skip
+    n, k, warps = config["down"]
+    _down_kernel[(triton.cdiv(hidden, n), tokens)](
+        act, router_logits, w2, out, num_experts, router_logits.stride(0),
+        INTER=inter, H=hidden, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
