@@ -58,8 +58,9 @@ class Process:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
+        output = self.output()  # before `stop` closes the log
         self.stop()
-        raise AssertionError(f"{what} did not happen in {timeout} s:\n{self.output()}")
+        raise AssertionError(f"{what} did not happen in {timeout} s:\n{output}")
 
     def output(self) -> str:
         self.log.flush()
