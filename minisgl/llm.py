@@ -36,7 +36,7 @@ from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import RequestState, Scheduler
 from minisgl.settings import EngineSettings
-from minisgl.templates import render_chat
+from minisgl.templates import load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,6 @@ class LLM:
         process is rank 0 and leads, N-1 spawned processes run their schedulers in lockstep.
         `detokenize=False`: the scheduler makes no text (the server's scheduler process: its front end
         detokenizes and applies stop strings); requests then take token ids and give token ids."""
-        import transformers
-
         if "tp" in settings:
             settings["tp_size"] = settings.pop("tp")
         if model is not None:
@@ -165,7 +163,7 @@ class LLM:
         self.model_name = Path(model_path).name
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
         # dummy-weight folders hold only config.json: token-id prompts still work, texts are empty
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(model_path) if has_tokenizer else None
+        self.tokenizer = load_tokenizer(model_path) if has_tokenizer else None
         self.scheduler = Scheduler(
             self.engine,
             max_prefill_tokens=scheduler_config.prefill_tokens(self.engine.device.type),

@@ -65,6 +65,9 @@ NON_SETTING_ENV_VARS = frozenset({CONFIG_ENV_VAR, "MINISGL_CACHE_DIR"})
 # an environment variable holding this string sets an optional setting to None
 ENV_NONE = "none"
 
+# settings holding a path that a YAML file may give relative to its own folder
+RELATIVE_PATHS = ("model_path", "chat_template")
+
 EXPLICIT = "explicit"
 DEFAULT = "default"
 
@@ -90,6 +93,14 @@ class LaunchConfig:
 
 
 SECRET_SETTINGS = frozenset({"api_key"})  # never printed (`minisgl-run config`, logs)
+
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # minisgl.server.tool_parsers.FORMATS
+
+
+def _template_file(path: str) -> None:
+    if not Path(path).is_file():
+        raise ValueError(f"chat_template={path!r} is not a file (give a Jinja chat template file)")
 
 
 def _names(description: str) -> Any:
@@ -183,6 +194,18 @@ class ServerConfig:
         None,
         "JSON-lines file the server appends one line to per finished request: its stage times "
         "(docs/server.md#request-traces); unset = none.",
+    )
+    chat_template: str | None = setting(
+        None,
+        "Jinja chat template file the server renders chats with instead of the model's (e.g. "
+        "configs/templates/hermes-tools.jinja, which renders tools: docs/tools.md); unset = the model's.",
+        check=_template_file,
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "How the server reads tool calls in replies (tool_choice auto): hermes, llama3_json or mistral "
+        "(docs/tools.md); unset = auto refused, forced calls in hermes's format.",
+        choices=TOOL_CALL_PARSERS,
     )
 
     def __post_init__(self) -> None:
@@ -470,7 +493,8 @@ def _read_env(settings_cls: type[_Settings]) -> dict[str, tuple[str, Any]]:
 def read_yaml(path: str | os.PathLike[str], named_by: str | None = None) -> dict[str, Any]:
     """Reads a settings YAML file (with ``yaml.safe_load``) into {key: value}.
 
-    A relative ``model_path`` is resolved against the file's folder when that resolved path exists.
+    A relative ``model_path`` or ``chat_template`` is resolved against the file's folder when that
+    resolved path exists.
     ``named_by`` is the environment variable that named the file, for the error messages.
     """
     file = Path(path)
@@ -495,11 +519,12 @@ def read_yaml(path: str | os.PathLike[str], named_by: str | None = None) -> dict
         raise SettingsError(
             f"settings file {os.fspath(path)!r}{via}: keys must be setting names, got {bad_keys!r}"
         )
-    model_path = data.get("model_path")
-    if isinstance(model_path, str) and model_path and not Path(model_path).is_absolute():
-        beside = file.parent / model_path
-        if beside.exists():
-            data["model_path"] = os.fspath(beside.resolve())
+    for key in RELATIVE_PATHS:
+        value = data.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            beside = file.parent / value
+            if beside.exists():
+                data[key] = os.fspath(beside.resolve())
     return data
 
 
@@ -548,8 +573,8 @@ environment variable `MINISGL_KEY`, the option `--key` of `minisgl-run` (dashes 
 `minisgl.settings.EngineSettings` layers them: explicit values (`LLM` keywords, `minisgl-run` options,
 `EngineSettings.load(**values)`) > `MINISGL_*` environment variables > a YAML file (`--config`,
 `LLM(config=...)`, `EngineSettings.load(path)`, or named by `MINISGL_CONFIG`) > defaults. YAML is read
-with `yaml.safe_load`; a relative `model_path` in it is resolved against the file's folder. A variable
-set to `none` unsets an optional setting; a list is given as `[1, 2, 4]` or `1,2,4`.
+with `yaml.safe_load`; a relative `model_path` or `chat_template` in it is resolved against the file's
+folder. A variable set to `none` unsets an optional setting; a list is given as `[1, 2, 4]` or `1,2,4`.
 
 Unknown keys (also unknown `MINISGL_*` variables), wrong types and out-of-range values are errors that
 name the key, the value, where it came from and, for an unknown key, the nearest valid one.

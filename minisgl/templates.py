@@ -1,11 +1,58 @@
 """A conversation under the model's chat template, with the template's own options
 (`chat_template_kwargs`: variables the template reads, such as Qwen3's `enable_thinking`), said once for
-`LLM.chat` and the server's `/v1/chat/completions`."""
+`LLM.chat` and the server's `/v1/chat/completions`; and the tokenizer of a model folder with its chat
+template, also where the checkpoint keeps it in `chat_template.json` (`load_tokenizer`)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+# the file some checkpoints (Mistral's among them) keep their chat template in, beside the tokenizer:
+# {"chat_template": "..."}; transformers' AutoTokenizer reads only tokenizer_config.json and
+# chat_template.jinja
+CHAT_TEMPLATE_JSON = "chat_template.json"
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """transformers' AutoTokenizer of the model folder `path`. Where it brings no chat template, the one
+    of the folder's `chat_template.json` (if any) becomes its template."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    if not tokenizer.chat_template:
+        template = json_chat_template(path)
+        if template is not None:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def json_chat_template(folder: str | os.PathLike[str]) -> str | dict[str, str] | None:
+    """The chat template of `folder`'s `chat_template.json`: its `chat_template` string (or named
+    templates: an object of strings, or a list of {"name", "template"} as tokenizer_config.json writes
+    them); None without the file. ValueError naming the file where it holds no template."""
+    path = Path(folder) / CHAT_TEMPLATE_JSON
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a JSON object with a chat_template ({e})") from e
+    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+        template = {t.get("name"): t.get("template") for t in template}
+    if isinstance(template, str) or (
+        isinstance(template, dict)
+        and template
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in template.items())
+    ):
+        return template
+    raise ValueError(
+        f"{path}: chat_template must be a template string, or named templates, got {type(template).__name__}"
+    )
+
 
 # names `apply_chat_template` takes for itself: a template variable cannot have them
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -47,10 +94,16 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
 
 
 def render_chat(
-    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: Mapping[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation's text under `tokenizer`'s chat template, ending where the reply begins."""
+    """The conversation's text under `tokenizer`'s chat template, ending where the reply begins;
+    `tools`: the functions the reply may call, the template's `tools` variable (transformers')."""
     extra = check_template_kwargs(template_kwargs) if template_kwargs else {}
+    if tools:
+        extra["tools"] = tools
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
 
@@ -88,7 +141,7 @@ class ReasoningSplitter:
                     reasoning += held[:end]
                     held, self.mode = held[end + len(THINK_CLOSE) :], "after"
                     continue
-                keep = 0 if final else _partial_tag(held, THINK_CLOSE)
+                keep = 0 if final else partial_tag(held, THINK_CLOSE)
                 reasoning, held = reasoning + held[: len(held) - keep], held[len(held) - keep :]
                 break
             elif self.mode == "after":  # the blanks between </think> and the content are dropped
@@ -109,7 +162,7 @@ def split_reasoning(text: str, in_reasoning: bool = False) -> tuple[str, str]:
     return ReasoningSplitter(in_reasoning).feed(text, final=True)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -53,6 +53,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    # a window shorter than most test sequences (Mistral-7B v0.1's is 4096)
+    "mistral": ("MistralConfig", dict(head_dim=16, rope_theta=1000000.0, sliding_window=12)),
     "qwen2": ("Qwen2Config", dict(rope_theta=10000.0)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),
     # 3 layers, layer 1 dense (mlp_only_layers), 8 experts, top-2
@@ -112,7 +114,7 @@ def make_tiny_model(
     adjust: Callable[[torch.nn.Module], None] | None = None,
     **overrides: Any,
 ) -> Path:
-    """Builds a tiny random model of family `arch` (llama, qwen2, qwen3, qwen3_moe) with transformers
+    """Builds a tiny random model of family `arch` (llama, mistral, qwen2, qwen3, qwen3_moe) with transformers
     (the reference) and saves it as safetensors in `tmp_path / tiny-<arch>`. `overrides` are config keys
     over the family's shape; `randomize` names the RANDOMIZE groups drawn again (in that order of
     precedence) after transformers' init under `torch.manual_seed(seed)`; `adjust(model)`, when given,

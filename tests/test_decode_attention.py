@@ -2,7 +2,7 @@
 reference in float32: requests of different lengths scattered over a token-level page table, every
 split count the kernel may pick (one split writes the output directly; several are merged), head groups
 of 1 to 8 (Qwen3-30B-A3B's is 8), head dims that are and are not powers of two, splits that run past a
-request's end.
+request's end, sliding windows shorter and longer than the requests (Mistral's).
 
 On a CUDA machine the kernel runs compiled on the GPU (also inside a captured CUDA graph, replayed with
 new lengths); without one it runs on CPU tensors under Triton's interpreter (conftest sets
@@ -36,11 +36,12 @@ def _case(lens, num_heads, num_kv_heads, head_dim, dtype, seed):
     return [t.to(DEVICE) for t in (q, k, v, table, rows, torch.tensor(lens, dtype=torch.int32))]
 
 
-def _reference(q, k, v, table, rows, lens):
+def _reference(q, k, v, table, rows, lens, window=None):
     out = []
     group = q.shape[1] // k.shape[1]
     for i in range(q.shape[0]):
-        loc = table[rows[i], : lens[i]].long()
+        first = 0 if window is None else max(0, int(lens[i]) - window)
+        loc = table[rows[i], first : lens[i]].long()
         ki = k[loc].float().repeat_interleave(group, dim=1)  # (n, H, D)
         vi = v[loc].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), ki) / math.sqrt(q.shape[2])
@@ -48,13 +49,14 @@ def _reference(q, k, v, table, rows, lens):
     return torch.stack(out)
 
 
-def _check(lens, num_heads, num_kv_heads, head_dim, dtype, splits, seed=0, block_n=DA.BLOCK_N):
+def _check(lens, num_heads, num_kv_heads, head_dim, dtype, splits, seed=0, block_n=DA.BLOCK_N, window=None):
     case = _case(lens, num_heads, num_kv_heads, head_dim, dtype, seed)
-    got = DA.decode_attention(*case, splits=splits, block_n=block_n)
-    want = _reference(*case)
+    got = DA.decode_attention(*case, splits=splits, block_n=block_n, window=window)
+    want = _reference(*case, window=window)
     assert got.shape == want.shape and got.dtype == dtype
     err = (got.float() - want).abs().max().item()
-    assert err < TOL[dtype], (lens, splits, err)
+    assert err < TOL[dtype], (lens, splits, window, err)
+    return got, want, case
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
@@ -79,6 +81,38 @@ def test_head_dim_not_a_power_of_two_and_bf16():
 )
 def test_any_lengths_and_splits(lens, splits, block_n, seed):
     _check(lens, 4, 2, 16, torch.float32, splits=splits, seed=seed, block_n=block_n)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 20, 64, 100])
+def test_sliding_window(splits, window):
+    """Each request attends to its last `window` tokens: windows of one token, shorter than a KV block,
+    one block, longer than some requests; requests shorter than, equal to and longer than the window.
+    The full-attention reference differs where a request passes the window (so the window is used)."""
+    lens = [1, 20, 64, 65, 150, 300]
+    got, _, case = _check(lens, 4, 2, 16, torch.float32, splits=splits, window=window)
+    full = _reference(*case)
+    for i, n in enumerate(lens):
+        gap = (got[i].float() - full[i]).abs().max().item()
+        assert (gap > 1e-3) == (n > window), (n, window, gap)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 150), min_size=1, max_size=3),
+    splits=st.sampled_from([1, 2, 8]),
+    window=st.integers(1, 160),
+    seed=st.integers(0, 1000),
+)
+def test_sliding_window_any_lengths(lens, splits, window, seed):
+    _check(lens, 4, 1, 16, torch.float32, splits=splits, seed=seed, block_n=16, window=window)
+
+
+def test_rejects_a_window_that_is_no_positive_integer():
+    case = _case([4], 2, 2, 16, torch.float32, 0)
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be None .* or an integer >= 1"):
+            DA.decode_attention(*case, splits=1, window=window)
 
 
 def test_num_splits_fills_the_gpu_with_powers_of_two():

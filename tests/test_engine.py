@@ -187,7 +187,8 @@ def test_unsupported_architecture(tmp_path):
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     )
     with pytest.raises(
-        ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+        ValueError,
+        match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ):
         Engine(EngineConfig(model_path=str(tmp_path), device="cpu"))
 

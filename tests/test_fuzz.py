@@ -8,6 +8,7 @@ deadline, so the run takes the same time on a slow machine."""
 
 import json
 import math
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -323,12 +324,13 @@ def test_any_structured_output_either_raises_clearly_or_generates(tiny_llm, kwar
     llm_clean(tiny_llm)
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_folder):
+def _serve_tiny(folder, *options: str):
+    """A server of the tiny model (`options`: more of its settings), with its model's name and the
+    normal request's text; it must stop cleanly, without a traceback in its log."""
     from test_server import Server
 
     srv = Server(
-        "--model", str(tiny_folder), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8"
+        "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8", *options
     )
     srv.model = httpx.get(srv.url + "/models", timeout=10).json()["data"][0]["id"]
     srv.normal = _http_normal(srv)
@@ -336,6 +338,11 @@ def tiny_server(tiny_folder):
     log = srv.output()
     assert srv.stop() == 0, log
     assert "Traceback" not in log, log
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_folder):
+    yield from _serve_tiny(tiny_folder)
 
 
 def _http_normal(srv) -> str:
@@ -421,3 +428,100 @@ def test_any_structured_output_fields_over_http_get_200_or_a_clear_400(tiny_serv
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text[:300]
         event("200")
     assert _http_normal(tiny_server) == tiny_server.normal
+
+
+# ------------------------------------------------------------------------------------------- tool calls
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "configs" / "templates" / "hermes-tools.jinja"
+NAMES = st.sampled_from(["get_weather", "f", "search"]) | st.text(max_size=5)
+TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": NAMES}, optional={"parameters": SCHEMAS}),
+    }
+)
+TOOL_CHOICES = st.one_of(
+    st.sampled_from(["none", "auto", "required"]),
+    NAMES.map(lambda name: {"type": "function", "function": {"name": name}}),
+)
+HISTORY_CALL = st.fixed_dictionaries(
+    {
+        "id": st.text(max_size=4),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": NAMES, "arguments": JSON_ANY.map(json.dumps) | st.text(max_size=4)}
+        ),
+    }
+)
+HISTORY = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.just("assistant"),
+                "content": st.none() | st.text(max_size=4),
+                "tool_calls": st.lists(HISTORY_CALL, max_size=2),
+            }
+        ),
+        st.fixed_dictionaries(
+            {"role": st.just("tool"), "content": st.text(max_size=6)},
+            optional={"tool_call_id": st.text(max_size=4)},
+        ),
+    ),
+    max_size=3,
+)
+TOOL_VALUES = {
+    "tools": st.lists(TOOL, max_size=3),
+    "tool_choice": TOOL_CHOICES,
+    "parallel_tool_calls": st.booleans(),
+}
+
+
+@st.composite
+def tool_fields(draw: st.DrawFn) -> dict:
+    """tools, tool_choice and parallel_tool_calls, each given or not (now and then a value of any
+    kind), and now and then tool calls and results in the conversation."""
+    fields = {}
+    for name, values in TOOL_VALUES.items():
+        if draw(st.integers(0, 3)):
+            fields[name] = draw(JSON_VALUE if draw(st.integers(0, 5)) == 0 else values)
+    history = draw(HISTORY) if draw(st.integers(0, 2)) == 0 else []
+    fields["messages"] = [{"role": "user", "content": "Hi"}, *history]
+    return fields
+
+
+@pytest.fixture(scope="module")
+def tools_server(tiny_folder):
+    yield from _serve_tiny(tiny_folder, "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes")
+
+
+@settings(FUZZ, max_examples=80)
+@given(fields=tool_fields(), stream=st.booleans())
+def test_any_tool_fields_over_http_get_200_or_a_clear_400(tools_server, fields, stream):
+    """tools, tool_choice, parallel_tool_calls and tool calls and results in the conversation, of any
+    value and type: a 400 with OpenAI's error body naming a field, or a 200 whose choice ends normally
+    with calls that name a given tool and whose arguments are JSON objects; the server stays usable."""
+    body = {"model": tools_server.model, "max_tokens": 6, "stream": stream, **fields}
+    r = httpx.post(f"{tools_server.url}/chat/completions", json=body, timeout=60)
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"], (
+            error
+        )
+        event(f"400 on {error['param'].split('[')[0].split('.')[0]}")
+    elif stream:
+        assert r.status_code == 200, (r.status_code, r.text[:300], fields)
+        assert r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+        errors = [line for line in r.text.splitlines() if '"error"' in line]
+        assert all(DEAD_END in line for line in errors), errors
+        event("200 streamed")
+    else:
+        assert r.status_code == 200, (r.status_code, r.text[:300], fields)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length", "tool_calls"), r.text[:300]
+        names = {t["function"]["name"] for t in fields.get("tools") or []}
+        for call in choice["message"].get("tool_calls") or []:
+            assert call["function"]["name"] in names and isinstance(
+                json.loads(call["function"]["arguments"]), dict
+            )
+        event(f"200 {choice['finish_reason']}")
+    assert _http_normal(tools_server) == tools_server.normal

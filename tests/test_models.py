@@ -1,5 +1,5 @@
-"""Tiny random Llama (llama3 RoPE scaling), Qwen2 and Qwen3 models: logits against transformers; the
-checks of config.json (ModelConfig)."""
+"""Tiny random Llama (llama3 RoPE scaling), Mistral (a sliding window shorter than the sequences), Qwen2
+and Qwen3 models: logits against transformers; the checks of config.json (ModelConfig)."""
 
 import json
 import re
@@ -19,7 +19,7 @@ PROMPT_LENS = [5, 17, 1, 40]
 DECODE_STEPS = 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_logits_match_transformers(tmp_path, arch, page_size):
     """Prefill of prompts of different lengths in one batch, then teacher-forced decode steps."""

@@ -1,7 +1,7 @@
 """The Triton prefill attention kernel of the prefill CUDA graphs (`minisgl.kernels.prefill_attention`)
 against a torch reference in float32: requests laid out in blocks of `ALIGN` tokens as the graph runner
 lays them (a cached prefix before the chunk, padding after each request and after the last), head groups
-of 1 to 8, a head dim that is not a power of two, bf16.
+of 1 to 8, a head dim that is not a power of two, bf16, sliding windows (Mistral's).
 
 On a CPU it runs under Triton's interpreter (conftest sets TRITON_INTERPRET=1), so CI checks it."""
 
@@ -50,11 +50,12 @@ def _case(chunks, num_heads, num_kv_heads, head_dim, dtype, seed, pad_blocks=1):
     return [t.to(DEVICE) for t in tensors], torch.tensor(real)
 
 
-def _reference(q, k, v, table, block_rows, lens):
+def _reference(q, k, v, table, block_rows, lens, window=None):
     group = q.shape[1] // k.shape[1]
     out = []
     for t in range(q.shape[0]):
-        loc = table[block_rows[t // PA.ALIGN], : lens[t]].long()
+        first = 0 if window is None else max(0, int(lens[t]) - window)
+        loc = table[block_rows[t // PA.ALIGN], first : lens[t]].long()
         kt = k[loc].float().repeat_interleave(group, dim=1)
         vt = v[loc].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[t].float(), kt) / math.sqrt(q.shape[2])
@@ -62,14 +63,15 @@ def _reference(q, k, v, table, block_rows, lens):
     return torch.stack(out)
 
 
-def _check(chunks, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def _check(chunks, num_heads, num_kv_heads, head_dim, dtype, seed=0, window=None):
     case, real = _case(chunks, num_heads, num_kv_heads, head_dim, dtype, seed)
-    got = PA.prefill_attention(*case)
-    want = _reference(*case)
+    got = PA.prefill_attention(*case, window=window)
+    want = _reference(*case, window=window)
     assert got.shape == want.shape and got.dtype == dtype
     err = (got.float() - want).abs().max().item()  # padding included: it must stay finite and exact too
-    assert err < TOL[dtype], (chunks, err)
+    assert err < TOL[dtype], (chunks, window, err)
     assert real.numel() == sum(n for _, n in chunks)
+    return got, case
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -98,6 +100,30 @@ def test_refuses_tokens_not_in_blocks():
 )
 def test_any_chunks(chunks, group, seed):
     _check(chunks, 2 * group, 2, 16, torch.float32, seed)
+
+
+@pytest.mark.parametrize("window", [1, 10, 64, 90])
+def test_sliding_window(window):
+    """Each token attends to its last `window` tokens: a chunk behind a cached prefix longer than the
+    window, a fresh prompt longer than it, one shorter; windows of one token, under a block, of a KV
+    block (BLOCK_N), and one past the block size. Rows that reach past the window differ from full
+    attention (so the window is used), the others do not."""
+    chunks = [(150, 20), (0, 70), (0, 5)]
+    got, case = _check(chunks, 4, 2, 16, torch.float32, window=window)
+    full = _reference(*case)
+    lens = case[5].cpu()
+    gap = (got.float() - full).abs().amax(dim=(1, 2))
+    assert torch.equal(gap > 1e-3, lens > window), (window, gap)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 90), st.integers(1, 40)), min_size=1, max_size=3),
+    window=st.integers(1, 100),
+    seed=st.integers(0, 1000),
+)
+def test_sliding_window_any_chunks(chunks, window, seed):
+    _check(chunks, 4, 2, 16, torch.float32, seed, window=window)
 
 
 def test_prefill_buckets_and_layout():

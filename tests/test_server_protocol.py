@@ -267,8 +267,8 @@ def test_n_out_of_range_and_seed_overflow_are_400():
     [
         ("completion", "best_of", 2),
         ("completion", "suffix", " end"),
-        ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("chat", "tool_choice", "auto"),
+        ("chat", "functions", [{"name": "f"}]),  # the API's older tools (tools: tests/test_tools.py)
+        ("chat", "function_call", "auto"),
         ("chat", "prediction", {"type": "content", "content": "x"}),
         ("chat", "modalities", ["text", "audio"]),
         ("chat", "reasoning_effort", "low"),
@@ -311,7 +311,7 @@ def test_metadata_is_accepted_and_ignored():
         (completion(foo=1), "foo"),
         (chat(max_new_tokens=5), "max_new_tokens"),
         (completion(length_penalty=1.1), "length_penalty"),
-        (chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls"),
+        (chat(messages=[{"role": "user", "content": "x", "audio": {}}]), "messages[0].audio"),
         (
             chat(stream=True, stream_options={"include_usage": True, "chunk_size": 2}),
             "stream_options.chunk_size",
@@ -483,7 +483,8 @@ def test_messages_become_plain_dicts():
     ("messages", "param", "words"),
     [
         ([], "messages", "empty"),
-        ([{"role": "tool", "content": "x"}], "messages[0].role", "'tool'"),
+        ([{"role": "function", "content": "x"}], "messages[0].role", "'function'"),
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id", "tool_call_id"),
         ([{"content": "x"}], "messages[0].role", "missing"),
         ([{"role": "user", "content": "x"}, "Hi"], "messages[1]", "'Hi'"),
         (

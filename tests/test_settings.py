@@ -488,6 +488,8 @@ MODEL_FACTS = {
     "qwen3-0.6b": ("Qwen3ForCausalLM", 28, 1024, 16, 8, 128, 151936, True, (151645,)),
     "llama-3.2-1b": ("LlamaForCausalLM", 16, 2048, 32, 8, 64, 128256, True, (128001, 128008, 128009)),
     "qwen3-8b": ("Qwen3ForCausalLM", 36, 4096, 32, 8, 128, 151936, False, (151645,)),
+    "mistral-7b-v0.1": ("MistralForCausalLM", 32, 4096, 32, 8, 128, 32000, False, (2,)),
+    "mistral-7b-v0.3": ("MistralForCausalLM", 32, 4096, 32, 8, 128, 32768, False, (2,)),
 }
 
 

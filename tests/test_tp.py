@@ -177,9 +177,10 @@ def test_shard_heads():
         shard_heads(12, 4, DistributedInfo(0, 6))  # rank 1's 2 query heads would use KV heads 0 and 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tp2_matches_tp1(tmp_path, arch):
-    """llama: llama3 RoPE scaling; qwen2: q/k/v biases; qwen3: q/k norms. 4 query, 2 KV heads: split."""
+    """llama: llama3 RoPE scaling; mistral: a sliding window (12); qwen2: q/k/v biases; qwen3: q/k norms.
+    4 query, 2 KV heads: split."""
     assert_tp_matches_single(make_tiny_model(tmp_path, arch), 2)
 
 

@@ -67,14 +67,16 @@ def create_attention_backend(
     split_kv_max_bs: int | None = None,
     triton_decode_max_bs: int = 0,
     dtype: torch.dtype | None = None,
+    sliding_window: int | None = None,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
     rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim` and queries of `dtype` (the
-    model's; None: the pool's storage dtype); `tensor_core_min_group`, `split_kv_max_bs` and
-    `triton_decode_max_bs` go to `FlashInferAttnBackend`."""
+    model's; None: the pool's storage dtype), attending within `sliding_window` tokens (None: all; see
+    `BaseAttnBackend`); `tensor_core_min_group`, `split_kv_max_bs` and `triton_decode_max_bs` go to
+    `FlashInferAttnBackend`."""
     prefill, decode = resolve_attention_backend(name, device, kv_cache.dtype)
     if prefill == "torch":
-        return TorchAttnBackend(kv_cache, page_table, device)
+        return TorchAttnBackend(kv_cache, page_table, device, sliding_window=sliding_window)
     if importlib.util.find_spec("flashinfer") is None:
         raise ValueError(f"attention_backend={name!r} needs flashinfer: pip install 'minisgl[cuda]'")
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
@@ -92,4 +94,5 @@ def create_attention_backend(
         split_kv_max_bs=split_kv_max_bs,
         triton_decode_max_bs=triton_decode_max_bs,
         q_dtype=dtype,
+        sliding_window=sliding_window,
     )

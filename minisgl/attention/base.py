@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
+from minisgl.kernels.decode_attention import check_window
 from minisgl.kvcache import MHAKVCachePool
 
 ATTENTION_BACKENDS = ("torch", "fi", "fa", "trtllm")
@@ -47,6 +48,15 @@ class BaseAttnMetadata:
 
 
 class BaseAttnBackend(ABC):
+    """A backend attends with the model's sliding window, `sliding_window` (given at creation, the same
+    for every layer and batch): the query at position p sees the keys at p - W < k <= p; None: every
+    earlier key. Pages behind the window stay allocated (and cached): only the attention skips them."""
+
+    sliding_window: int | None = None
+
+    def _set_sliding_window(self, window: int | None) -> None:
+        self.sliding_window = check_window(window, "sliding_window")
+
     @abstractmethod
     def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
         """Builds `batch.attn_metadata` from the requests and the page table, without a host sync.

@@ -37,6 +37,11 @@ minisgl's Triton prefill kernel (`minisgl.kernels.prefill_attention`), which rea
 tokens' page-table row and each token's length from two device buffers (`prepare_prefill_graph`): no
 FlashInfer plan, so a replay takes any batch that fits its bucket.
 
+The model's sliding window W (`sliding_window`, Mistral's) goes into every FlashInfer plan as
+`window_left=W - 1` (FlashInfer counts the keys left of the query's own; -1: none), prefill, decode and
+their CUDA-graph wrappers alike, and into the Triton decode and prefill kernels as `window=W`. The pages
+behind the window stay in the page table; the kernels skip them.
+
 Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
 region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
 table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
@@ -79,13 +84,14 @@ _prefill_builds_lock = threading.Lock()
 
 
 def _build_prefill_kernels_ahead(
-    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, sliding_window: bool
 ) -> threading.Thread:
     """Starts (once per process and shape) a thread that builds, or loads from FlashInfer's cache, the FA3
     prefill module the prefill plan will ask for, with the arguments that plan passes: q, kv and output
-    dtypes, the index dtype, head dims qk and vo, no positional encoding in the kernel, no sliding
-    window, no logits soft cap, no fp16 qk reduction. A failure is only logged: the plan then builds it."""
-    args = (q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim, 0, False, False, False)
+    dtypes, the index dtype, head dims qk and vo, no positional encoding in the kernel, whether there is
+    a sliding window, no logits soft cap, no fp16 qk reduction. A failure is only logged: the plan then
+    builds it."""
+    args = (q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim, 0, sliding_window, False, False)
 
     def build() -> None:
         started = time.perf_counter()
@@ -119,6 +125,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         head_dim: int,
         prefill: str,
         decode: str,
+        sliding_window: int | None = None,
         decode_tensor_cores: bool | None = None,
         tensor_core_min_group: int = 1,
         split_kv_max_bs: int | None = None,
@@ -126,6 +133,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         q_dtype: torch.dtype | None = None,
     ) -> None:
         """`q_dtype`: the queries' (the model's) dtype; None: the pool's, which must then not be FP8.
+        `sliding_window`: the model's attention window in tokens (None: full attention).
         `decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
         `tensor_core_min_group` query heads (an integer >= 1). `split_kv_max_bs`: the largest captured
         batch whose tensor-core decode splits the KV (None: every batch, FlashInfer's own behaviour).
@@ -147,6 +155,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 f"got triton_decode_max_bs={triton_decode_max_bs!r}"
             )
         self.triton_decode_max_bs = triton_decode_max_bs
+        self._set_sliding_window(sliding_window)
+        self.window_left = -1 if sliding_window is None else sliding_window - 1  # FlashInfer's form
         self.kv_dtype = kv_cache.dtype
         if q_dtype is None:
             if self.kv_dtype == FP8_DTYPE:
@@ -185,7 +195,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
         # from here on, while the decode graphs compile and capture; the first prefill plan waits for it
         self._prefill_build: threading.Thread | None = None
         if prefill == "fa" and decode != "fa":
-            self._prefill_build = _build_prefill_kernels_ahead(self.q_dtype, self.kv_dtype, head_dim)
+            self._prefill_build = _build_prefill_kernels_ahead(
+                self.q_dtype, self.kv_dtype, head_dim, sliding_window is not None
+            )
 
     def _wait_prefill_build(self) -> None:
         if self._prefill_build is not None:
@@ -223,7 +235,13 @@ class FlashInferAttnBackend(BaseAttnBackend):
         previous = self._planned.get(id(wrapper))
         if previous is not None:
             previous.synchronize()
-        wrapper.plan(*args, q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, **kwargs)
+        wrapper.plan(
+            *args,
+            q_data_type=self.q_dtype,
+            kv_data_type=self.kv_dtype,
+            window_left=self.window_left,
+            **kwargs,
+        )
         event = torch.cuda.Event()
         event.record()
         self._planned[id(wrapper)] = event
@@ -351,8 +369,11 @@ class FlashInferAttnBackend(BaseAttnBackend):
             scales = self.kv_cache.layer_scales(layer_id)
             if meta.block_rows is not None:
                 return prefill_attention(
-                    q, k, v, self.page_table, meta.block_rows, meta.lens, kv_scales=scales
-                )
-            return decode_attention(q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales)
+                    q, k, v, self.page_table, meta.block_rows, meta.lens, kv_scales=scales,
+                    window=self.sliding_window,
+                )  # fmt: skip
+            return decode_attention(
+                q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales, window=self.sliding_window
+            )
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         return meta.wrapper.run(q, kv, **self.layer_scales[layer_id])

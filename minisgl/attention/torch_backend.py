@@ -3,7 +3,8 @@
 Each request's keys and values are gathered page by page from the paged pool, through its page-table
 row, into a padded (batch, pages * page_size) layout; queries are padded to (batch, max_extend_len); one masked
 scaled-dot-product attention call serves prefill of mixed lengths, extension of a cached prefix
-(chunked prefill) and decode alike.
+(chunked prefill) and decode alike. The mask is causal and, with the model's sliding window W, also
+hides the keys W or more positions behind each query (transformers' sliding-window mask).
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    def __init__(self, kv_cache: MHAKVCachePool, page_table: torch.Tensor, device: torch.device) -> None:
+    def __init__(
+        self,
+        kv_cache: MHAKVCachePool,
+        page_table: torch.Tensor,
+        device: torch.device,
+        sliding_window: int | None = None,
+    ) -> None:
         self.kv_cache, self.page_table, self.device = kv_cache, page_table, device
+        self._set_sliding_window(sliding_window)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -66,7 +74,10 @@ class TorchAttnBackend(BaseAttnBackend):
         table_idx = self._to_device(torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64))
         page_index = self.page_table[table_idx, :max_kv:page_size].long() // page_size
         q_pos = self._to_device(cached)[:, None] + torch.arange(max_q, device=self.device)
-        mask = torch.arange(max_kv, device=self.device) <= q_pos[:, :, None]
+        kv_pos = torch.arange(max_kv, device=self.device)
+        mask = kv_pos <= q_pos[:, :, None]
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos[:, :, None] - self.sliding_window
         batch.attn_metadata = TorchAttnMetadata(
             last_indices=last_indices,
             page_index=page_index,

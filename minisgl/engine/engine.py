@@ -36,7 +36,7 @@ from minisgl.moe import create_moe_backend
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-TP_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # families that shard themselves under TP
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # families that shard themselves under TP
 CPU_KV_FRACTION = 0.10  # default CPU KV budget: this share of the RAM available at start
 
 
@@ -203,6 +203,13 @@ class Engine:
         # the token each table_idx sampled last: a pending decode batch reads its input_ids here
         self.last_tokens = torch.zeros(max_running_req + 1, dtype=torch.int32, device=self.device)
 
+    @property
+    def attention_window(self) -> int | None:
+        """The model's sliding attention window (`ModelConfig.sliding_window`), or None where it is
+        absent or reaches past `max_seq_len`: such a window hides no token, so the kernels run without."""
+        window = self.config.model_config.sliding_window
+        return None if window is None or window >= self.max_seq_len else window
+
     def _init_backends(self) -> None:
         """The attention backend (which sees this rank's heads), the MoE backend and the context."""
         cfg, model_config = self.config, self.config.model_config
@@ -219,6 +226,7 @@ class Engine:
             # its split count follows the batch size, so a request's logits would depend on its batch
             triton_decode_max_bs=0 if cfg.batch_invariant else cfg.decode_triton_max_bs,
             dtype=self.dtype,
+            sliding_window=self.attention_window,
         )
         self.moe_backend = (
             create_moe_backend(cfg.moe_backend, self.device, self.dtype) if model_config.num_experts else None

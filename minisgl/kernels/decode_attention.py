@@ -14,6 +14,10 @@ context (their grid is sized for the whole GPU, and the tensor-core kernel adds 
   split, the output itself.
 - `_merge_kernel`: one program per (request, query head) weighs the parts by their log-sum-exp.
 
+With a sliding window of W tokens (`window`, the model's, a compile-time constant: 0 for none) a
+request of n tokens attends to its last min(n, W) only: the splits divide those tokens, and the pages
+before them are not read.
+
 The number of splits depends only on the batch size and the head counts (about two programs per SM), so
 a CUDA graph captured at one batch size replays the same grid. Each request's row of the page table and
 its length are read on the device: nothing is planned on the host. `decode_attention` is called by the
@@ -86,6 +90,7 @@ if triton is not None:
         DOT_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
+        WINDOW: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
@@ -96,8 +101,12 @@ if triton is not None:
         s = tl.program_id(2)
         n = tl.load(lens_ptr + b)
         row = tl.load(rows_ptr + b).to(tl.int64)
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
-        start = s * chunk
+        if WINDOW > 0:  # the first token attended
+            first = tl.maximum(n - WINDOW, 0)
+        else:
+            first = 0
+        chunk = tl.cdiv(tl.cdiv(n - first, SPLITS), BLOCK_N) * BLOCK_N
+        start = first + s * chunk
         end = tl.minimum(start + chunk, n)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -187,6 +196,14 @@ if triton is not None:
         )
 
 
+def check_window(window: int | None, name: str = "window") -> int | None:
+    """`window` as the attention kernels and backends take it: None (full causal attention) or an
+    integer >= 1, the tokens each query attends to, its own included; ValueError naming `name` else."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name} must be None (full attention) or an integer >= 1, got {window!r}")
+    return window
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -204,8 +221,10 @@ def decode_attention(
     block_n: int = BLOCK_N,
     pdl: bool | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per request over its first `lens[i]` tokens.
+    """Attention of one query token per request over its first `lens[i]` tokens, or with `window` (a
+    sliding window of that many tokens, None: none) over the last `window` of them.
 
     q: (B, H, D); k, v: (locations, KVH, D), H a multiple of KVH, each head's D dense; table: (rows,
     positions) int32 KV locations (the engine's page table); rows, lens: (B,) integer tensors (each
@@ -233,6 +252,7 @@ def decode_attention(
             "decode_attention: kv_scales must be a contiguous (2,) float32 tensor, got "
             f"{tuple(kv_scales.shape)} {kv_scales.dtype} (strides {kv_scales.stride()})"
         )
+    check_window(window)
     if splits is None:
         splits = num_splits(bs, num_kv_heads, _sm_count(q.device))
     group = num_heads // num_kv_heads
@@ -251,7 +271,8 @@ def decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits, DOT_F32=_DOT_F32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, **options,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, WINDOW=window or 0,
+        **options,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(bs, num_heads)](

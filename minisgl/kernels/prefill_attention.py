@@ -11,8 +11,11 @@ whole block and group, where decode attention would read it once per token.
 
 `block_rows` gives each block's page-table row, `lens` each query token's length (at least 1: padding
 attends to its row's first token). An FP8 KV cache is read as decode attention reads it (e4m3 widened
-to q's dtype, K's scale in the softmax scale, V's on the output). The tests run it on CPU tensors under
-Triton's interpreter against a torch reference.
+to q's dtype, K's scale in the softmax scale, V's on the output). With a sliding window of W tokens
+(`window`, a compile-time constant: 0 for none) a token of length n attends to the tokens n - W to
+n - 1: the sweep starts at the block's earliest such token, and a KV block that holds none of a row's
+tokens leaves that row as it was. The tests run it on CPU tensors under Triton's interpreter against a
+torch reference.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 
 import torch
 
-from minisgl.kernels.decode_attention import _DOT_F32, triton
+from minisgl.kernels.decode_attention import _DOT_F32, check_window, triton
 from minisgl.kernels.pdl import launch_options, pdl_enabled
 
 if triton is not None:
@@ -59,6 +62,7 @@ if triton is not None:
         DOT_F32: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
+        WINDOW: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
@@ -82,6 +86,10 @@ if triton is not None:
         )
         n = tl.load(lens_ptr + token)
         end = tl.max(n, 0)
+        if WINDOW > 0:  # the first token any row of the block attends to
+            first = tl.maximum(tl.min(n, 0) - WINDOW, 0)
+        else:
+            first = 0
         if FP8:
             sm_scale = sm_scale * tl.load(scales_ptr)
             v_scale = tl.load(scales_ptr + 1)
@@ -90,7 +98,8 @@ if triton is not None:
         m = tl.full([BLOCK_M * GROUP_P], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_P, BLOCK_D], tl.float32)
-        for t0 in range(0, end, BLOCK_N):  # t = 0 is every row's: m is finite after the first block
+        # without a window t = 0 is every row's: m is finite after the first block
+        for t0 in range(first, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tmask = t < end
             loc = tl.load(table_ptr + row * stride_table + t, mask=tmask, other=0).to(tl.int64)
@@ -102,10 +111,16 @@ if triton is not None:
             if DOT_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-            scores = tl.where(t[None, :] < n[:, None], scores, float("-inf"))
+            visible = t[None, :] < n[:, None]
+            if WINDOW > 0:
+                visible = visible & (t[None, :] >= n[:, None] - WINDOW)
+            scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            m_ref = m_new
+            if WINDOW > 0:  # a row that has seen none of its tokens yet: exp(-inf - 0) = 0, never NaN
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
             denom = denom * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=kvmask, other=0.0)
             if FP8:
@@ -134,8 +149,10 @@ def prefill_attention(
     sm_scale: float | None = None,
     pdl: bool | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each query token over the first `lens[t]` tokens of its block's page-table row.
+    """Attention of each query token over the first `lens[t]` tokens of its block's page-table row, or
+    with `window` (a sliding window of that many tokens; None: none) over the last `window` of them.
 
     q: (T, H, D), T a multiple of `ALIGN`; k, v: (locations, KVH, D) (float8_e4m3fn with the layer's (2,)
     float32 `kv_scales`, as `decode_attention` takes them); table: the page table; block_rows: (T /
@@ -155,6 +172,7 @@ def prefill_attention(
     fp8 = k.dtype == torch.float8_e4m3fn
     if fp8 != (kv_scales is not None):
         raise ValueError("prefill_attention: FP8 K and V need the layer's (2,) kv_scales, others none")
+    check_window(window)
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     out = torch.empty_like(q)
@@ -165,7 +183,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=ALIGN, BLOCK_N=BLOCK_N, DOT_F32=_DOT_F32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, WINDOW=window or 0,
         num_warps=8 if ALIGN * group_p >= 128 else 4, **options,
     )  # fmt: skip
     return out

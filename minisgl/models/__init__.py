@@ -29,6 +29,7 @@ __all__ = [
 
 MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,  # Llama's layers; its sliding window is the attention backends' (config)
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,

@@ -9,8 +9,8 @@ The upper bounds lie far above any released model and only catch absurd values:
 - vocab_size: at most 2**24
 - counts (num_hidden_layers, num_attention_heads, num_key_value_heads, num_experts,
   decoder_sparse_step): at most 2**16
-- positions (max_position_embeddings, RoPE's original_max_position_embeddings): at most 2**31 - 1,
-  the largest int32 position
+- positions (max_position_embeddings, RoPE's original_max_position_embeddings, Mistral's
+  sliding_window): at most 2**31 - 1, the largest int32 position
 
 An optional key set to null takes its default, as in transformers.
 
@@ -36,6 +36,7 @@ from minisgl.layers.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 # architecture name in config.json -> model family implemented in minisgl.models
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -120,6 +121,10 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     # FP8 projections (config.json's quantization_config, or the setting `quantization`); None: none
     quantization: Fp8Config | None = None
+    # sliding-window attention (Mistral's `sliding_window`): each token attends to the last W tokens, its
+    # own included (keys at positions p - W < k <= p, transformers' mask); None: full causal attention.
+    # Every layer has the same window; the attention backends read it (minisgl.attention)
+    sliding_window: int | None = None
 
     def with_quantization(self, method: str | None) -> ModelConfig:
         """This config under the setting `quantization`: 'fp8' quantizes a model whose checkpoint is not
@@ -163,7 +168,8 @@ class ModelConfig:
                 f"num_key_value_heads={num_kv_heads}"
             )
         vocab_size = keys.integer("vocab_size", le=MAX_VOCAB)
-        attention_bias = keys.flag("attention_bias")
+        # transformers' Mistral has no attention biases, whatever attention_bias says
+        attention_bias = keys.flag("attention_bias") and family != "mistral"
         # transformers 5 writes `dtype`, older versions `torch_dtype`
         dtype, torch_dtype = keys.text("dtype", None), keys.text("torch_dtype", None)
         return cls(
@@ -190,6 +196,7 @@ class ModelConfig:
             ),
             torch_dtype=dtype or torch_dtype,
             quantization=quantization,
+            sliding_window=_sliding_window(keys) if family == "mistral" else None,
             **(_moe(keys, num_layers) if family == "qwen3_moe" else {}),
         )
 
@@ -404,6 +411,19 @@ def _head_dim(keys: _Keys, hidden_size: int, num_heads: int) -> int:
     elif head_dim % 2:
         raise keys.error("head_dim", head_dim, "even for rotary embeddings")
     return head_dim
+
+
+# transformers' MistralConfig's window where config.json has no `sliding_window` key (null: none)
+MISTRAL_DEFAULT_WINDOW = 4096
+
+
+def _sliding_window(keys: _Keys) -> int | None:
+    """Mistral's attention window: `sliding_window` tokens, null for full attention, 4096 where the key
+    is absent (transformers' default). Only Mistral reads it: Qwen2 and Qwen3 configs carry one that
+    their `use_sliding_window: false` turns off."""
+    if "sliding_window" not in keys.raw:
+        return MISTRAL_DEFAULT_WINDOW
+    return keys.integer("sliding_window", None, le=MAX_POSITIONS)
 
 
 def _rope_config(keys: _Keys) -> RopeConfig:

@@ -1,4 +1,6 @@
-"""Llama-style dense decoders: Llama (2, 3.x, SmolLM2), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+"""Llama-style dense decoders: Llama (2, 3.x, SmolLM2), Mistral (Llama's layers under a sliding attention
+window, `ModelConfig.sliding_window`, which the attention backends apply), Qwen2 (q/k/v bias) and Qwen3
+(q/k RMSNorm).
 
 The module only holds weights; `forward` composes the pure functions of `minisgl.layers`. Q, K and V
 are one merged projection, and so are the MLP's gate and up projections: fewer, larger GEMMs.
@@ -120,7 +122,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints."""
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()

@@ -9,14 +9,14 @@ from typing import Any
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of `ids`: for a fast tokenizer
+def decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` as a function of `ids`: for a fast tokenizer
     that cleans up no spaces (transformers' decode then only forwards to its Rust backend) the backend's
     own decode, a quarter of the cost per call; else the tokenizer's."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
-        return functools.partial(backend.decode, skip_special_tokens=True)
-    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -26,11 +26,12 @@ class IncrementalDetokenizer:
     last emitted point, so that tokenizers which merge across tokens see context) to the end, and
     emits what the window's text has beyond the already-emitted part. A window whose text ends in an
     incomplete UTF-8 sequence (U+FFFD) is held back until the next token completes it.
+    `skip_special_tokens=False` keeps special tokens in the text (a tool-call parser's markup).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self._decode = decoder(tokenizer)
+        self._decode = decoder(tokenizer, skip_special_tokens)
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0

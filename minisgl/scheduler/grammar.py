@@ -50,7 +50,7 @@ def threads(half: bool = False) -> int:
     return max(1, min(8, cores // 2 if half else cores))
 
 
-def _reason(error: Exception) -> str:
+def xgrammar_reason(error: Exception) -> str:
     """xgrammar's message without its time and source location, on one line."""
     text = " ".join(str(error).split("\n"))
     return _XGRAMMAR_PREFIX.sub("", text).strip() or type(error).__name__
@@ -58,7 +58,7 @@ def _reason(error: Exception) -> str:
 
 def _invalid(field: str, error: Exception) -> str:
     what = {"json_schema": "a JSON schema", "regex": "a regex", "ebnf": "an EBNF grammar"}.get(field, field)
-    return f"{field} is not {what} xgrammar can compile: {_reason(error)}"
+    return f"{field} is not {what} xgrammar can compile: {xgrammar_reason(error)}"
 
 
 DEAD_END = "allows no token after"  # in the message of every GrammarDeadEnd (the server tells them apart)

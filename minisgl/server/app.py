@@ -15,7 +15,9 @@ way. The modules, by what they own:
   size and shape, availability); `connections`: the connections below the app (timeouts, the cap).
 - `generation`: the steps every generation route takes (prepare, admit, wait, release).
 - `protocol` (request bodies), `sampling` (-> SamplingParams), `responses` (OpenAI's JSON and
-  chunks), `errors` (`APIError`), `logprobs`, `structured`: pure functions, no HTTP, no engine.
+  chunks), `errors` (`APIError`), `logprobs`, `structured`: pure functions, no HTTP, no engine; so are
+  tool calling's `tools` (the request's tools and the reply's calls), `tool_parsers` (calls read from
+  text) and `tool_grammar` (forced calls' grammars).
 - `state`: `ServerState`, what the routes share; `jobs`: a request's `Job` and its `Choice`s;
   `scheduler_client`: the scheduler process's client; `replicas`: `--dp N` of them; `worker`: the
   scheduler process itself; `tokenize`: the tokenizer processes.

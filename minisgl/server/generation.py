@@ -80,13 +80,26 @@ async def prepare_request(
         return Response(status_code=400)
 
 
-def admit_job(state: ServerState, job: Job, params: list[SamplingParams], prompt_ids: list[int]) -> None:
+def admit_job(
+    state: ServerState,
+    job: Job,
+    params: list[SamplingParams],
+    prompt_ids: list[int],
+    keep_special_tokens: bool = False,
+) -> None:
     """Makes the job's choices, one per SamplingParams, and sends them to the scheduler (a replica's,
-    under data parallelism)."""
+    under data parallelism). `keep_special_tokens`: their text keeps special tokens (tool-call markup)."""
     job.tokenized = time.perf_counter()
     client = state.client
+    skip = not keep_special_tokens
     job.choices = [
-        Choice(next(client.rids), i, p, IncrementalDetokenizer(state.decoder) if state.decoder else None, job)
+        Choice(
+            next(client.rids),
+            i,
+            p,
+            IncrementalDetokenizer(state.decoder, skip) if state.decoder else None,
+            job,
+        )
         for i, p in enumerate(params)
     ]
     for choice in job.choices:
@@ -130,15 +143,19 @@ def release_job(state: ServerState, job: Job, request_id: str, prompt_tokens: in
     state.write_trace(job, request_id, prompt_tokens)
 
 
-async def tokenize_prompt(state: ServerState, req: Any, kind: str) -> list[int]:
-    """The prompt's token ids: a chat's messages under the model's template, a text tokenized, or the
+async def tokenize_prompt(
+    state: ServerState, req: Any, kind: str, template_kwargs: Any = None, tools: Any = None
+) -> list[int]:
+    """The prompt's token ids: a chat's messages under the model's template (`template_kwargs`, its
+    variables: the request's unless given; `tools`, the functions rendered), a text tokenized, or the
     ids given (checked against the vocabulary); 400s naming the field."""
     try:
         if kind == "chat":
             tok = state.encoder
             if tok is None or not tok.chat_template:
                 raise APIError("this model has no chat template: use /v1/completions", param="messages")
-            return await state.tokenizers.chat(req.messages, req.chat_template_kwargs)
+            kwargs = req.chat_template_kwargs if template_kwargs is None else template_kwargs
+            return await state.tokenizers.chat(req.messages, kwargs, tools)
         if isinstance(req.prompt, str):
             if state.encoder is None:
                 raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")

@@ -5,13 +5,14 @@ A request goes through the steps every generation route shares (`minisgl.server.
 body is parsed by `minisgl.server.protocol`, its choices become SamplingParams in
 `minisgl.server.sampling`, and the answer is shaped by `minisgl.server.responses`. Here: the choices'
 text as OpenAI's `text` or `message` (with separate_reasoning split into reasoning and content, with
-echo the prompt first), their log probabilities (`minisgl.server.logprobs`), and the stream: one write
-per scheduler step with news, each write's delay since that step recorded
-(`minisgl_token_delivery_seconds`).
+echo the prompt first, with tools read for calls: `minisgl.server.tools`, planned by `_ToolRequest`),
+their log probabilities (`minisgl.server.logprobs`), and the stream: one write per scheduler step with
+news, each write's delay since that step recorded (`minisgl_token_delivery_seconds`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from minisgl.server.jobs import Choice, Job
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.sampling import sampling_params
 from minisgl.server.state import ServerState
+from minisgl.server.tools import ChoiceTools, ToolPlan, plan_tools
 from minisgl.templates import THINK_OPEN, ReasoningSplitter, split_reasoning
 
 
@@ -70,21 +72,31 @@ def _json_response(body: dict[str, Any]) -> Response:
 async def _generate(state: ServerState, request: Request, kind: str) -> Response:
     """`POST /v1/completions` (`kind` "completion") or `/v1/chat/completions` ("chat")."""
     job = Job(time.perf_counter())
-    parse = protocol.parse_chat_request if kind == "chat" else protocol.parse_completion_request
-    prepared = await prepare_request(
-        state, request, parse, lambda req: tokenize_prompt(state, req, kind), sampling_params
-    )
+    tools = _ToolRequest(state) if kind == "chat" else None
+    if tools is not None:  # its tools planned, rendered and forced
+        steps = protocol.parse_chat_request, tools.tokenize, tools.params
+    else:
+        steps = (
+            protocol.parse_completion_request,
+            lambda req: tokenize_prompt(state, req, kind),
+            sampling_params,
+        )
+    prepared = await prepare_request(state, request, *steps)
     if isinstance(prepared, Response):
         return prepared
     req, prompt_ids, params = prepared
     request_id = responses.new_request_id(kind)
-    admit_job(state, job, params, prompt_ids)
+    plan = None if tools is None else tools.plan
+    admit_job(state, job, params, prompt_ids, plan is not None and plan.fmt.keep_special_tokens)
     thinking = _thinking(state, req, prompt_ids)
     echo = _echo(state, req, prompt_ids)
     created = int(time.time())
+    readers = None
+    if plan is not None:  # each choice's calls, read from its text
+        readers = [plan.choice(tools.in_think, thinking is not None) for _ in job.choices]
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, kind, request_id, created, job, prompt_ids, thinking, echo),
+            _stream(state, req, kind, request_id, created, job, prompt_ids, thinking, echo, readers),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -96,7 +108,10 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
                 request_id,
                 state.served_model,
                 len(prompt_ids),
-                [_Generation(c, thinking, echo, state.token_texts, kind) for c in job.choices],
+                [
+                    _Generation(c, thinking, echo, state.token_texts, kind, readers and readers[c.index])
+                    for c in job.choices
+                ],
                 return_token_ids=req.wants_token_ids,
                 created=created,
             )
@@ -107,16 +122,52 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         release_job(state, job, request_id, len(prompt_ids))
 
 
+class _ToolRequest:
+    """A chat request's tools from its prompt to its sampling parameters: the plan (`plan_tools`; None
+    without tools), the parameter schemas checked, the tools rendered, and forced calls' grammar (off
+    the event loop: xgrammar compiles the schemas)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.plan: ToolPlan | None = None
+        self.grammar: str | None = None
+        self.in_think = False  # the prompt ends inside <think>
+
+    async def tokenize(self, req: Any) -> list[int]:
+        state = self.state
+        plan = self.plan = plan_tools(
+            req.tools, req.tool_choice, req.parallel_tool_calls, state.server.tool_call_parser
+        )
+        if plan is None:
+            return await tokenize_prompt(state, req, "chat")
+        await asyncio.to_thread(plan.check_schemas)
+        kwargs = plan.template_kwargs(req.chat_template_kwargs)
+        prompt_ids = await tokenize_prompt(state, req, "chat", kwargs, plan.template_tools())
+        self.in_think = _opens_think(state, prompt_ids)
+        if plan.forced:  # a thinking model may think first: as its prompt or the client says
+            think = "open" if self.in_think else "optional" if (kwargs or {}).get("enable_thinking") else None
+            try:
+                self.grammar = await asyncio.to_thread(plan.grammar, think)
+            except Exception as e:  # the schemas compiled alone: a failure here is xgrammar's
+                raise APIError(f"the forced tool calls' grammar failed: {e}", param="tool_choice") from None
+        return prompt_ids
+
+    def params(self, req: Any, prompt_len: int, max_context: int) -> list[Any]:
+        return sampling_params(req, prompt_len, max_context, self.grammar)
+
+
 @dataclass
 class _Generation:
     """A finished choice as the responses read it (`responses.Generation`): its text (the prompt's
-    first with echo; split into reasoning and content with separate_reasoning) and log probabilities."""
+    first with echo; split into reasoning and content with separate_reasoning; read for tool calls)
+    and log probabilities."""
 
     choice: Choice
     thinking: bool | None = None  # separate_reasoning: whether the reply starts inside <think>
     echo: str | None = None  # completions with echo: the prompt's text, before the reply's
     texts: TokenTexts | None = None  # with log probabilities
     kind: str = "completion"
+    tools: ChoiceTools | None = None  # a chat with tools: reads its calls
 
     @cached_property
     def _split(self) -> tuple[str, str]:
@@ -124,11 +175,25 @@ class _Generation:
         assert self.thinking is not None
         return split_reasoning(self.choice.text, self.thinking)
 
+    @cached_property
+    def _parsed(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool calls) of the reply, read once (tools)."""
+        assert self.tools is not None
+        text = self.choice.text if self.thinking is None else self._split[1]
+        content, calls = self.tools.feed(text, final=True, stopped=self.choice.finish_reason == "stop")
+        return content, [call.as_json() for call in calls]
+
     @property
     def text(self) -> str:
+        if self.tools is not None:
+            return self._parsed[0]
         if self.thinking is None:
             return (self.echo or "") + self.choice.text
         return self._split[1]
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else self._parsed[1]
 
     @property
     def logprobs(self) -> responses.RawJSON | None:
@@ -152,7 +217,8 @@ class _Generation:
 
     @property
     def finish_reason(self) -> str:
-        return self.choice.finish_reason or "error"
+        reason = self.choice.finish_reason or "error"
+        return reason if self.tools is None or not self._parsed[1] else self.tools.finish_reason(reason)
 
     @property
     def error(self) -> str | None:
@@ -164,6 +230,13 @@ def _thinking(state: ServerState, req: Any, prompt_ids: list[int]) -> bool | Non
     template's doing); None without it."""
     if not getattr(req, "separate_reasoning", False) or state.decoder is None:
         return None
+    return _opens_think(state, prompt_ids)
+
+
+def _opens_think(state: ServerState, prompt_ids: list[int]) -> bool:
+    """Whether the prompt ends inside a <think> (a template that forces thinking)."""
+    if state.decoder is None:
+        return False
     tail = state.decoder.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
     return tail.endswith(THINK_OPEN)
 
@@ -187,10 +260,12 @@ async def _stream(
     prompt_ids: list[int],
     thinking: bool | None,
     echo: str | None,
+    readers: list[ChoiceTools] | None = None,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: each time the job is woken, one write with every choice's
     news (text and token ids, final chunks), then the delay since the step that made them is recorded.
     `thinking` (separate_reasoning; see `_thinking`): each text is split into reasoning and content.
+    `readers` (a chat with tools): each text is read for calls (`_read_events`).
     `echo` (completions): each choice's first chunk is the prompt's text (with its log probabilities
     once the prefill has them). Chunks with log probabilities carry them as `RawJSON` (`_streamed_logprobs`)."""
     prompt_tokens = len(prompt_ids)
@@ -235,21 +310,15 @@ async def _stream(
                     choice.text_offset = max(len(echo), 1)
                 text, ids = choice.take()
                 scored = None if choice.logprobs is None else _streamed_logprobs(state, kind, choice)
-                if splitters is not None:  # reasoning_content and content
-                    reasoning, text = splitters[choice.index].feed(text, choice.finished)
-                    if reasoning or text or (wants_ids and ids):
-                        chunk = responses.chat_chunk(
-                            request_id,
-                            model,
-                            choice.index,
-                            content=text or None,
-                            reasoning_content=reasoning or None,
-                            token_ids=ids if wants_ids else None,
-                            created=created,
-                            logprobs=scored,
-                        )
-                        parts.append(responses.sse(chunk))
-                        tokens = True
+                if splitters is not None or readers is not None:  # reasoning, content, tool calls
+                    splitter = None if splitters is None else splitters[choice.index]
+                    reader = None if readers is None else readers[choice.index]
+                    wanted = ids if wants_ids else []
+                    events = _read_events(
+                        request_id, model, created, choice, splitter, reader, text, wanted, scored
+                    )
+                    parts += events
+                    tokens = tokens or bool(events)
                 elif scored is not None:
                     if text or ids:
                         parts.append(fmt.event(text, ids, scored))
@@ -261,6 +330,8 @@ async def _stream(
                     choice.reported = True
                     remaining -= 1
                     reason = responses.openai_finish_reason(choice.finish_reason, choice.error)
+                    if readers is not None:
+                        reason = readers[choice.index].finish_reason(reason)
                     parts.append(
                         responses.sse(
                             _chunk(kind, request_id, model, choice.index, "", None, reason, created)
@@ -280,6 +351,47 @@ async def _stream(
         yield (responses.sse(error_body(e)) + responses.SSE_DONE).encode()
     finally:
         release_job(state, job, request_id, prompt_tokens)
+
+
+def _read_events(
+    rid: str,
+    model: str,
+    created: int,
+    choice: Choice,
+    splitter: ReasoningSplitter | None,
+    reader: ChoiceTools | None,
+    text: str,
+    ids: list[int],
+    scored: responses.RawJSON | None,
+) -> list[str]:
+    """A chat choice's news as events when its text is read: split into reasoning and content
+    (`splitter`, separate_reasoning) and read for tool calls (`reader`). One chunk with its reasoning
+    and content (and the token ids `ids` when asked for, the log probabilities `scored`), then per call
+    completed a chunk with its index, id, type and name and one with its arguments."""
+    reasoning, calls = "", []
+    if splitter is not None:
+        reasoning, text = splitter.feed(text, choice.finished)
+    if reader is not None:
+        text, calls = reader.feed(text, choice.finished, choice.finish_reason == "stop")
+    events = []
+    if reasoning or text or scored is not None or ids:
+        chunk = responses.chat_chunk(
+            rid,
+            model,
+            choice.index,
+            content=text or None,
+            reasoning_content=reasoning or None,
+            token_ids=ids or None,
+            created=created,
+            logprobs=scored,
+        )
+        events.append(responses.sse(chunk))
+    first = 0 if reader is None else len(reader.calls) - len(calls)
+    for index, call in enumerate(calls, first):
+        for delta in call.deltas(index):
+            chunk = responses.chat_chunk(rid, model, choice.index, tool_calls=[delta], created=created)
+            events.append(responses.sse(chunk))
+    return events
 
 
 def _chunk(

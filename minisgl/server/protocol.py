@@ -18,11 +18,12 @@ chunks and finish reasons are `minisgl.server.responses`'s, the errors `minisgl.
 Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
 strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
 
-Parameters of OpenAI's API that minisgl does not implement (best_of, suffix, tools,
+Parameters of OpenAI's API that minisgl does not implement (best_of, suffix, functions,
 ...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
-asks for nothing (see ``_UNSUPPORTED``: ``best_of: 1``, ``tools: []``...).
+asks for nothing (see ``_UNSUPPORTED``: ``best_of: 1``, ``functions: []``...).
 Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``; chat: ``parallel_tool_calls``) is type-checked and ignored. Any other field is
+``safety_identifier``) is type-checked and ignored. Chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls``, and the tool calls and results of its messages, are `minisgl.server.tools`'s. Any other field is
 refused with a 400 (code "unknown_parameter"). A batch of several prompts is refused with a 400: one
 request per prompt (a list holding one prompt is that prompt).
 """
@@ -46,6 +47,7 @@ from pydantic_core import PydanticCustomError
 
 from minisgl.server.errors import APIError, context_exceeded, short
 from minisgl.server.structured import ResponseFormat
+from minisgl.server.tools import HistoryToolCall, Tool, check_chat, parse_tool_choice
 from minisgl.templates import check_template_kwargs
 
 MAX_N = 128  # choices per request
@@ -184,16 +186,27 @@ class StreamOptions(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One message of a conversation. "developer" (OpenAI's newer name for system) becomes "system"."""
+    """One message of a conversation. "developer" (OpenAI's newer name for system) becomes "system";
+    an assistant's `tool_calls` reach the template with their arguments as objects, a tool message
+    carries its `tool_call_id` (`minisgl.server.tools.check_chat`)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, BeforeValidator(_content)] = ""
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.as_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -272,14 +285,17 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    """`POST /v1/chat/completions`: `messages` are plain dicts {"role", "content"[, "name"]} with text
-    content, ready for a chat template."""
+    """`POST /v1/chat/completions`: `messages` are plain dicts {"role", "content"[, "name",
+    "tool_calls", "tool_call_id"]} with text content, ready for a chat template."""
 
-    messages: Annotated[list[dict[str, str]], BeforeValidator(_messages)]
+    messages: Annotated[list[dict[str, Any]], BeforeValidator(_messages)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # alternatives per token, with logprobs
-    parallel_tool_calls: bool | None = None  # ignored: no tools
+    # tool calling (minisgl.server.tools)
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Any, BeforeValidator(parse_tool_choice)] = None
+    parallel_tool_calls: bool | None = None
     # the chat template's own variables (vLLM's and SGLang's field), e.g. {"enable_thinking": false}
     chat_template_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_template_kwargs)] = None
     # SGLang's field: a thinking model's <think>...</think> goes to the message's reasoning_content
@@ -314,8 +330,6 @@ _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
 }
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     **_UNSUPPORTED_BOTH,
-    "tools": _is_empty,
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": _is_empty,
     "function_call": lambda v: v is None or v == "none",
     "modalities": lambda v: v is None or v == ["text"],
@@ -368,6 +382,7 @@ def _validation_error(e: ValidationError) -> APIError:
         "limit",
         "template_kwargs",
         "logit_bias",
+        "tool_choice",
     }
     if err["type"] in custom:
         return APIError(f"invalid {quoted}: {message}", param=param)
@@ -417,6 +432,7 @@ def _parse(
                 "max_completion_tokens (max_tokens is its older name)",
                 param="max_tokens",
             )
+        check_chat(request.tools, request.tool_choice, request.messages)
     return request
 
 

@@ -11,6 +11,10 @@ finish_reason=openai_finish_reason(...))`; after all choices `usage_chunk(...)` 
 `RawJSON` values, log probabilities already written as JSON, put in as they are). `ChunkFormat` writes
 the chunks of one choice cheaply. `/v1/completions` streams `completion_chunk`s the same way.
 
+A chat with tools (`minisgl.server.tools`): the message carries `tool_calls` (its content null when it
+has none beside them) and finishes with "tool_calls"; streamed, each call comes as two deltas of
+`chat_chunk(..., tool_calls=[...])`, its id, type and name, then its arguments.
+
 Finish reasons: the engine's "stop" and "length" are OpenAI's. "error" (a step failed for the request)
 and "abort" (the server shut down or the request was cancelled) have no OpenAI counterpart: they become
 an APIError, 500 "server_error" with code "generation_failed", or 503 "server_error" with code
@@ -42,11 +46,11 @@ class Generation(Protocol):
     error: str | None
 
 
-def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop", "length"]:
-    """The engine's finish reason as OpenAI's; "error" and "abort" raise the APIError that replaces the
-    choice (see the module docstring): a 400 where the request's grammar reached a dead end
-    (`GrammarDeadEnd`), else a 500 (503 for "abort")."""
-    if reason in ("stop", "length"):
+def openai_finish_reason(reason: str, error: str | None = None) -> Literal["stop", "length", "tool_calls"]:
+    """The engine's finish reason as OpenAI's ("tool_calls": a reply with tool calls); "error" and
+    "abort" raise the APIError that replaces the choice (see the module docstring): a 400 where the
+    request's grammar reached a dead end (`GrammarDeadEnd`), else a 500 (503 for "abort")."""
+    if reason in ("stop", "length", "tool_calls"):
         return reason  # type: ignore[return-value]
     if reason == "abort":
         raise APIError(
@@ -111,6 +115,11 @@ def chat_response(
     def content(gen: Generation) -> dict[str, Any]:
         reasoning = getattr(gen, "reasoning", None)  # set with separate_reasoning
         extra = {} if reasoning is None else {"reasoning_content": reasoning}
+        calls = getattr(gen, "tool_calls", None)  # a chat with tools
+        if calls:
+            return {
+                "message": {"role": "assistant", **extra, "content": gen.text or None, "tool_calls": calls}
+            }
         return {"message": {"role": "assistant", **extra, "content": gen.text}}
 
     return _response("chat.completion", request_id, model, prompt_tokens, generations, content, **options)
@@ -181,15 +190,16 @@ def chat_chunk(
     *,
     role: Literal["assistant"] | None = None,
     content: str | None = None,
-    finish_reason: Literal["stop", "length"] | None = None,
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None,
     token_ids: Sequence[int] | None = None,
     created: int | None = None,
     reasoning_content: str | None = None,
     logprobs: dict[str, Any] | RawJSON | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A `chat.completion.chunk` for choice `index`: the first carries ``role="assistant"`` (and
-    ``content=""``), later ones ``content`` (and, with separate_reasoning, ``reasoning_content``), the
-    last an empty delta and the finish_reason."""
+    ``content=""``), later ones ``content`` (and, with separate_reasoning, ``reasoning_content``; with
+    tools, ``tool_calls`` deltas), the last an empty delta and the finish_reason."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
@@ -197,6 +207,8 @@ def chat_chunk(
         delta["reasoning_content"] = reasoning_content
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
     choice = _chunk_choice(index, "delta", delta, logprobs, finish_reason, token_ids)
     return {**_envelope(request_id, "chat.completion.chunk", model, created), "choices": [choice]}
 

@@ -24,6 +24,9 @@ The request's fields onto `minisgl.core.SamplingParams`:
 - ``response_format`` (both endpoints; ``text``, ``json_object``, ``json_schema``) and ``regex``,
   ``ebnf`` (extra, SGLang's) -> ``json_object``, ``json_schema``, ``regex``, ``ebnf``
   (``minisgl.server.structured``; docs/structured-output.md).
+- ``tool_choice`` (chat) "required" or a named function -> ``ebnf``, the forced calls' grammar
+  (``minisgl.server.tool_grammar``, given as `tool_grammar`; docs/tools.md); it excludes the fields
+  above.
 - Log probabilities (of the model's own distribution, before logit_bias, penalties and temperature):
   completions ``logprobs`` k (0 to 20) -> ``logprobs`` k, and with ``echo`` also ``prompt_logprobs`` k
   (``echo`` puts the prompt before the text; with it ``max_tokens`` may be 0, to score a prompt); chat
@@ -47,10 +50,14 @@ from minisgl.server.structured import StructuredOutputError, grammar_fields
 
 
 def sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_context: int
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    max_context: int,
+    tool_grammar: str | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice (`n`) for a prompt of `prompt_len` tokens on a model whose context
-    holds `max_context` tokens (prompt and reply); APIError 400 when the request cannot run."""
+    holds `max_context` tokens (prompt and reply); `tool_grammar`: the EBNF of forced tool calls.
+    APIError 400 when the request cannot run."""
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if prompt_len < 1:
         raise APIError("the prompt is empty: give at least one token", param=prompt_param)
@@ -94,6 +101,20 @@ def sampling_params(
         given.update(grammar_fields(request.response_format, request.regex, request.ebnf))
     except StructuredOutputError as e:
         raise APIError(str(e), param=e.param) from None
+    aliases = {}
+    if tool_grammar is not None:
+        if given.keys() & {"json_schema", "json_object", "regex", "ebnf"}:
+            raise APIError(
+                "tool_choice forces tool calls, which response_format, regex and ebnf cannot constrain "
+                'as well: give one of them, or tool_choice "auto"',
+                param="tool_choice",
+            )
+        if request.ignore_eos:
+            raise APIError(
+                "tool_choice forces tool calls, which end where their grammar does: leave ignore_eos out",
+                param="tool_choice",
+            )
+        given["ebnf"], aliases["ebnf"] = tool_grammar, "tool_choice"
     try:
         params = SamplingParams(
             temperature=temperature,
@@ -103,7 +124,7 @@ def sampling_params(
     except (TypeError, ValueError) as e:
         logprobs = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
         raise invalid_request(
-            e, {"max_tokens": name, "logprobs": logprobs, "prompt_logprobs": "logprobs"}
+            e, {"max_tokens": name, "logprobs": logprobs, "prompt_logprobs": "logprobs", **aliases}
         ) from None
     n = request.n or 1
     if params.seed is None:

@@ -1,6 +1,7 @@
 """What the front end's routes share: `ServerState`, made once per server. It holds the scheduler
 client (one, or the replicas of `--dp N`), the tokenizers (a pool for prompts, one on the event loop for
-detokenizing), structured output's grammars, the request limits, the counts the guards and routes keep
+detokenizing; the setting chat_template's template in place of the model's), structured output's
+grammars, the request limits, the counts the guards and routes keep
 (choices outstanding, request-body bytes being read, draining), the front end's own Prometheus series
 and the request trace's file.
 """
@@ -25,6 +26,7 @@ from minisgl.server.logprobs import TokenTexts
 from minisgl.server.replicas import Replicas, replica_settings
 from minisgl.server.scheduler_client import SchedulerClient
 from minisgl.server.tokenize import TokenizerPool, default_workers
+from minisgl.templates import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class ServerState:
         self.delivery: HotHistogram | None = None  # made once the model's name is known
         self.clock_offset = time.time() - time.perf_counter()  # perf_counter -> Unix time (traces)
         self.trace: Any = None  # the request trace's file (request_trace)
+        # the setting chat_template: the text of the template that replaces the model's
+        template = self.server.chat_template
+        self.chat_template = None if template is None else Path(template).read_text(encoding="utf-8")
         if self.server.request_trace:
             self.trace = open(self.server.request_trace, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
@@ -102,12 +107,17 @@ class ServerState:
             self.served_model = info["model_name"]
         path = info["model_path"]
         if any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-            import transformers
-
-            load = transformers.AutoTokenizer.from_pretrained
+            load = load_tokenizer  # with a chat_template.json's template
             self.encoder, self.decoder = await asyncio.to_thread(lambda: (load(path), load(path)))
+            if self.chat_template is not None:
+                self.encoder.chat_template = self.chat_template
+            if self.server.tool_call_parser and "tools" not in str(self.encoder.chat_template or ""):
+                logger.warning(
+                    "tool_call_parser is set but the chat template never reads `tools`: the model will "
+                    "not see them (configs/templates/hermes-tools.jinja renders them; docs/tools.md)"
+                )
             workers = self.server.tokenizer_workers or default_workers()
-            self.tokenizers = TokenizerPool(path, workers)
+            self.tokenizers = TokenizerPool(path, workers, self.chat_template)
             await self.tokenizers.warm(info["max_context"])
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
         # structured output's check before a request is sent on (compiles lazily: nothing until used)

@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
-from minisgl.templates import render_chat
+from minisgl.templates import load_tokenizer, render_chat
 
 _worker = threading.local()  # .tokenizer: the worker's own (two threads never share one)
 _loading = threading.Lock()  # transformers' lazy imports are not safe from two threads at once
@@ -48,15 +48,15 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def _load(path: str, process: bool) -> None:
+def _load(path: str, process: bool, template: str | None = None) -> None:
     if process:  # Linux: die with the front end, as the scheduler process does
         from minisgl.server.worker import set_parent_death_signal
 
         set_parent_death_signal()
     with _loading:
-        import transformers
-
-        _worker.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        _worker.tokenizer = load_tokenizer(path)
+    if template is not None:  # the setting chat_template: a template file's text
+        _worker.tokenizer.chat_template = template
     if _worker.tokenizer.chat_template:  # compiles the template now, not in a request's time
         encode_chat([{"role": "user", "content": "Hi"}])
 
@@ -65,13 +65,14 @@ def encode_chat(
     messages: list[dict[str, Any]],
     max_bytes: int | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The chat template over `messages` (with `template_kwargs`, its variables) and the generation
-    prompt, tokenized (no special tokens added: the template writes them); PromptTooLong if the text
-    has more than `max_bytes` bytes."""
+    """The chat template over `messages` (with `template_kwargs`, its variables, and `tools`, the
+    functions the reply may call) and the generation prompt, tokenized (no special tokens added: the
+    template writes them); PromptTooLong if the text has more than `max_bytes` bytes."""
     tokenizer = _worker.tokenizer
     try:
-        text = render_chat(tokenizer, messages, template_kwargs)
+        text = render_chat(tokenizer, messages, template_kwargs, tools)
     except Exception as e:  # the template refused the conversation (or a variable broke it)
         raise TemplateFailed(f"{type(e).__name__}: {e}"[:300]) from None
     if max_bytes is not None and len(text) > max_bytes // 4:  # only a long text can be too long
@@ -139,32 +140,43 @@ def _keeps_text(pre: dict[str, Any] | None) -> bool:
 
 
 class TokenizerPool:
-    """`workers` processes tokenizing the prompts of the model at `path`; 1: one thread."""
+    """`workers` processes tokenizing the prompts of the model at `path`; 1: one thread. `template`: the
+    text of a chat template that replaces the model's (setting chat_template)."""
 
-    def __init__(self, path: str, workers: int) -> None:
+    def __init__(self, path: str, workers: int, template: str | None = None) -> None:
         self.workers = workers
         self.max_bytes: int | None = None  # set by `limit`: longer prompts are refused untokenized
         self._large = ThreadPoolExecutor(
-            1, thread_name_prefix="minisgl-tokenize-large", initializer=_load, initargs=(path, False)
+            1,
+            thread_name_prefix="minisgl-tokenize-large",
+            initializer=_load,
+            initargs=(path, False, template),
         )
         if workers <= 1:
             self._pool: Executor = ThreadPoolExecutor(
-                1, thread_name_prefix="minisgl-tokenize", initializer=_load, initargs=(path, False)
+                1, thread_name_prefix="minisgl-tokenize", initializer=_load, initargs=(path, False, template)
             )
         else:
             self._pool = ProcessPoolExecutor(
-                workers, mp_context=mp.get_context("spawn"), initializer=_load, initargs=(path, True)
+                workers,
+                mp_context=mp.get_context("spawn"),
+                initializer=_load,
+                initargs=(path, True, template),
             )
 
     def _lane(self, chars: int) -> Executor:
         return self._large if chars > LARGE_PROMPT_CHARS else self._pool
 
     async def chat(
-        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation's prompt ids; PromptTooLong when its text cannot fit the context."""
         chars = sum(len(m["content"]) + 32 for m in messages)  # 32: the template's text per message, about
-        future = self._lane(chars).submit(encode_chat, messages, self.max_bytes, template_kwargs)
+        chars += len(json.dumps(tools)) if tools else 0
+        future = self._lane(chars).submit(encode_chat, messages, self.max_bytes, template_kwargs, tools)
         return await asyncio.wrap_future(future)
 
     async def text(self, text: str) -> list[int]:
