@@ -35,6 +35,7 @@ from minisgl.engine import Engine, check_tensor_parallel
 from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
 from minisgl.scheduler import RequestState, Scheduler
+from minisgl.scheduler.speculative import Speculator, max_verify_batch
 from minisgl.settings import EngineSettings
 from minisgl.templates import load_tokenizer, render_chat
 
@@ -152,6 +153,12 @@ class LLM:
             settings["distributed_addr"] = f"file://{self._rendezvous_dir}/rendezvous"
             self.settings = EngineSettings.load(config, **settings)
         scheduler_config = self.settings.to_scheduler_config()
+        if scheduler_config.speculative_method != "none" and self.settings.tp_size > 1:
+            raise ValueError(
+                f"speculative_method={scheduler_config.speculative_method!r} is not supported under tensor "
+                f"parallelism yet (tp_size={self.settings.tp_size}): leave speculative_method at 'none' or "
+                "use tp_size 1"
+            )
         self.group: TPGroup | None = None  # rank 0's side of a tensor-parallel group
         try:
             self.engine = self._start_engine(settings, config, launched)
@@ -174,6 +181,7 @@ class LLM:
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
             cache_type=scheduler_config.cache_type,
+            speculator=self._speculator(scheduler_config),
         )
         if self.group is not None:
             self.group.start(self.scheduler)
@@ -185,6 +193,50 @@ class LLM:
         self._closed = False
         self._closing = False  # a shutdown waits for the lock: stepping threads let it have it
 
+    def _draft_footprint(self, engine_config: Any) -> Any:
+        """With speculative_method 'draft': the draft model's weights and KV bytes per page, which the
+        target's KV pool makes room for (its pages shared by page id); else None."""
+        config = self.settings.to_scheduler_config()
+        if config.speculative_method != "draft":
+            return None
+        from minisgl.scheduler.draft import draft_footprint
+
+        self._footprint = draft_footprint(engine_config, resolve_model(config.speculative_draft_model))
+        return self._footprint
+
+    def _speculator(self, config: Any) -> Speculator | None:
+        """Speculative decoding's proposer and policy as the settings ask (None: off)."""
+        method = config.speculative_method
+        if method == "none":
+            return None
+        draft = None
+        if method == "draft":
+            from minisgl.scheduler.draft import DraftProposer
+
+            draft = DraftProposer(
+                self.engine,
+                resolve_model(config.speculative_draft_model),
+                config.speculative_num_tokens,
+                footprint=self._footprint,
+            )
+        logger.info(
+            "speculative decoding: %s, %d draft tokens per step%s",
+            method,
+            config.speculative_num_tokens,
+            f" (n-grams up to {config.speculative_ngram_max})" if method == "ngram" else "",
+        )
+        # a verify step of up to the policy's batch replays a CUDA graph (none on the CPU)
+        max_batch = max_verify_batch(self.engine.device.type, config.speculative_num_tokens)
+        self.engine.graph_runner.capture_verify(config.speculative_num_tokens + 1, max_batch)
+        return Speculator(
+            method,
+            config.speculative_num_tokens,
+            ngram_max=config.speculative_ngram_max,
+            device_type=self.engine.device.type,
+            draft=draft,
+            model_name=self.model_name,
+        )
+
     def _start_engine(
         self, settings: dict[str, Any], config: str | Path | None, launched: tuple[int, int] | None
     ) -> Engine:
@@ -193,7 +245,8 @@ class LLM:
         workers = []
         if launched is None or launched[1] == 1:
             if self.settings.tp_size == 1:
-                return Engine(self.settings.to_engine_config())
+                config = self.settings.to_engine_config()
+                return Engine(config, companion=self._draft_footprint(config))
             # rank 0 here, ranks 1..N-1 in processes of their own, once the model is known to split
             check_tensor_parallel(self.settings.to_engine_config(rank=0))
             settings["model_path"] = self.settings.resolved_model_path()  # prepared once, here
@@ -369,6 +422,8 @@ class LLM:
             finally:  # the engine and its process group go in any case: a new LLM may follow
                 try:
                     # before joining the followers: they leave the NCCL group together with rank 0
+                    if self.scheduler.spec is not None:
+                        self.scheduler.spec.shutdown()
                     self.engine.shutdown(abort=self.group is not None and self.group.stop())
                 finally:
                     if self.group is not None:

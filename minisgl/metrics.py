@@ -101,6 +101,26 @@ PREEMPTIONS = Counter(
     ["model_name"],
     registry=REGISTRY,
 )
+SPEC_DRAFT_TOKENS = Counter(
+    "minisgl_spec_draft_tokens",
+    "Draft tokens proposed by speculative decoding and verified by the target.",
+    ["model_name"],
+    registry=REGISTRY,
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "minisgl_spec_accepted_tokens",
+    "Draft tokens the target accepted (acceptance rate: this / minisgl_spec_draft_tokens_total).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+SPEC_ACCEPTED_PER_STEP = Histogram(
+    "minisgl_spec_accepted_per_verify",
+    "Draft tokens accepted per request and verify step (requests that proposed at least one); each such "
+    "step also yields the target's own next token.",
+    ["model_name"],
+    buckets=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16),
+    registry=REGISTRY,
+)
 PREFIX_CACHED_TOKENS = Counter(
     "minisgl_prefix_cache_hit_tokens",
     "Prompt tokens found in the prefix cache as their request's prefill began (not computed).",

@@ -451,7 +451,7 @@ def _canned_client_class() -> type:
                     tokens.append(self.running[rid].pop(0))
                     if not self.running[rid]:
                         del self.running[rid]
-                        done.append([row, self.reason, None, [time.perf_counter()] * 4])
+                        done.append([row, self.reason, None, [time.perf_counter()] * 4, [0, 0]])
                 if served:
                     now = time.perf_counter()
                     self._step({"t": now, "s": now, "n": None, "done": done}, served, tokens)

@@ -258,6 +258,33 @@ class BatchPreparer:
             batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
         return batch
 
+    def reserve(self, req: Req, num_tokens: int) -> None:
+        """Gives a request the pages of its first `num_tokens` positions now (speculative decoding: the
+        draft tokens' KV is written before the verify batch is built); raises, taking nothing, when the
+        pool cannot give them."""
+        pages = self._req_pages[req.uid]
+        wanted = self.pages_needed(num_tokens) - len(pages)
+        if wanted <= 0:
+            return
+        if wanted > self.available_pages:
+            self.pages.alloc(wanted)  # raises the out-of-pages error, allocating nothing
+        self._make_room(wanted)
+        first = len(pages)
+        pages.extend(self.pages.alloc(wanted))
+        self.engine.write_page_table(req.table_idx, first * self.page_size, pages[first:])
+
+    def truncate(self, req: Req, num_tokens: int) -> None:
+        """Frees a request's pages past its first `num_tokens` positions (speculative decoding: the
+        pages only rejected draft tokens reached). Its page table keeps stale entries there, which no
+        batch reads before a new allocation rewrites them."""
+        pages = self._req_pages[req.uid]
+        keep = self.pages_needed(num_tokens)
+        if self.cache is not None:  # the tree's pages stay (they hold whole prompt pages only)
+            keep = max(keep, self._handles[req.uid][1] // self.page_size)
+        if keep < len(pages):
+            self.pages.free(pages[keep:])
+            del pages[keep:]
+
     def sampling_args(self, batch: Batch) -> BatchSamplingArgs:
         return self.engine.sampler.prepare(batch)
 

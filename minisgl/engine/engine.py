@@ -70,10 +70,25 @@ T = TypeVar("T")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        companion: object | None = None,
+        page_table: torch.Tensor | None = None,
+    ) -> None:
         """Builds the engine in the documented order (after setting this process's host threads):
         communication, model, KV cache, page table, attention and MoE backends, sampler, CUDA graphs;
-        then the sampler's and the prefill's warm-ups."""
+        then the sampler's and the prefill's warm-ups.
+
+        Speculative decoding's draft model (`minisgl.scheduler.draft`) keeps its KV at this engine's page
+        ids. `companion`: its footprint (an object with int attributes `weight_bytes` and `page_bytes`,
+        its KV bytes per page: `minisgl.scheduler.draft.DraftFootprint`, which this layer cannot name);
+        the pool is sized so that both models' weights and as many pages of each fit the budget.
+        `page_table`: the target engine's page table, which the draft's engine uses instead of its own
+        (same shape; `last_tokens` stays its own)."""
+        self.companion = companion
+        self._shared_page_table = page_table
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self._closed = False
@@ -187,9 +202,23 @@ class Engine:
 
     def _init_page_table(self) -> None:
         """The page table maps (table_idx, position) to a KV location; its last row, table_idx
-        `max_running_req`, is the dummy request's, on the dummy page."""
+        `max_running_req`, is the dummy request's, on the dummy page. A shared one (the `page_table`
+        argument) is taken as it is: its owner writes it, and its page ids must be this pool's (as many
+        pages, so the same dummy page)."""
         page_size, max_running_req = self.config.page_size, self.config.max_running_req
         aligned_max_seq_len = -(-self.max_seq_len // page_size) * page_size
+        shared = self._shared_page_table
+        if shared is not None:
+            expected = (max_running_req + 1, aligned_max_seq_len)
+            if tuple(shared.shape) != expected or shared.dtype != torch.int32 or shared.device != self.device:
+                raise ValueError(
+                    f"the shared page table is {tuple(shared.shape)} {shared.dtype} on {shared.device}; this "
+                    f"engine needs {expected} torch.int32 on {self.device} (max_running_req={max_running_req}, "
+                    f"max_seq_len={self.max_seq_len}, page_size={page_size})"
+                )
+            self.page_table = shared
+            self.last_tokens = torch.zeros(max_running_req + 1, dtype=torch.int32, device=self.device)
+            return
         _check_fits(
             (max_running_req + 1) * aligned_max_seq_len * 4,
             _available_memory(self.device),
@@ -253,9 +282,19 @@ class Engine:
 
     def _log_ready(self, seconds: float, model_bytes: int) -> None:
         model_config, tp_info = self.config.model_config, self.config.tp_info
+        speculative = ""
+        if self.companion is not None:  # what the pool's sizing left for the draft model
+            draft_kv = (self.num_pages + 1) * self.companion.page_bytes  # type: ignore[attr-defined]
+            draft_weights = self.companion.weight_bytes  # type: ignore[attr-defined]
+            speculative = (
+                f"; room left for a draft model: {draft_weights / GIB:.2f} GiB of weights and "
+                f"{self.num_pages} KV pages at the same page ids ({draft_kv / GIB:.2f} GiB)"
+            )
+        if self._shared_page_table is not None:
+            speculative = "; a draft model: its KV at the target's page ids (the target's page table)"
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
-            "(%.2f GiB%s), max_seq_len %d",
+            "(%.2f GiB%s), max_seq_len %d%s",
             seconds,
             model_config.architecture,
             self.device,
@@ -267,25 +306,35 @@ class Engine:
             self.kv_cache.size_bytes / GIB,
             "" if self.config.kv_cache_dtype == "auto" else f", {self.config.kv_cache_dtype}",
             self.max_seq_len,
+            speculative,
         )
 
     def _num_pages(self, available_before: int, model_bytes: int) -> int:
         cfg, mc = self.config, self.config.model_config
         kv_heads = self.local_heads.num_kv_heads  # this rank's share of the KV cache
         page_bytes = bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, cfg.kv_torch_dtype)
-        free = available_before - model_bytes
+        # a companion (the draft model) takes its weights from the same memory and a page of its own KV
+        # per page id: the budget pays for both pools, page for page
+        companion = self.companion
+        draft_weights = 0 if companion is None else companion.weight_bytes  # type: ignore[attr-defined]
+        draft_page = 0 if companion is None else companion.page_bytes  # type: ignore[attr-defined]
+        free = available_before - model_bytes - draft_weights
         if cfg.num_page_override is not None:
             _check_fits(
-                cfg.num_page_override * page_bytes, free, f"num_page_override={cfg.num_page_override}"
+                cfg.num_page_override * (page_bytes + draft_page),
+                free,
+                f"num_page_override={cfg.num_page_override}",
             )
             logger.info("KV cache: num_page_override=%d", cfg.num_page_override)
             return cfg.num_page_override
         if self.device.type == "cuda":
-            budget = int(available_before * cfg.memory_ratio) - model_bytes
+            budget = int(available_before * cfg.memory_ratio) - model_bytes - draft_weights
             how = (
                 f"{available_before / GIB:.2f} GiB free before loading x memory_ratio {cfg.memory_ratio}"
                 f" - {model_bytes / GIB:.2f} GiB of weights"
             )
+            if companion is not None:
+                how += f" - {draft_weights / GIB:.2f} GiB of draft-model weights"
         elif cfg.cpu_kv_budget_gib is not None:
             budget = int(cfg.cpu_kv_budget_gib * GIB)
             _check_fits(budget, free, f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}")
@@ -293,10 +342,11 @@ class Engine:
         else:
             budget = int(available_before * CPU_KV_FRACTION)
             how = f"{CPU_KV_FRACTION:.0%} of {available_before / GIB:.2f} GiB RAM available (set cpu_kv_budget_gib)"
-        num_pages = budget // page_bytes
+        num_pages = budget // (page_bytes + draft_page)
         if num_pages < 1:
+            needs = f"{page_bytes} bytes" + (f" + {draft_page} for the draft model's" if draft_page else "")
             raise MemoryError(
-                f"KV cache does not fit: one page of {cfg.page_size} tokens needs {page_bytes} bytes, the "
+                f"KV cache does not fit: one page of {cfg.page_size} tokens needs {needs}, the "
                 f"budget is {max(budget, 0)} bytes ({how}). Free memory, raise the budget, or set num_page_override."
             )
         # more pages than every table_idx can fill at the configured max_seq_len would never be used
@@ -304,6 +354,8 @@ class Engine:
         if num_pages > useful:
             num_pages = useful
             how += f", capped at max_running_req x max_seq_len = {useful} pages"
+        if companion is not None:
+            how += f"; each page id also holds {draft_page} bytes of the draft model's KV"
         logger.info("KV cache: %d pages x %d bytes (%s)", num_pages, page_bytes, how)
         return num_pages
 
@@ -332,6 +384,24 @@ class Engine:
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
         self.last_tokens[table_idx] = next_tokens
+        return self._output(next_tokens, logprobs)
+
+    @torch.inference_mode()
+    def forward_verify(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        """Speculative decoding's verify step: `batch` (a prefill-phase batch) computes for each request
+        its newest token and the draft tokens that follow it, and every row is sampled: `args` has one
+        entry per token row (for row j of a request, the arguments of the token at its position + 1),
+        so row j's token is the one a decode step at that position would draw. Returns a token per row
+        (the scheduler accepts a request's drafts while they equal them); `last_tokens` is the
+        scheduler's to set, with the accepted tokens."""
+        rows = torch.arange(batch.num_tokens, device=self.device)
+        logits = self._forward(batch, rows=rows, verify=True)
+        tokens = self.sampler.sample(logits, args)
+        logprobs = None if args.logprobs is None else self.sampler.logprobs(logits, tokens, args.logprobs)
+        return self._output(tokens, logprobs)
+
+    def _output(self, next_tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None) -> ForwardOutput:
+        """The forward's output, its tokens (and log probabilities) copied to the host without blocking."""
         if self.device.type != "cuda":
             return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs)
         next_tokens_cpu = _to_host(next_tokens)
@@ -347,26 +417,32 @@ class Engine:
         token. Marks the computed tokens cached, as `forward_batch` does."""
         return self._forward(batch, own_output=True)
 
-    def forward_mode(self, batch: Batch, all_rows: bool = False) -> ForwardMode:
+    def forward_mode(self, batch: Batch, all_rows: bool = False, verify: bool = False) -> ForwardMode:
         """How `forward_batch` runs this prepared batch: a CUDA graph replay, the compiled forward
         without a graph, or the eager model. `all_rows`: logits of more rows than the requests' last
-        tokens are asked for (prompt log probabilities), which a prefill graph does not give."""
-        if self.graph_runner.can_use_cuda_graph(batch) and not (all_rows and batch.is_prefill):
+        tokens are asked for (prompt log probabilities), which a prefill graph does not give. `verify`:
+        a verify step's batch (`forward_verify`), which replays a verify graph where one fits."""
+        if verify:
+            if self.graph_runner.can_replay_verify(batch):
+                return "cuda_graph"
+        elif self.graph_runner.can_use_cuda_graph(batch) and not (all_rows and batch.is_prefill):
             return "cuda_graph"
         if self.graph_runner.can_run_compiled(batch):
             return "compiled"
         return "eager"
 
     def _forward(
-        self, batch: Batch, own_output: bool = False, rows: torch.Tensor | None = None
+        self, batch: Batch, own_output: bool = False, rows: torch.Tensor | None = None, verify: bool = False
     ) -> torch.Tensor:
         """Logits of the batch: of each request's last token, or of the token `rows` given (a prefill
         with prompt log probabilities). A CUDA graph writes them into its static output, which the next
         replay overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
-        mode = self.forward_mode(batch, all_rows=rows is not None)
+        mode = self.forward_mode(batch, all_rows=rows is not None, verify=verify)
         with self.ctx.forward_batch(batch):
-            if mode == "cuda_graph":
+            if mode == "cuda_graph" and verify:
+                logits = self.graph_runner.replay_verify(batch)
+            elif mode == "cuda_graph":
                 logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
                 if own_output:
                     logits = logits.clone()

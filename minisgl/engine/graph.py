@@ -103,6 +103,10 @@ class GraphRunner:
         self.batch_sizes: list[int] = []
         self.prefill_sizes: list[int] = []  # token counts of the prefill graphs
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # speculative decoding's verify graphs (`capture_verify`), by token count, and the rows each
+        # request's block gives logits of
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_rows = 0
         self.prefill_graph_max_context = prefill_graph_max_context
         # the compiled graph's kernels depend on the token count, so batch invariance rules it out
         self.compile_prefill = compile_prefill and not ctx.batch_invariant
@@ -221,14 +225,66 @@ class GraphRunner:
     def _capture_prefill(self, sizes: list[int]) -> None:
         """One graph per prefill bucket, largest first, planned as all padding (the dummy row)."""
         for tokens in sorted(sizes, reverse=True):
-            batch = Batch(reqs=self._dummy_batch(1).reqs, phase="prefill")
-            batch.input_ids, batch.positions = self.input_ids[:tokens], self.positions[:tokens]
-            batch.out_loc = self.out_loc[:tokens]
-            blocks = tokens // ALIGN
-            plan = torch.tensor([self.max_running_req] * blocks + [1] * tokens, dtype=torch.int32)
-            self.ctx.attn_backend.prepare_prefill_graph(batch, plan.to(self.device), tokens)
-            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[:blocks])
+            batch = self._prefill_dummy(tokens)
+            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[: tokens // ALIGN])
         logger.info("prefill CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
+
+    @torch.inference_mode()
+    def capture_verify(self, rows: int, max_reqs: int) -> None:
+        """Verify graphs for speculative decoding: for each prefill bucket up to the one that holds
+        `max_reqs` blocks, a graph laid out as a prefill graph (a block per request) whose logits are of
+        the first `rows` rows of every block (a request's newest token and its drafts; then padding).
+        Nothing without prefill graphs or when `rows` exceeds a block."""
+        if not self.prefill_sizes or rows > ALIGN:
+            logger.info(
+                "verify CUDA graphs: none (%s)", "no prefill graphs" if rows <= ALIGN else "rows > block"
+            )
+            return
+        fits = [t for t in self.prefill_sizes if t >= max_reqs * ALIGN]
+        sizes = [t for t in self.prefill_sizes if t <= (fits[0] if fits else self.prefill_sizes[-1])]
+        self.verify_last = torch.zeros(sizes[-1] // ALIGN * rows, dtype=torch.int64, device=self.device)
+        for tokens in sorted(sizes, reverse=True):
+            blocks = tokens // ALIGN
+            batch = self._prefill_dummy(tokens)
+            self.verify_graphs[tokens] = self._capture_one(batch, self.verify_last[: blocks * rows])
+        self.verify_rows = rows
+        logger.info("verify CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
+
+    def can_replay_verify(self, batch: Batch) -> bool:
+        """A verify batch whose requests each compute at most `verify_rows` tokens, in as many blocks
+        as the largest verify graph has, reaching at most `prefill_graph_max_context` tokens."""
+        return (
+            bool(self.verify_graphs)
+            and batch.size * ALIGN <= max(self.verify_graphs)
+            and all(req.extend_len <= self.verify_rows for req in batch.reqs)
+            and max(req.device_len for req in batch.reqs) <= self.prefill_graph_max_context
+        )
+
+    def replay_verify(self, batch: Batch) -> torch.Tensor:
+        """Replays the smallest verify graph that holds the batch (a block per request): the logits of
+        every computed token, in batch order."""
+        size = bisect.bisect_left(sorted(self.verify_graphs), batch.size * ALIGN)
+        tokens = sorted(self.verify_graphs)[size]
+        rows, picks = self.verify_rows, []
+        last = torch.zeros(tokens // ALIGN * rows, dtype=torch.int64)
+        for i, req in enumerate(batch.reqs):
+            last[i * rows : i * rows + req.extend_len] = torch.arange(i * ALIGN, i * ALIGN + req.extend_len)
+            picks.append(torch.arange(i * rows, i * rows + req.extend_len))
+        last, pick = self._lay_out(batch, [i * ALIGN for i in range(batch.size)], tokens, last, picks)
+        self.verify_last[: len(last)].copy_(last, non_blocking=True)
+        graph, logits = self.verify_graphs[tokens]
+        graph.replay()
+        return logits[pick]
+
+    def _prefill_dummy(self, tokens: int) -> Batch:
+        """A prefill graph's batch of `tokens` tokens, all padding, its attention planned."""
+        batch = Batch(reqs=self._dummy_batch(1).reqs, phase="prefill")
+        batch.input_ids, batch.positions = self.input_ids[:tokens], self.positions[:tokens]
+        batch.out_loc = self.out_loc[:tokens]
+        blocks = tokens // ALIGN
+        plan = torch.tensor([self.max_running_req] * blocks + [1] * tokens, dtype=torch.int32)
+        self.ctx.attn_backend.prepare_prefill_graph(batch, plan.to(self.device), tokens)
+        return batch
 
     def compiled_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
@@ -330,37 +386,48 @@ class GraphRunner:
         plans its attention on the device, replays; the logits of each request's last token."""
         starts, span = prefill_layout(batch)
         tokens = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, span)]
-        blocks = tokens // ALIGN
-        # on the host: each block's page-table row, each token's length (position + 1; padding 1), each
-        # request's last row in the layout (padding rows: 0), and each computed token's place in it
-        block_rows = torch.full((blocks,), self.max_running_req, dtype=torch.int64)
-        lens = torch.ones(tokens, dtype=torch.int64)
-        last = torch.zeros(blocks, dtype=torch.int64)
-        places = []
+        # each request's last row in the layout (padding rows: 0)
+        last = torch.zeros(tokens // ALIGN, dtype=torch.int64)
         for i, (req, start) in enumerate(zip(batch.reqs, starts)):
-            n = req.extend_len
-            block_rows[start // ALIGN : (start + n + ALIGN - 1) // ALIGN] = req.table_idx
-            lens[start : start + n] = torch.arange(req.cached_len + 1, req.device_len + 1)
-            last[i] = start + n - 1
-            places.append(torch.arange(start, start + n))
-        packed = torch.cat([block_rows, lens, last, *places]).pin_memory().to(self.device, non_blocking=True)
-        plan, last, place = (
-            packed[: blocks + tokens],
-            packed[blocks + tokens : 2 * blocks + tokens],
-            packed[2 * blocks + tokens :],
-        )
-        self.out_loc[:tokens].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
-        self.input_ids.index_copy_(0, place, batch.input_ids)
-        self.positions.index_copy_(0, place, batch.positions)
-        self.out_loc.index_copy_(0, place, batch.out_loc)
-        self.prefill_last[:blocks].copy_(last, non_blocking=True)
-        self.ctx.attn_backend.prepare_prefill_graph(batch, plan, tokens)
+            last[i] = start + req.extend_len - 1
+        last, _ = self._lay_out(batch, starts, tokens, last, [])
+        self.prefill_last[: len(last)].copy_(last, non_blocking=True)
         graph, logits = self.prefill_graphs[tokens]
         graph.replay()
         return logits[: batch.size]
 
+    def _lay_out(
+        self, batch: Batch, starts: list[int], tokens: int, last: torch.Tensor, picks: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Puts a prefill batch's inputs in the graph buffers at `starts` (a layout of `tokens` tokens
+        in blocks) and plans its attention on the device; `last` (the logits rows) and `picks` (host
+        index tensors) go to the device in the same copy, returned as (last, the picks concatenated)."""
+        blocks = tokens // ALIGN
+        # on the host: each block's page-table row, each token's length (position + 1; padding 1), and
+        # each computed token's place in the layout
+        block_rows = torch.full((blocks,), self.max_running_req, dtype=torch.int64)
+        lens = torch.ones(tokens, dtype=torch.int64)
+        places = []
+        for req, start in zip(batch.reqs, starts):
+            n = req.extend_len
+            block_rows[start // ALIGN : (start + n + ALIGN - 1) // ALIGN] = req.table_idx
+            lens[start : start + n] = torch.arange(req.cached_len + 1, req.device_len + 1)
+            places.append(torch.arange(start, start + n))
+        host = torch.cat([block_rows, lens, last, *places, *picks]).pin_memory()
+        packed = host.to(self.device, non_blocking=True)
+        at = blocks + tokens
+        plan, last = packed[:at], packed[at : at + len(last)]
+        place = packed[at + len(last) : at + len(last) + batch.num_tokens]
+        self.out_loc[:tokens].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
+        self.input_ids.index_copy_(0, place, batch.input_ids)
+        self.positions.index_copy_(0, place, batch.positions)
+        self.out_loc.index_copy_(0, place, batch.out_loc)
+        self.ctx.attn_backend.prepare_prefill_graph(batch, plan, tokens)
+        return last, packed[at + len(last) + batch.num_tokens :]
+
     def destroy(self) -> None:
         self.graphs.clear()
         self.prefill_graphs = {}
+        self.verify_graphs = {}
         self.batch_sizes = []
         self.prefill_sizes = []

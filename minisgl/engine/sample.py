@@ -308,6 +308,24 @@ class PenaltyArgs:
     values: torch.Tensor
     emits: torch.Tensor
     fresh: list[tuple[int, list[int], list[int]]]
+    # a verify step's (speculative decoding) draft tokens before each penalised row: (E,) indices into
+    # the penalised rows and (E,) token ids, counted on top of the slot's counts for that row only
+    extra: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add_drafts(self, extra: list[tuple[int, int]], silent: list[int], device: torch.device) -> None:
+        """A verify step's penalised rows: `extra` (penalised row, draft token before it) pairs, and the
+        penalised rows whose token is not counted now (`silent`: the scheduler counts the accepted
+        tokens once it knows them, `Sampler.count_tokens`)."""
+        pin = device.type == "cuda"
+        if extra:
+            with torch.inference_mode(False):
+                host = torch.tensor(extra, dtype=torch.int64, pin_memory=pin).T.contiguous()
+            packed = host.to(device, non_blocking=True)
+            self.extra = (packed[0], packed[1])
+        if silent:
+            keep = torch.ones(len(self.emits), dtype=torch.bool)
+            keep[silent] = False
+            self.emits = self.emits & keep.to(device, non_blocking=True)
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], device: torch.device) -> PenaltyArgs:
@@ -581,11 +599,28 @@ class Sampler:
                 ids = torch.tensor(generated, pin_memory=pin).to(self.device, non_blocking=True)
                 self._counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         counts, seen = self._counts[pen.slots], self._seen[pen.slots]
+        if pen.extra is not None:  # a verify step's drafts before each row
+            ones = torch.ones_like(pen.extra[0], dtype=torch.int32)
+            counts = counts.index_put(pen.extra, ones, accumulate=True)
+            seen = seen.index_put(pen.extra, torch.ones_like(pen.extra[0], dtype=torch.bool))
         presence, frequency, repetition = pen.values[:, :, None].unbind(0)
         x = logits[pen.rows]
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         x = x - frequency * counts - presence * (counts > 0)
         return logits.index_copy(0, pen.rows, x)
+
+    @torch.inference_mode()
+    def count_tokens(self, slots: list[int], tokens: list[int]) -> None:
+        """Adds generated tokens to their slots' penalty counts (a verify step's accepted tokens, known
+        on the host once the step is read); nothing before any request used penalties."""
+        if self._counts is None or not slots:
+            return
+        pin = self.device.type == "cuda"
+        host = torch.tensor([slots, tokens], dtype=torch.int64, pin_memory=pin)
+        flat = host.to(self.device, non_blocking=True)
+        flat = flat[0] * self.vocab_size + flat[1]
+        self._counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        self._seen.view(-1).scatter_(0, flat, torch.ones_like(flat, dtype=torch.bool))
 
     def _count(self, tokens: torch.Tensor, pen: PenaltyArgs) -> None:
         """Adds each penalised row's new token (if it is an output) to its slot's counts."""

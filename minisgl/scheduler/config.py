@@ -14,6 +14,7 @@ from minisgl.config_fields import check_fields, setting
 # prompt tokens per prefill step when max_prefill_tokens is unset, by device type
 AUTO_MAX_PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
 CACHE_TYPES = ("radix", "naive")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,35 @@ class SchedulerConfig:
         choices=CACHE_TYPES,
     )
 
+    speculative_method: str = setting(
+        "none",
+        "Speculative decoding: 'ngram' proposes the tokens that followed the latest earlier occurrence of "
+        "the request's last tokens (prompt lookup), 'draft' a smaller model's greedy tokens "
+        "(speculative_draft_model); the target verifies them in one forward (docs/speculative.md).",
+        choices=SPECULATIVE_METHODS,
+    )
+    speculative_num_tokens: int = setting(
+        4,
+        "Draft tokens proposed per request and verify step (k): each step yields 1 to k + 1 tokens.",
+        ge=1,
+        le=16,
+    )
+    speculative_draft_model: str | None = setting(
+        None,
+        "The draft model's folder for speculative_method 'draft' (config.json + *.safetensors, the "
+        "target's vocabulary); 'smollm2-135m' = the embedded default model.",
+    )
+    speculative_ngram_max: int = setting(
+        4, "Longest n-gram (of the request's last tokens) that 'ngram' looks up, longest first.", ge=1, le=32
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.speculative_method == "draft" and not self.speculative_draft_model:
+            raise ValueError(
+                "speculative_method='draft' needs speculative_draft_model: the draft model's folder "
+                "(or 'smollm2-135m'); or use speculative_method='ngram'"
+            )
 
     def prefill_tokens(self, device_type: str) -> int:
         """``max_prefill_tokens``, or where unset, the default of ``device_type`` ('cpu' or 'cuda')."""

@@ -287,6 +287,45 @@ class Grammars:
             state.grammar.dead = self._dead_message(state)
         return mask.to(device, non_blocking=True)
 
+    def verify_mask(
+        self, states: Sequence[Any], drafts: Sequence[Sequence[int]], device: torch.device
+    ) -> torch.Tensor | None:
+        """The token mask of a verify step (speculative decoding): a row per token row, request by
+        request (its newest token's, then one per draft). A constrained request's row j is its
+        matcher's mask after its first j drafts: the matcher walks them (`accept_token`) and rolls back.
+        A draft the grammar refuses ends the walk, and the rows after it allow every token: the target's
+        masked draw at the refused draft's row never equals it, so they are never accepted; so do the
+        rows after the grammar's end. Row 0 is the mask `token_mask` makes (min_tokens, dead ends).
+        None when no request has a grammar."""
+        if not has_grammar(states):
+            return None
+        total = sum(len(draft) + 1 for draft in drafts)
+        mask = torch.full((total, self.words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        row = 0
+        for state, draft in zip(states, drafts):
+            grammar = state.grammar
+            walked = 0
+            for j in range(len(draft) + 1 if grammar is not None and not state.finished else 0):
+                if grammar.matcher.is_terminated():
+                    break
+                grammar.matcher.fill_next_token_bitmask(mask, row + j)
+                self._clear_tail(mask[row + j : row + j + 1])
+                if _accepted(state) + j < state.params.min_tokens:
+                    self._clear(mask[row + j], self._held_back(state.params))
+                if not mask.numpy()[row + j].any():  # nothing allowed: never drawn from
+                    mask[row + j] = -1
+                    if j == 0:
+                        grammar.dead = self._dead_message(state)
+                    break
+                if j == len(draft) or not grammar.matcher.accept_token(draft[j]):
+                    break
+                walked += 1
+            if walked:
+                grammar.matcher.rollback(walked)
+            row += len(draft) + 1
+        self._clear_tail(mask)
+        return mask.to(device, non_blocking=True)
+
     def _clear_tail(self, mask: torch.Tensor) -> None:
         """Clears the bits past the vocabulary in the last word of each row (they never count)."""
         tail = self.vocab_size % BITS

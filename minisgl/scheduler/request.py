@@ -43,6 +43,12 @@ class RequestState:
     prompt_logprobs: TokenLogprobs | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None  # with finish_reason "error": what failed
+    # speculative decoding: draft tokens verified for it and accepted; its back-off (steps it still sits
+    # out, and the length of its latest back-off)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_wait: int = 0
+    spec_backoff: int = 0
     admit_time: float | None = None  # first admission (not moved by a preemption)
     first_token_time: float | None = None
     last_token_time: float | None = None

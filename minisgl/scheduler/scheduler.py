@@ -88,7 +88,7 @@ from minisgl.core import (
     as_token_ids,
 )
 from minisgl.engine import BatchPreparer, Engine, ForwardMode, ForwardOutput
-from minisgl.engine.sample import BatchSamplingArgs, LogprobArgs
+from minisgl.engine.sample import BatchSamplingArgs, LogprobArgs, PenaltyArgs
 from minisgl.kvcache import RadixCache
 from minisgl.kvcache.radix import Match
 from minisgl.scheduler.config import CACHE_TYPES
@@ -96,6 +96,7 @@ from minisgl.scheduler.grammar import GrammarDeadEnd, Grammars, has_grammar
 from minisgl.scheduler.lockstep import Follower, Leader, step_plan, token_digest
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.request import FinishReason, RequestState, Update
+from minisgl.scheduler.speculative import Speculator
 from minisgl.scheduler.stats import DeviceTimer, SchedulerMetrics, StepRecord
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class Scheduler:
         link: Leader | Follower | None = None,
         cache_type: str = "radix",
         grammar_tokenizer: Any = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """`record_steps`: keep a `StepRecord` of each of the last N forwards in `step_records` (0: off).
         `model_name` labels the metrics (default: the model folder's name). `link`: under tensor
@@ -146,12 +148,19 @@ class Scheduler:
         the others follow (they take requests and finishes from rank 0 only). `cache_type`: 'radix'
         (a prefix cache over the KV pages, docs/prefix-cache.md) or 'naive' (every prompt computed).
         `grammar_tokenizer`: the tokenizer structured output compiles its grammars against (default:
-        `tokenizer`; `LLM(detokenize=False)` gives one without detokenizing)."""
+        `tokenizer`; `LLM(detokenize=False)` gives one without detokenizing). `speculator`: speculative
+        decoding's proposer and policy (`minisgl.scheduler.speculative`; None: off)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got max_prefill_tokens={max_prefill_tokens}")
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache_type={cache_type!r} is not valid: use one of {', '.join(CACHE_TYPES)}")
+        if speculator is not None and link is not None:
+            raise ValueError(
+                f"speculative_method={speculator.method!r} is not supported under tensor parallelism yet: "
+                "leave speculative_method at 'none' or use tp_size 1"
+            )
         self.engine = engine
+        self.spec = speculator
         self.cache_type = cache_type
         cache = RadixCache(engine.config.page_size) if cache_type == "radix" else None
         self.prep = BatchPreparer(engine, cache)
@@ -374,6 +383,8 @@ class Scheduler:
         if len(self.running) < 2:
             return False
         state = self.running.pop()
+        if self.spec is not None:
+            self.spec.forget(state, state.req)
         self.prep.release(state.req)
         state.req, state.held_pages, state.prefix_found = None, 0, -1
         state.num_preemptions += 1
@@ -389,6 +400,8 @@ class Scheduler:
         if state.req is None:  # aborted before admission
             self.waiting.remove(state)
         else:
+            if self.spec is not None:
+                self.spec.forget(state, state.req)
             self.prep.release(state.req)
             state.held_pages = 0
             self.running.remove(state)
@@ -420,6 +433,11 @@ class Scheduler:
         updates = self._admit()
         blocked = bool(self.waiting) and not self.running  # the queue's head did not fit an empty engine
         states, chunks = self._schedule()
+        if self.spec is not None and chunks is None and states and self.spec.wanted(states):
+            planned = self._speculate(started, updates)
+            if planned is None:  # a verify step ran and its tokens are processed
+                return updates
+            states, chunks = planned
         launched = self._launch(states, chunks, started, updates)
         if self.overlap:
             launched, self._in_flight = self._in_flight, launched
@@ -443,6 +461,186 @@ class Scheduler:
         if blocked and self.waiting:
             return self._fail([self.waiting[0]], "it does not fit the empty engine", "admitting it")
         return []
+
+    # -- speculative decoding (minisgl.scheduler.speculative, docs/speculative.md) -----------------
+
+    def _speculate(
+        self, started: float, updates: list[Update]
+    ) -> tuple[list[RequestState], list[int] | None] | None:
+        """A verify step, if this decode step gets drafts: the forward in flight is read first (the
+        proposals need every token on the host), the step is scheduled again, the drafts proposed and
+        verified. Returns None when a verify step ran (its updates in `updates`), else the step's
+        (states, chunks) to launch as usual."""
+        assert self.spec is not None
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            early, self._early = self._early, None
+            updates += self._collect(
+                launched, early[1] if early is not None and early[0] is launched else None
+            )
+        states, chunks = self._schedule()
+        if chunks is not None or not states:
+            return states, chunks
+        limits = self._fit_drafts(states, self.spec.limits(states, self.engine.max_seq_len))
+        if not any(limits):
+            return states, None
+        try:
+            if self.spec.draft is not None:  # the draft model writes its KV at the drafts' positions
+                for state, limit in zip(states, limits):
+                    self.prep.reserve(state.req, len(state.req.input_ids) + limit)
+            drafts = [d[:limit] for d, limit in zip(self.spec.propose(states, limits), limits)]
+        except Exception as e:
+            updates += self._fail(states, e, "proposing draft tokens")
+            if isinstance(e, FATAL_ERRORS):
+                raise
+            return None
+        if not any(drafts):  # nothing to verify: a plain decode step
+            for state in states:
+                self.prep.truncate(state.req, len(state.req.input_ids))
+            return states, None
+        updates += self._verify(states, limits, drafts, started)
+        return None
+
+    def _fit_drafts(self, states: list[RequestState], limits: list[int]) -> list[int]:
+        """`limits` cut (from the last request back) to the pages the pool has: the step was scheduled
+        with a page for each request's next token only."""
+        lens = [len(state.req.input_ids) for state in states]
+        need = [self.prep.pages_needed(n + k) - self.prep.pages_needed(n) for n, k in zip(lens, limits)]
+        spare = self.prep.available_pages - sum(
+            max(0, self.prep.pages_needed(n) - s.held_pages) for n, s in zip(lens, states)
+        )
+        for i in reversed(range(len(states))):
+            if sum(need) <= spare:
+                break
+            limits[i], need[i] = 0, 0
+        return limits
+
+    def _verify(
+        self, states: list[RequestState], limits: list[int], drafts: list[list[int]], started: float
+    ) -> list[Update]:
+        """Runs the target over each request's newest token and its drafts, samples every row (a row per
+        token: the arguments a decode step at that position would have), accepts each request's drafts
+        while they equal the row's token and takes the token after them; processes the accepted tokens
+        as decode steps would, one by one (stops, max_tokens and logprobs as without speculation)."""
+        scheduled = time.perf_counter()
+        reqs = [state.req for state in states]
+        lens = [len(req.input_ids) for req in reqs]
+        rows: list[Req] = []  # the sampling arguments' requests, one per token row
+        row_states: list[RequestState] = []
+        for state, req, n, draft in zip(states, reqs, lens, drafts):
+            if not draft:
+                rows.append(req)
+            for j in range(len(draft) + 1 if draft else 0):
+                pos = n - 1 + j
+                params, start, ready = req.sampling_params, req.output_start, req.penalties_ready
+                rows.append(
+                    Req(
+                        [],
+                        req.table_idx,
+                        pos,
+                        0,
+                        req.uid,
+                        params,
+                        pos + 1,
+                        output_start=start,
+                        penalties_ready=ready,
+                    )
+                )
+            row_states += [state] * (len(draft) + 1)
+        device = self.engine.device
+        try:
+            for req, draft in zip(reqs, drafts):
+                req.input_ids += draft
+            batch = self.prep.prefill(reqs, [len(draft) + 1 for draft in drafts])
+            for state in states:
+                state.held_pages = self.prep.pages_needed(state.req.device_len)
+            args = BatchSamplingArgs.from_reqs(rows, device)
+            args.suppress = self.output.suppressed(
+                row_states, self.engine.config.model_config.vocab_size, device
+            )
+            args.token_mask = self.grammars.verify_mask(states, drafts, device)
+            if args.penalties is not None:
+                _draft_penalties(args.penalties, rows, drafts, device)
+            mode = self.engine.forward_mode(batch, all_rows=True, verify=True)
+            timer = DeviceTimer() if self.record_steps and device.type == "cuda" else None
+            output = self.engine.forward_verify(batch, args)
+            if timer is not None:
+                timer.stop()
+            launched = _InFlight(
+                states,
+                reqs,
+                [True] * len(states),
+                output,
+                "decode",
+                mode,
+                len(rows),
+                scheduled,
+                time.perf_counter() - started,
+                timer,
+                args.logprobs,
+            )
+            read = self._read(launched)
+        except Exception as e:
+            e = self._under_tp(e)
+            for req, n in zip(reqs, lens):
+                del req.input_ids[n:]
+            failed = self._fail(states, e, "running a step")
+            if isinstance(e, FATAL_ERRORS):
+                raise e
+            return failed
+        for req, n in zip(reqs, lens):
+            del req.input_ids[n:]
+        if read.tokens is None:
+            return read.failed
+        self._last_phase = "decode"
+        self.spec.verify_steps += 1
+        self.tokens_time = now = read.read_at
+        scored = _Scored(launched) if output.logprobs is not None else None
+        accepted: list[tuple[RequestState, list[int], list[int | None]]] = []
+        row = 0
+        for state, req, n, draft, limit in zip(states, reqs, lens, drafts, limits):
+            sampled = read.tokens[row : row + len(draft) + 1]
+            lp_rows = [
+                None if scored is None else scored.take(row + j, state, req) for j in range(len(sampled))
+            ]
+            row += len(sampled)
+            a = 0
+            while a < len(draft) and sampled[a] == draft[a]:
+                a += 1
+            # the KV of the newest token and the accepted drafts stays; the rejected rows' pages go
+            req.cached_len = req.device_len = n + a
+            self.prep.truncate(req, n + a)
+            state.held_pages = self.prep.pages_needed(n + a)
+            self.spec.verified(state, limit, len(draft), a)
+            accepted.append((state, sampled[: a + 1], lp_rows[: a + 1]))
+            if draft and state.params.has_penalties:  # its rows' tokens were not counted: the accepted are
+                self.engine.sampler.count_tokens([req.table_idx] * (a + 1), sampled[: a + 1])
+        # a decode step that reads its input tokens on the device (overlap) takes the last of them
+        pin = device.type == "cuda"
+        idx = torch.tensor([req.table_idx for req in reqs], pin_memory=pin).to(device, non_blocking=True)
+        last = torch.tensor([t[-1] for _, t, _ in accepted], dtype=torch.int32, pin_memory=pin)
+        self.engine.last_tokens[idx] = last.to(device, non_blocking=True)
+        updates, failed = [], []
+        for state, tokens, lp_rows in accepted:
+            merged: Update | None = None
+            for token, lp_row in zip(tokens, lp_rows):
+                if state.finished:  # a stop inside the accepted run: the rest is dropped
+                    break
+                try:
+                    update = self._process(state, token, now, scored, lp_row)
+                except Exception as e:
+                    failed += self._fail([state], e, "processing its token")
+                    break
+                if merged is None:
+                    merged = update
+                else:
+                    merged.token_ids += update.token_ids
+                    merged.text += update.text
+                    merged.finished, merged.logprobs = update.finished, update.logprobs
+            if merged is not None:
+                updates.append(merged)
+        self._record(launched, sum(len(u.token_ids) for u in updates), read)
+        return updates + failed
 
     def _fail(self, states: Sequence[RequestState], error: Exception | str, stage: str) -> list[Update]:
         """Finishes `states` with finish_reason "error" (`state.error` = what failed while `stage`),
@@ -700,7 +898,7 @@ class Scheduler:
         read = self._read(launched) if read is None else read
         if read.tokens is None:
             return read.failed
-        tokens, waiting_since, now = read.tokens, read.waiting_since, read.read_at
+        tokens, now = read.tokens, read.read_at
         self.tokens_time = now
         scored = _Scored(launched) if launched.output.logprobs is not None else None
         updates, failed = [], []
@@ -713,7 +911,12 @@ class Scheduler:
                     updates.append(self._process(state, token, now, scored, row))
                 except Exception as e:  # this request's own output processing: it alone fails
                     failed += self._fail([state], e, "processing its token")
-        batch_size, num_generated = len(launched.states), len(updates)
+        self._record(launched, len(updates), read)
+        return updates + failed
+
+    def _record(self, launched: _InFlight, num_generated: int, read: _Read) -> None:
+        """A read forward's step metrics and (when recorded) its `StepRecord`."""
+        batch_size, now = len(launched.states), read.read_at
         self.metrics.step(
             launched.phase,
             launched.mode,
@@ -734,12 +937,11 @@ class Scheduler:
                     launched.num_tokens,
                     num_generated,
                     launch_s=launched.launch_s,
-                    wait_s=now - waiting_since,
+                    wait_s=now - read.waiting_since,
                     process_s=time.perf_counter() - now,
                     device_ms=device_ms,
                 )
             )
-        return updates + failed
 
     def _process(
         self, state: RequestState, token: int, now: float, scored: _Scored | None, row: int | None
@@ -768,6 +970,24 @@ class Scheduler:
         return Update(
             state, [token], self.output.take_delta(state), state.finished, logprobs, prompt_logprobs
         )
+
+
+def _draft_penalties(
+    pen: PenaltyArgs, rows: list[Req], drafts: list[list[int]], device: torch.device
+) -> None:
+    """A verify step's penalties: each penalised row of a drafted request counts the drafts before it,
+    and its token is counted only once accepted (by the scheduler, `Sampler.count_tokens`)."""
+    penalised = (i for i, row in enumerate(rows) if row.sampling_params.has_penalties)
+    index = {row: p for p, row in enumerate(penalised)}
+    extra, silent, offset = [], [], 0
+    for draft in drafts:
+        for j in range(len(draft) + 1 if draft else 0):
+            p = index.get(offset + j)
+            if p is not None:
+                silent.append(p)
+                extra += [(p, token) for token in draft[:j]]
+        offset += len(draft) + 1
+    pen.add_drafts(extra, silent, device)
 
 
 def _takes(state: RequestState, req: Req, produces: bool) -> bool:

@@ -72,6 +72,14 @@ class SchedulerMetrics:
         self._cache_pages = metrics.PREFIX_CACHE_PAGES.labels(**self.labels)
         self._evicted = metrics.PREFIX_EVICTED_PAGES.labels(**self.labels)
         self._evicted_seen = 0
+        # speculative decoding's series (minisgl.scheduler.speculative counts into them): a sample (0)
+        # from the start, with or without speculation
+        for series in (
+            metrics.SPEC_DRAFT_TOKENS,
+            metrics.SPEC_ACCEPTED_TOKENS,
+            metrics.SPEC_ACCEPTED_PER_STEP,
+        ):
+            series.labels(**self.labels)
 
     def token(self, state: RequestState, now: float) -> None:
         """A request got a token at `now`: its first (time to first token) or a later one."""

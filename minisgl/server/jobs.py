@@ -32,6 +32,7 @@ class Choice:
     error: str | None = None
     reported: bool = False  # its final chunk was handed out (streaming)
     times: list[float | None] | None = None  # the scheduler's [arrived, admitted, first token, finished]
+    spec: list[int] | None = None  # speculative decoding: [draft tokens verified, accepted]
     stops: StopScanner | None = None  # the search for the stop strings (made with the first check)
     # with log probabilities asked: one per token of token_ids; the prompt's (None first) with echo
     logprobs: TokenLogprobs | None = None
@@ -202,4 +203,9 @@ def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: fl
             "split_mean_s": [part / job.chunks for part in job.parts_sum] if job.chunks else None,
         },
         "stamps": {k: None if v is None else v + clock_offset for k, v in stamps.items()},
+        # speculative decoding: draft tokens verified for the request's choices, and accepted
+        "spec": {
+            "drafted": sum(c.spec[0] for c in job.choices if c.spec),
+            "accepted": sum(c.spec[1] for c in job.choices if c.spec),
+        },
     }

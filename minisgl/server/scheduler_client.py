@@ -220,7 +220,7 @@ class SchedulerClient:
                 continue
             finished = row in done
             if finished:
-                reason, error, choice.times = done[row]
+                reason, error, choice.times, choice.spec = done[row]
                 stopped = choice.feed(ids, True, reason, error)
             else:
                 stopped = choice.feed(ids, False, None, None)

@@ -19,7 +19,7 @@ front end -> scheduler
     {"op": "stop"}                                             shut down
 scheduler -> front end
     {"op": "ready", ...the facts the front end needs}          once, when the engine is up
-    {"op": "step", "t": float, "s": float, "n": [...] or null, "done": [[row, reason, error, times], ...]}
+    {"op": "step", "t": float, "s": float, "n": [...] or null, "done": [[row, reason, error, times, spec], ...]}
         + rids + token ids                                     one step: when its tokens reached the
                                                                host and when this message was sent
                                                                (time.perf_counter(): CLOCK_MONOTONIC,
@@ -28,7 +28,9 @@ scheduler -> front end
                                                                new tokens (n[i] each; null: one each),
                                                                which finished, each with its times in
                                                                the scheduler [arrived, admitted, first
-                                                               token, finished] (null: never reached);
+                                                               token, finished] (null: never reached)
+                                                               and its speculative decoding's [draft
+                                                               tokens verified, accepted];
                                                                with log probabilities, four frames more
                                                                (`LogprobFrames`: the new tokens' and
                                                                with a first update the prompt's)
@@ -316,7 +318,8 @@ def step_message(
             continue
         if update.finished:
             times = [state.arrival_time, state.admit_time, state.first_token_time, state.finish_time]
-            done.append([len(served), state.finish_reason, state.error, times])
+            spec = [state.spec_drafted, state.spec_accepted]  # speculative decoding's, per request
+            done.append([len(served), state.finish_reason, state.error, times, spec])
             states.pop(rid, None)
             rids.pop(state.uid, None)
         if update.prompt_logprobs is not None:

@@ -75,7 +75,7 @@ def _fake_client_class() -> type:
                     self.running[rid] -= 1
                     if self.running[rid] == 0:
                         del self.running[rid]
-                        done.append([row, "length", None, [arrived, arrived, arrived, now]])
+                        done.append([row, "length", None, [arrived, arrived, arrived, now], [0, 0]])
                 self._step({"t": now, "s": now, "n": None, "done": done}, served, [TOKEN] * len(served))
                 self.steps += 1
 
