@@ -172,6 +172,21 @@ def test_streaming_gives_the_same_text_in_fewer_chunks(pair):
     llm_clean(on)
 
 
+def test_an_abort_between_verify_steps_frees_everything(pair):
+    """A stream closed after a few chunks (verify steps) aborts its request: its pages, drafts' pages
+    included, and its slot are free, and the next request decodes as without speculation."""
+    off, on = pair
+    prompt = _prompts(off)[0]
+    stream = on.stream(prompt, SamplingParams(max_tokens=80))
+    first = [next(stream) for _ in range(3)]
+    stream.close()
+    assert first and on.scheduler.spec.verify_steps > 0
+    llm_clean(on)
+    params = SamplingParams(max_tokens=30)
+    _same(off.generate([prompt], params), on.generate([prompt], params))
+    llm_clean(on)
+
+
 def test_prefix_cache_holds_only_accepted_tokens(pair):
     """A second round whose prompts are the first round's prompts and outputs hits the pages the first
     round's decode filled (speculated): outputs still match, and every cached run of tokens is a

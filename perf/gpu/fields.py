@@ -37,6 +37,7 @@ from perf.gpu.serving import (
     _line,
     bench_serving,
     model_parser,
+    stop_servers_on_sigterm,
 )
 
 VARIANTS = {
@@ -100,6 +101,7 @@ def serve(args: argparse.Namespace, out: Path, name: str, tree: Path) -> tuple[P
 
 
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = model_parser(__doc__)
     parser.add_argument("--before", default=None, help="an earlier build's source tree, served beside")
     parser.add_argument("--site", default=None, help="a folder of packages to put first on the servers' path")

@@ -671,7 +671,14 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def stop_servers_on_sigterm() -> None:
+    """SIGTERM (`timeout`'s signal) exits through the `with` blocks, so the servers are stopped: killed
+    by default, the script left them running and holding GPU memory for the next command."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def main() -> None:
+    stop_servers_on_sigterm()
     parser = model_parser(__doc__)
     parser.add_argument("--parts", default="stub,peer,offline,http,chat,single,low,simple")
     parser.add_argument("--simple-reps", type=int, default=2, help="runs of Mini-SGLang's client per server")
