@@ -235,6 +235,8 @@ class GraphRunner:
         `max_reqs` blocks, a graph laid out as a prefill graph (a block per request) whose logits are of
         the first `rows` rows of every block (a request's newest token and its drafts; then padding).
         Nothing without prefill graphs or when `rows` exceeds a block."""
+        if not self.batch_sizes:  # no CUDA graphs at all (the CPU): said at start already
+            return
         if not self.prefill_sizes or rows > ALIGN:
             logger.info(
                 "verify CUDA graphs: none (%s)", "no prefill graphs" if rows <= ALIGN else "rows > block"
