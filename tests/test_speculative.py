@@ -333,3 +333,31 @@ def test_draft_model_sampling_keeps_the_distribution(pair, draft_llm):
         assert len({tuple(o.token_ids) for o in got}) > 1  # the seeds made different outputs
     assert spec.accepted > accepted
     llm_clean(draft_llm)
+
+
+def test_the_policy_backs_off_and_skips_large_batches():
+    """A request that proposes nothing (or has every draft rejected) sits out 1, 3, 7, 15, then 16
+    decode steps between verify attempts; an accepted draft resets it; a batch above the policy's size
+    (k = 4 on the CPU: 6 requests) never speculates; nor does a request short of min_tokens."""
+    from types import SimpleNamespace
+
+    from minisgl.scheduler.speculative import MAX_BACKOFF, Speculator, max_verify_batch
+
+    spec = Speculator("ngram", K, device_type="cpu")
+    assert spec.max_batch == max_verify_batch("cpu", K) == 32 // (K + 1)
+
+    def request(**params):
+        fields = dict(spec_wait=0, spec_backoff=0, spec_drafted=0, spec_accepted=0, num_launched=5, req=None)
+        return SimpleNamespace(params=SamplingParams(max_tokens=100, **params), **fields)
+
+    state = request()
+    attempts = []
+    for step in range(60):
+        if spec.wanted([state]):
+            attempts.append(step)
+            spec.verified(state, K, 0, 0)  # proposed nothing
+    assert attempts == [0, 2, 6, 14, 30, 47] and state.spec_backoff == MAX_BACKOFF
+    spec.verified(state, K, 3, 2)  # drafts accepted: due again at once
+    assert state.spec_wait == 0 and spec.wanted([state])
+    assert not spec.wanted([request() for _ in range(spec.max_batch + 1)])
+    assert not spec.wanted([request(min_tokens=10)]) and spec.wanted([request(min_tokens=5)])

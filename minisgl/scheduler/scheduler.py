@@ -494,9 +494,10 @@ class Scheduler:
             if isinstance(e, FATAL_ERRORS):
                 raise
             return None
-        if not any(drafts):  # nothing to verify: a plain decode step
-            for state in states:
+        if not any(drafts):  # nothing to verify: a plain decode step, and the requests back off
+            for state, limit in zip(states, limits):
                 self.prep.truncate(state.req, len(state.req.input_ids))
+                self.spec.verified(state, limit, 0, 0)
             return states, None
         updates += self._verify(states, limits, drafts, started)
         return None

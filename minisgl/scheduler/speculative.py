@@ -87,9 +87,15 @@ class Speculator:
         for state in states:
             if state.spec_wait > 0:
                 state.spec_wait -= 1
-            else:
+            elif self._may_draft(state):
                 due = True
         return due and len(states) <= self.max_batch
+
+    @staticmethod
+    def _may_draft(state: RequestState) -> bool:
+        """Past min_tokens and at least two tokens from max_tokens, counting a token in flight."""
+        launched, params = state.num_launched, state.params
+        return launched >= params.min_tokens and params.max_tokens - launched >= 2
 
     def limits(self, states: Sequence[RequestState], max_seq_len: int) -> list[int]:
         """The most drafts each request may take this step (0: none): k, within max_tokens (the last
