@@ -16,7 +16,7 @@ The policy (`Speculator.wanted`, `Speculator.limits`): a verify step computes k 
 where a batch is large enough that the forward is bound by compute rather than by reading the weights,
 those tokens cost nearly their full price and speculation loses. So a decode step speculates only while
 batch size x (k + 1) <= `MAX_VERIFY_TOKENS` (by device). A request that proposed nothing, or whose
-drafts were all rejected, sits out 1, 2, 4, ... up to `MAX_BACKOFF` decode steps (reset by an accepted
+drafts were all rejected, sits out 1, 3, 7, 15, then `MAX_BACKOFF` decode steps (reset by an accepted
 draft), so a workload that never matches pays for almost no verify steps (and keeps overlap
 scheduling, which a verify step gives up: its proposals need the previous step's tokens on the host).
 Requests with fewer outputs than min_tokens decode without drafts (they can still share a verify step,
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 # speculation runs while batch size x (k + 1) tokens stay at most this (by device type): below it a
 # forward is bound by reading the weights, so the drafts' rows come almost free
 MAX_VERIFY_TOKENS = {"cuda": 64, "cpu": 32}
-# a request whose proposals fail sits out 1, 2, 4, ... decode steps, at most this many
+# a request whose proposals fail sits out 1, 3, 7, 15 (2 x the last + 1) decode steps, at most this many
 MAX_BACKOFF = 16
 
 
