@@ -265,8 +265,7 @@ class GraphRunner:
     def replay_verify(self, batch: Batch) -> torch.Tensor:
         """Replays the smallest verify graph that holds the batch (a block per request): the logits of
         every computed token, in batch order."""
-        size = bisect.bisect_left(sorted(self.verify_graphs), batch.size * ALIGN)
-        tokens = sorted(self.verify_graphs)[size]
+        tokens = min(t for t in self.verify_graphs if t >= batch.size * ALIGN)
         rows, picks = self.verify_rows, []
         last = torch.zeros(tokens // ALIGN * rows, dtype=torch.int64)
         for i, req in enumerate(batch.reqs):
