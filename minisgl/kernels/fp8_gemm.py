@@ -30,13 +30,29 @@ multiple of 128 or all of K (per-tensor scales): a weight row's scale row is n /
   silently misreads the others' scales). Where it raises (another GPU, an older torch or cuBLAS, a
   shape it refuses) the Triton GEMM runs instead; the answer is cached per device, shape and dtype, so
   it is tried once.
+- `norm_quantize_rows`, `silu_mul_quantize_rows`: the FP8 projections' prologues with the quantization
+  fused: `quantize_rows`' kernel with a prologue (`minisgl.kernels.gemv`'s numbering), residual + x
+  (optional), the RMSNorm and the norm weight's product (a program a row), or silu(gate) * up, then the
+  same quantization (`_store_rows`): e4m3 values and scales in `quantize_rows`' layout, no activation
+  row written in between (for more rows than the GEMV takes, the same kernel writes the row in x's
+  dtype instead, for the GEMMs). Their numbers are the eager layers' (`minisgl.layers.basic`'s
+  `add_rms_norm`, `F.silu(gate) * up`: every op rounded to x's dtype where torch rounds it, no fused
+  multiply-add; the mean as torch takes it: the sum divided by K on the CPU, times float32(1 / K) on
+  CUDA; torch's expf on CUDA) then `quantize_rows`': the same bytes, but where torch's float32 sum of
+  squares, in an order of its own, differs in the last place and moves a value across a rounding
+  midpoint (tests/test_fp8_fused.py).
 
 `torch.ops.minisgl.fp8_linear(x, weight, scale, bias, block_n, block_k, group, invariant)` picks the
 kernel by row count when it runs (one compiled graph serves every batch size, as the ops of
 `minisgl.kernels.linear`): the GEMV up to `GEMV_MAX_ROWS` rows, else `GEMM_BACKEND` ("scaled_mm" or
 "triton", a module-level choice the benchmark switches). With `invariant` (the engine's GEMV kernels off
 or `batch_invariant`), every row count runs the Triton GEMM in one configuration, so that a row gets the
-same bits alone or in a batch.
+same bits alone or in a batch. `minisgl::fp8_norm_linear(x, residual, norm_weight, eps, weight, scale,
+block_n, block_k, group, bias) -> (y, new residual)` and `minisgl::fp8_silu_mul_linear(gate_up, weight,
+scale, block_n, block_k, group)` run a fused quantizer and the GEMV (`fp8_gemv` on `quantized`
+rows) up to `GEMV_MAX_ROWS` rows, the same kernel unquantized then `minisgl::fp8_linear`'s choice for
+more (one graph for every row count, the same numbers); `minisgl.layers.basic` calls them where
+`fp8_kernels_fit` and the engine's GEMV and fused kernels are on (never `invariant`).
 
 Numerics against the emulation: the GEMV differs by float32 summation order only (measured on the CPU
 under Triton's interpreter within 1e-5 of the output's scale). The tensor-core GEMMs (Triton's and
@@ -62,6 +78,7 @@ import torch.nn.functional as F
 from minisgl.compile import gemv_kernel_mode
 from minisgl.kernels.fp8 import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, MIN_AMAX
 from minisgl.kernels.fp8 import fp8_linear as emulated_fp8_linear
+from minisgl.kernels.gemv import ADD_RMS_NORM, PLAIN, SILU_MUL
 from minisgl.kernels.pdl import launch_options, pdl_enabled
 
 try:
@@ -84,6 +101,10 @@ GEMV_BLOCK_K = 512
 GEMV_MAX_ROWS = 2
 # the GEMM for more rows: "scaled_mm" (cuBLASLt, the Triton GEMM where it is refused) or "triton"
 GEMM_BACKEND = "scaled_mm"
+# whether the layers send an FP8 projection's norm and SiLU-and-multiply to the fused ops
+# (`minisgl::fp8_norm_linear`, `minisgl::fp8_silu_mul_linear`): off until they are measured on a GPU (they
+# are tested on the CPU under Triton's interpreter only; tests/gpu/test_gpu_fp8.py has their GPU tests)
+FUSED_QUANTIZE = False
 # Triton GEMM tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), picked by M: the first
 # whose BLOCK_M covers M, else the last; INVARIANT_CONFIG for `invariant` (every row count alike)
 GEMM_CONFIGS: list[tuple[int, int, int, int]] = [(16, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)]
@@ -139,6 +160,28 @@ if triton is not None:
         return v.to(tl.float8e4nv), scale
 
     @triton.jit
+    def _round_to(v, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """v (float32) rounded to `dtype` (nearest even) and back to float32: an op's result as torch
+        stores it in x's dtype (ROUND_BF16: rounded in float32 first, for the interpreter)."""
+        if ROUND_BF16:
+            v = _round_bf16(v)
+        return v.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _store_rows(
+        x, out_ptr, s_ptr, row, groups, cols, M, K, GROUP_SIZE: tl.constexpr, QUANTIZE: tl.constexpr
+    ):
+        """Stores x (float32, the row's `groups` at `cols`; zeros past K) quantized in `quantize_rows`'
+        layout: e4m3 (M, K) row-major at out_ptr, float32 scales (M, groups) column-major (strides
+        (1, M)) at s_ptr; without QUANTIZE, as it is in out_ptr's dtype (M, K)."""
+        if QUANTIZE:
+            q, scale = _quantize_tile(x)
+            tl.store(out_ptr + row * K + cols, q, mask=cols < K)
+            tl.store(s_ptr + groups * M + row, scale, mask=groups * GROUP_SIZE < K)
+        else:
+            tl.store(out_ptr + row * K + cols, x.to(out_ptr.dtype.element_ty), mask=cols < K)
+
+    @triton.jit
     def _quantize_rows_kernel(
         x_ptr,
         q_ptr,
@@ -148,15 +191,57 @@ if triton is not None:
         x_row_stride,
         GROUPS: tl.constexpr,
         GROUP_SIZE: tl.constexpr,
+        PROLOGUE: tl.constexpr,
+        r_ptr,
+        w_ptr,
+        h_ptr,
+        HAS_RESIDUAL: tl.constexpr,
+        r_row_stride,
+        eps,
+        inv_k,
+        ROUND_BF16: tl.constexpr,
+        INTERPRET: tl.constexpr,
+        QUANTIZE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
+        # a program: GROUPS groups of a row (ADD_RMS_NORM: all of them). PROLOGUE (the numbering of
+        # minisgl.kernels.gemv): PLAIN quantizes x; ADD_RMS_NORM and SILU_MUL compute, as the eager
+        # layers do, `add_rms_norm` (x + the residual at r_ptr, optional; the new residual stored at
+        # h_ptr; the norm weight at w_ptr) or `F.silu(gate) * up` (x = [gate | up], 2 K wide), each
+        # op's result rounded to x's dtype where torch rounds it; then quantize (QUANTIZE) or store
         row = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         cols = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
         mask = cols < K
+        dtype: tl.constexpr = x_ptr.dtype.element_ty
+        if USE_PDL:  # see minisgl.kernels.pdl: the next kernel (the GEMV) may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        q, scale = _quantize_tile(x)
-        tl.store(q_ptr + row * K + cols, q, mask=mask)
-        tl.store(s_ptr + groups * M + row, scale, mask=groups * GROUP_SIZE < K)  # column-major
+        if PROLOGUE == 1:  # ADD_RMS_NORM
+            if HAS_RESIDUAL:  # residual + x, in x's dtype
+                r = tl.load(r_ptr + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                x = _round_to(x + r, dtype, ROUND_BF16)
+            tl.store(h_ptr + row * K + cols, x.to(dtype), mask=mask)
+            # x32.pow(2).mean(-1): the squares are exact; torch divides their sum by K on the CPU and
+            # multiplies it by float32(1 / K) on CUDA (the sum's order is its own: see norm_quantize_rows)
+            total = tl.sum(tl.sum(x * x, axis=1), axis=0)
+            if INTERPRET:
+                mean = tl.math.div_rn(total, K.to(tl.float32))
+            else:
+                mean = total * inv_k
+            x = _round_to(x * tl.rsqrt(mean + eps), dtype, ROUND_BF16)  # x32 * rsqrt(..), .to(x.dtype)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _round_to(w * x, dtype, ROUND_BF16)  # weight * normed, in x's dtype
+        if PROLOGUE == 2:  # SILU_MUL: F.silu(gate), rounded, then times up, rounded
+            up = tl.load(x_ptr + row * x_row_stride + K + cols, mask=mask, other=0.0).to(tl.float32)
+            if INTERPRET:
+                e = tl.exp(-x)
+            else:  # expf, as torch's CUDA kernel calls it (tl.exp is an approximation)
+                e = tl.extra.cuda.libdevice.exp(-x)
+            x = _round_to(tl.math.div_rn(x, 1.0 + e), dtype, ROUND_BF16)  # x / (1 + exp(-x)), as torch
+            x = _round_to(x * up, dtype, ROUND_BF16)
+        _store_rows(x, q_ptr, s_ptr, row, groups, cols, M, K, GROUP_SIZE, QUANTIZE)
 
     @triton.jit
     def _fp8_gemv_kernel(
@@ -316,20 +401,28 @@ def _row_major(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) bf16/fp16/fp32 -> (e4m3 (M, K), float32 scales (M, ceil(K / group)) with strides (1, M)):
-    the numbers of `minisgl.kernels.fp8.quantize_groups`, in one Triton kernel."""
-    if group != GROUP:
-        raise ValueError(f"quantize_rows: group must be {GROUP}, got {group}")
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x (M, K), its rows contiguous (a copy where they are not); ValueError unless x is 2-D."""
     if x.dim() != 2:
-        raise ValueError(f"quantize_rows: x must be 2-D (rows, K), got {tuple(x.shape)}")
-    x = _row_major(x)
-    m, k = x.shape
-    groups = _cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+        raise ValueError(f"{name}: x must be 2-D (rows, K), got {tuple(x.shape)}")
+    return _row_major(x)
+
+
+def _quantize_launch(
+    x: torch.Tensor, m: int, k: int, prologue: int = PLAIN, quantize: bool = True, eps: float = 0.0, **args
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs `_quantize_rows_kernel` on m rows of x (k columns after the prologue): (e4m3 (m, k), float32
+    scales (m, ceil(k / 128)) strides (1, m)); without `quantize`, (the rows in x's dtype, the scales
+    unwritten). A program takes up to 8 groups of a row, all of them for ADD_RMS_NORM. `eps`, `args`:
+    ADD_RMS_NORM's (`r_ptr`, `w_ptr`, `h_ptr`, `HAS_RESIDUAL`, `r_row_stride`)."""
+    groups = _cdiv(k, GROUP)
+    q = torch.empty(m, k, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     scales = torch.empty_strided((m, groups), (1, m), dtype=torch.float32, device=x.device)
     if m and k:
-        per_program = min(8, triton.next_power_of_2(groups))
+        whole_rows = prologue == ADD_RMS_NORM
+        per_program = triton.next_power_of_2(groups) if whole_rows else min(8, triton.next_power_of_2(groups))
+        interpret = _interpreting()
+        args = {"r_ptr": x, "w_ptr": x, "h_ptr": x, "HAS_RESIDUAL": False, "r_row_stride": 0, **args}
         _quantize_rows_kernel[(m, _cdiv(groups, per_program))](
             x,
             q,
@@ -338,10 +431,88 @@ def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
             k,
             x.stride(0),
             GROUPS=per_program,
-            GROUP_SIZE=group,
-            num_warps=4,
+            GROUP_SIZE=GROUP,
+            PROLOGUE=prologue,
+            eps=eps,
+            inv_k=1.0 / k,
+            ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            INTERPRET=interpret,
+            QUANTIZE=quantize,
+            num_warps=4 if not whole_rows or k <= 4096 else 8 if k <= 8192 else 16,
+            enable_fp_fusion=False,  # no a * b + c as one rounding (fma): torch rounds both, in two ops
+            **args,
+            **launch_options(prologue != PLAIN and pdl_enabled(x)),
         )
     return q, scales
+
+
+def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) bf16/fp16/fp32 -> (e4m3 (M, K), float32 scales (M, ceil(K / group)) with strides (1, M)):
+    the numbers of `minisgl.kernels.fp8.quantize_groups`, in one Triton kernel."""
+    if group != GROUP:
+        raise ValueError(f"quantize_rows: group must be {GROUP}, got {group}")
+    x = _rows(x, "quantize_rows")
+    return _quantize_launch(x, *x.shape)
+
+
+def _norm_rows(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_quantize_rows`, or (quantize False) the normalised rows in x's dtype, their scales
+    unwritten, and h."""
+    x = _rows(x, "norm_quantize_rows")
+    m, k = x.shape
+    if (residual is not None and residual.shape != x.shape) or norm_weight.shape != (k,):
+        raise ValueError(
+            f"norm_quantize_rows: residual {None if residual is None else tuple(residual.shape)} and "
+            f"norm weight {tuple(norm_weight.shape)} do not fit x {tuple(x.shape)}"
+        )
+    residual = x if residual is None else _row_major(residual)
+    h = x.new_empty(m, k)
+    q, scales = _quantize_launch(
+        x,
+        m,
+        k,
+        ADD_RMS_NORM,
+        quantize,
+        r_ptr=residual,
+        w_ptr=norm_weight.contiguous(),
+        h_ptr=h,
+        HAS_RESIDUAL=residual is not x,
+        r_row_stride=residual.stride(0),
+        eps=eps,
+    )
+    return q, scales, h
+
+
+def norm_quantize_rows(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of h = residual + x (of x where residual is None), quantized: (e4m3 (M, K), float32 scales
+    as `quantize_rows` lays them out, h (M, K) in x's dtype: a copy of x without residual), in one
+    Triton kernel, a program a row. The numbers of `minisgl.layers.basic.add_rms_norm` (`rms_norm`)
+    then `quantize_rows`: the sum and the normalised row rounded to x's dtype, then the norm weight's
+    product, as torch rounds them (norm_weight in x's dtype). The sum of squares is the one float32
+    sum that torch adds in an order of its own: where the two sums differ in the last place, an element
+    can round to its neighbour (see docs/quantization.md)."""
+    return _norm_rows(x, residual, norm_weight, eps, True)
+
+
+def _silu_mul_rows(gate_up: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul_quantize_rows`, or (quantize False) the product in gate_up's dtype, its scales
+    unwritten."""
+    gate_up = _rows(gate_up, "silu_mul_quantize_rows")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul_quantize_rows: gate_up must have an even width, got {gate_up.shape[1]}")
+    return _quantize_launch(gate_up, gate_up.shape[0], gate_up.shape[1] // 2, SILU_MUL, quantize)
+
+
+def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of gate_up (M, 2 K) = [gate | up], quantized: (e4m3 (M, K), float32 scales as
+    `quantize_rows` lays them out), in one Triton kernel. The numbers of `F.silu(gate) * up` in x's
+    dtype then `quantize_rows`: the SiLU rounded, then the product (torch's exp on CUDA, NumPy's under
+    the interpreter, against torch's vectorized one on the CPU: see docs/quantization.md)."""
+    return _silu_mul_rows(gate_up, True)
 
 
 def gemv_config(m: int, n: int) -> tuple[int, int]:
@@ -370,12 +541,14 @@ def gemv_launch(
     block_rows: int,
     num_warps: int,
     pdl: bool = False,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Quantizes x (`quantize_rows`), then launches the GEMV with an explicit configuration (the
-    benchmark sweeps these) into `out` (M, N); x (M, K), M <= GEMV_ROWS_LIMIT."""
+    """Quantizes x (`quantize_rows`; or takes `quantized`, x quantized by a fused quantizer), then
+    launches the GEMV with an explicit configuration (the benchmark sweeps these) into `out` (M, N);
+    x (M, K), M <= GEMV_ROWS_LIMIT."""
     m, k = x.shape
     n = weight.shape[0]
-    xq, xs = quantize_rows(x)
+    xq, xs = quantized if quantized is not None else quantize_rows(x)
     _fp8_gemv_kernel[(triton.cdiv(n, block_rows),)](
         xq,
         xs,
@@ -406,21 +579,22 @@ def fp8_gemv(
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x (M, K) @ W^T (+ bias) -> (M, N) in `out_dtype` (x's by default), M <= 16, for the FP8 weight
     W = `weight` (N, K) e4m3 with scales `scale` (ceil(N / block[0]), ceil(K / block[1])); x is quantized
-    per token group of 128 first (`quantize_rows`)."""
+    per token group of 128 first (`quantize_rows`), or `quantized` is x quantized (e4m3, scales in
+    `quantize_rows`' layout: a fused quantizer's outputs; x then gives the shape, dtype and device)."""
     _check_operands(x, weight, scale, block)
     m, k = x.shape
     if m > GEMV_ROWS_LIMIT:
         raise ValueError(f"fp8_gemv takes at most {GEMV_ROWS_LIMIT} rows, got {m}")
     if k > MAX_K:
         raise ValueError(f"fp8_gemv takes rows of at most {MAX_K} columns, got {k}")
-    x = _row_major(x)
 
     def launch(out: torch.Tensor) -> None:
         block_rows, warps = gemv_config(m, weight.shape[0])
-        gemv_launch(x, weight, scale, block, bias, out, block_rows, warps, pdl=pdl_enabled(x))
+        gemv_launch(x, weight, scale, block, bias, out, block_rows, warps, pdl_enabled(x), quantized)
 
     return _product(x, weight, bias, out_dtype, launch)
 
@@ -601,6 +775,65 @@ def fp8_gemm_scaled_mm(
     return out[:m] if pad else out
 
 
+@torch.library.custom_op("minisgl::fp8_norm_linear", mutates_args=())
+def fp8_norm_linear_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of h = residual + x (x where residual is None), then the FP8 projection: (y (M, N), h
+    (M, K), a copy of x without residual). Up to GEMV_MAX_ROWS rows: the norm writes the e4m3 row and
+    its scales (`norm_quantize_rows`), then the GEMV; more: the same kernel writes the normalised rows
+    in x's dtype, then `minisgl::fp8_linear`'s choice. norm_weight and residual in x's dtype."""
+    block = (block_n, block_k)
+    _check_operands(x, weight, scale, block, group)
+    if not _gemv_takes(x):
+        normed, _, h = _norm_rows(x, residual, norm_weight, eps, quantize=False)
+        return fp8_linear_op(normed, weight, scale, bias, block_n, block_k, group), h
+    xq, xs, h = norm_quantize_rows(x, residual, norm_weight, eps)
+    return fp8_gemv(x, weight, scale, block, bias, quantized=(xq, xs)), h
+
+
+@fp8_norm_linear_op.register_fake
+def _(x, residual, norm_weight, eps, weight, scale, block_n, block_k, group, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape)
+
+
+@torch.library.custom_op("minisgl::fp8_silu_mul_linear", mutates_args=())
+def fp8_silu_mul_linear_op(
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, group: int
+) -> torch.Tensor:
+    """silu(gate) * up of gate_up (M, 2 K) = [gate | up], then the FP8 projection: (M, N). Up to
+    GEMV_MAX_ROWS rows: one kernel writes the product's e4m3 row and scales (`silu_mul_quantize_rows`),
+    then the GEMV; more: the same kernel writes the product in x's dtype, then `minisgl::fp8_linear`'s
+    choice. (No bias: the MLP's down projection has none.)"""
+    block = (block_n, block_k)
+    gate = gate_up[:, : gate_up.shape[1] // 2]
+    _check_operands(gate, weight, scale, block, group)
+    if not _gemv_takes(gate):
+        product = _silu_mul_rows(gate_up, quantize=False)[0]
+        return fp8_linear_op(product, weight, scale, None, block_n, block_k, group)
+    return fp8_gemv(gate, weight, scale, block, quantized=silu_mul_quantize_rows(gate_up))
+
+
+@fp8_silu_mul_linear_op.register_fake
+def _(gate_up, weight, scale, block_n, block_k, group):
+    return gate_up.new_empty(gate_up.shape[0], weight.shape[0])
+
+
+def _gemv_takes(x: torch.Tensor) -> bool:
+    """True when the ops run x (M, K) on the GEMV: 1 to GEMV_MAX_ROWS rows (at most GEMV_ROWS_LIMIT), K
+    at most MAX_K."""
+    return 0 < x.shape[0] <= min(GEMV_MAX_ROWS, GEMV_ROWS_LIMIT) and x.shape[1] <= MAX_K
+
+
 @torch.library.custom_op("minisgl::fp8_linear", mutates_args=())
 def fp8_linear_op(
     x: torch.Tensor,
@@ -620,8 +853,7 @@ def fp8_linear_op(
     _check_operands(x, weight, scale, block, group)
     if invariant:
         return fp8_gemm_triton(x, weight, scale, block, bias, config=INVARIANT_CONFIG)
-    m = x.shape[0]
-    if 0 < m <= min(GEMV_MAX_ROWS, GEMV_ROWS_LIMIT) and x.shape[1] <= MAX_K:
+    if _gemv_takes(x):
         return fp8_gemv(x, weight, scale, block, bias)
     if GEMM_BACKEND == "scaled_mm" and block == (GROUP, GROUP):
         return fp8_gemm_scaled_mm(x, weight, scale, bias)

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 from minisgl.compile import fused_kernels_mode, gemv_kernel_mode
 from minisgl.distributed import all_gather, all_reduce, get_tp_info
-from minisgl.kernels.fp8_gemm import fp8_linear
+from minisgl.kernels import fp8_gemm
+from minisgl.kernels.fp8_gemm import (
+    fp8_kernels_fit,
+    fp8_linear,
+    fp8_norm_linear_op,
+    fp8_silu_mul_linear_op,
+)
 from minisgl.kernels.gemv import gemv_fits
 from minisgl.kernels.linear import linear_op, norm_linear_op, silu_mul_linear_op
 from minisgl.layers.fp8 import Fp8Linear
@@ -55,6 +61,22 @@ def _fused_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Linear) -> bool:
     return gemv_fits(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
 
 
+def _fused_fp8(x: torch.Tensor, weight: torch.Tensor | Fp8Linear, *others: torch.Tensor | None) -> bool:
+    """True where an FP8 weight's norm or SiLU-and-multiply quantizes its output itself (the ops
+    `minisgl::fp8_norm_linear`, `minisgl::fp8_silu_mul_linear`): the FP8 kernels take x (2-D) and the
+    weight (`fp8_kernels_fit`), the engine's GEMV and fused kernels are on, and `others` (the norm
+    weight, the residual, the bias) are in x's dtype; only with `fp8_gemm.FUSED_QUANTIZE` on."""
+    return (
+        fp8_gemm.FUSED_QUANTIZE
+        and isinstance(weight, Fp8Linear)
+        and x.dim() == 2
+        and gemv_kernel_mode()
+        and fused_kernels_mode()
+        and fp8_kernels_fit(x, weight.weight, weight.scale, weight.block, weight.group)
+        and all(t is None or t.dtype == x.dtype for t in others)
+    )
+
+
 def norm_linear(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -65,9 +87,13 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x + residual (of x alone when residual is None), then `linear`. Returns (output, new
     residual). On the GEMV kernel's path with the engine's ``use_fused_kernels`` on, the op
-    `minisgl::norm_linear` runs one row as one kernel and more as a Triton add + RMSNorm and cuBLAS."""
+    `minisgl::norm_linear` runs one row as one kernel and more as a Triton add + RMSNorm and cuBLAS; an
+    FP8 weight there runs `minisgl::fp8_norm_linear` (up to 2 rows the norm writes the e4m3 row)."""
     if _fused_gemv(x, weight):
         return norm_linear_op(x, residual, norm_weight, weight, bias, eps)
+    if _fused_fp8(x, weight, norm_weight, residual, bias):
+        w = weight  # an Fp8Linear
+        return fp8_norm_linear_op(x, residual, norm_weight, eps, w.weight, w.scale, *w.block, w.group, bias)
     if residual is None:
         normed, residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -79,10 +105,13 @@ def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor | Fp8Linear) -> 
     """The second half of the SwiGLU MLP, whose gate and up projections are one weight of 2 *
     intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`.
     On the GEMV kernel's path with ``use_fused_kernels`` on, the op `minisgl::silu_mul_linear` runs one
-    row as one kernel and more as a Triton SiLU-and-multiply and cuBLAS."""
+    row as one kernel and more as a Triton SiLU-and-multiply and cuBLAS; an FP8 weight there runs
+    `minisgl::fp8_silu_mul_linear` (up to 2 rows one kernel writes the product's e4m3 row)."""
     gate, up = gate_up.chunk(2, dim=-1)
     if _fused_gemv(gate, w_down):
         return silu_mul_linear_op(gate_up, w_down)
+    if _fused_fp8(gate, w_down):
+        return fp8_silu_mul_linear_op(gate_up, w_down.weight, w_down.scale, *w_down.block, w_down.group)
     return linear(F.silu(gate) * up, w_down)
 
 

@@ -82,14 +82,17 @@ class Speculator:
 
     def wanted(self, states: Sequence[RequestState]) -> bool:
         """Whether this decode step should speculate: the batch is small enough and some request is due
-        (its back-off over). Counts a step of every request's back-off. Cheap: no proposal is made."""
+        (its back-off over). Counts a step of every request's back-off. Cheap: no proposal is made, and
+        a batch too large to speculate returns at once (its steps count towards no back-off)."""
+        if len(states) > self.max_batch:
+            return False
         due = False
         for state in states:
             if state.spec_wait > 0:
                 state.spec_wait -= 1
             elif self._may_draft(state):
                 due = True
-        return due and len(states) <= self.max_batch
+        return due
 
     @staticmethod
     def _may_draft(state: RequestState) -> bool:

@@ -1,16 +1,21 @@
 """Speculative decoding on the GPU (issue 45's goals; docs/speculative.md).
 
     python -m perf.gpu.spec [--config YAML] [--model DIR] [--k 4] [--tokens 256] [--reps 3]
-                            [--offline] [--check] [--out FILE]
+                            [--offline] [--check] [--profile N [--trace-dir DIR]] [--out FILE]
 
 - One request alone (128 random prompt tokens, `--tokens` greedy tokens, ignore_eos) without
-  speculation and with every draft accepted: a test-only `ReplayProposer` (in this file, never a
-  setting) proposes the tokens of the run without speculation, the ceiling of the mechanics (dummy
-  weights accept nothing a real proposer offers). Alternating, `--reps` runs each, medians: the decode
-  tokens per second (after the first token), their ratio, and the verify step's cost over a plain
-  decode step's (decode seconds per verify step over decode seconds per plain step).
+  speculation and with 'ngram', every draft accepted: the ceiling of the mechanics. Dummy weights
+  accept nothing a real proposer offers, and their nearly flat logits let a verify row's bf16 kernels
+  flip near-ties a decode step's do not (so even replaying a run without speculation soon leaves it),
+  so both runs put a logit bias of 100 on one token (`BIAS_TOKEN`): the output repeats it, n-gram
+  proposes it, every draft is accepted and the outputs are identical (checked). Alternating, `--reps`
+  runs each, medians: the decode tokens per second (after the first token), their ratio, and the
+  verify step's wall time over a plain decode step's (`StepTimes`: each scheduler step timed, a verify
+  step's parts too).
 - `--offline`: the offline random workload (rate inf) with 'ngram' against without, alternating
   passes: speculation must switch itself off there (goal: at least 0.97x).
+- `--profile N`: one request's 64 tokens with 'ngram' and without under torch.profiler, the top N
+  rows by device time (chrome traces in `--trace-dir`).
 - `--check`: greedy outputs without speculation, with 'ngram' and with 'draft' (`--draft-model`, by
   default the preset's own folder: dummy weights drafting for themselves): how many tokens agree (on a
   GPU in bfloat16 a verify position's kernel differs from a decode step's, so a near-tie may flip),
@@ -26,7 +31,6 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
 
 import torch
 
@@ -37,69 +41,128 @@ from minisgl.llm import LLM
 PRESET = "configs/h200-qwen3-0.6b.yaml"
 
 
-class ReplayProposer:
-    """Proposes the continuation a run without speculation produced (`reference`: prompt + output by
-    the prompt's first tokens): every draft is accepted. For measuring only."""
-
-    def __init__(self) -> None:
-        self.reference: dict[tuple[int, ...], list[int]] = {}
-
-    def propose(
-        self, requests: Sequence[tuple[int, Sequence[int]]], limits: Sequence[int]
-    ) -> list[list[int]]:
-        out = []
-        for (_, tokens), limit in zip(requests, limits):
-            full = self.reference.get(tuple(tokens[:16]), [])
-            out.append(list(full[len(tokens) : len(tokens) + limit]))
-        return out
-
-    def forget(self, uid: int) -> None:
-        return None
+# the token every output repeats in the one-request runs (a logit bias of BIAS on it, with and without
+# speculation): random weights give nearly flat logits, where a verify row's bf16 kernels flip near-ties
+# that a decode step's do not, so a replayed or copied continuation would soon leave the target's
+BIAS_TOKEN, BIAS = 1000, 100.0
 
 
-def _decode_rate(llm: LLM, prompt: list[int], tokens: int) -> tuple[float, float, list[int]]:
-    """Decode tokens per second of one greedy request (after its first token), decode seconds, output."""
+class StepTimes:
+    """Wall seconds of an LLM's scheduler steps, plain and verify (a step that ran a verify forward), and
+    of the parts of its verify steps: proposing, preparing the batch, launching the forward, reading its
+    tokens (the wait for the device)."""
+
+    PARTS = (("spec", "propose"), ("prep", "prefill"), ("engine", "forward_verify"), ("", "_read"))
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: dict[str, list[float]] = {"plain": [], "verify": []}
+        self.parts: dict[str, float] = {name: 0.0 for _, name in self.PARTS}
+        self._inside = False
+        sched = llm.scheduler
+        step, speculate = sched.step, sched._speculate
+
+        def timed_step():
+            before = sched.spec.verify_steps if sched.spec is not None else 0
+            started = time.perf_counter()
+            out = step()
+            verified = sched.spec is not None and sched.spec.verify_steps > before
+            self.steps["verify" if verified else "plain"].append(time.perf_counter() - started)
+            return out
+
+        def timed_speculate(*args):
+            self._inside = True
+            try:
+                return speculate(*args)
+            finally:
+                self._inside = False
+
+        sched.step, sched._speculate = timed_step, timed_speculate
+        for owner, name in self.PARTS:
+            if not owner or getattr(sched, owner) is not None:
+                self._wrap(getattr(sched, owner) if owner else sched, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self._inside:
+                return fn(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.parts[name] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def reset(self) -> None:
+        self.steps = {"plain": [], "verify": []}
+        self.parts = dict.fromkeys(self.parts, 0.0)
+
+
+def _ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+
+
+def _decode_rate(llm: LLM, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
+    """Decode tokens per second of one greedy request (after its first token), and its output."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, logit_bias={BIAS_TOKEN: BIAS})
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     started = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+    out = llm.generate([prompt], params)[0]
     seconds = time.perf_counter() - started - out.time_to_first_token
-    return (len(out.token_ids) - 1) / seconds, seconds, out.token_ids
+    return (len(out.token_ids) - 1) / seconds, out.token_ids
+
+
+STARTS: list[dict] = []  # each LLM's start: seconds and the compiles (dynamo graphs) it added
+
+
+def _start(**kwargs) -> LLM:
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    seconds = time.perf_counter() - started
+    method = kwargs.get("speculative_method", "none")
+    STARTS.append(
+        {"method": method, "seconds": seconds, "compiles": counters["stats"]["unique_graphs"] - graphs}
+    )
+    print(f"start {method}: {seconds:.1f} s, {STARTS[-1]['compiles']} compiles")
+    return llm
 
 
 def single(args: argparse.Namespace, base: dict) -> dict:
-    off = LLM(**base)
-    on = LLM(**base, speculative_method="ngram", speculative_num_tokens=args.k)
-    replay = ReplayProposer()
-    on.scheduler.spec.ngram = replay
+    off = _start(**base)
+    on = _start(**base, speculative_method="ngram", speculative_num_tokens=args.k)
+    times = {"off": StepTimes(off), "ngram": StepTimes(on)}
     rng = random.Random(0)
     prompt = [rng.randrange(10, 10000) for _ in range(128)]
-    _, _, ref = _decode_rate(off, prompt, args.tokens)  # warm-up, and the first reference
-    # in bfloat16 a verify row's kernels differ from a decode step's, so the speculative run can leave
-    # the reference at a near-tie (frequent with random weights): replay its own output until it is
-    # stable, so that (nearly) every draft is accepted
-    for _ in range(4):
-        replay.reference[tuple(prompt[:16])] = prompt + ref
-        _, _, out = _decode_rate(on, prompt, args.tokens)
-        if out == ref:
-            break
-        ref = out
-    result: dict = {"off": [], "replay": [], "verify_steps": [], "cost": [], "acceptance": []}
+    for llm in (off, on):  # warm-up
+        _decode_rate(llm, prompt, args.tokens)
+    keys = ("off", "ngram", "plain_ms", "verify_ms", "cost", "acceptance", "parts_ms")
+    result: dict = {key: [] for key in keys}
     for _ in range(args.reps):
-        rate_off, s_off, _ = _decode_rate(off, prompt, args.tokens)
+        for t in times.values():
+            t.reset()
+        rate_off, ref = _decode_rate(off, prompt, args.tokens)
         spec = on.scheduler.spec
         steps, drafted, accepted = spec.verify_steps, spec.drafted, spec.accepted
-        rate_on, s_on, _ = _decode_rate(on, prompt, args.tokens)
+        rate_on, out = _decode_rate(on, prompt, args.tokens)
+        if out != ref:
+            raise AssertionError("speculation changed the output of a greedy request")
         steps = spec.verify_steps - steps
         acceptance = (spec.accepted - accepted) / max(1, spec.drafted - drafted)
-        # seconds per verify step over seconds per plain decode step (whatever was accepted)
-        cost = (s_on / steps) / (s_off / (args.tokens - 1))
-        for key, value in (("off", rate_off), ("replay", rate_on), ("verify_steps", steps), ("cost", cost)):
+        plain, verify = _ms(times["off"].steps["plain"]), _ms(times["ngram"].steps["verify"])
+        parts = {name: round(1e3 * v / max(1, steps), 3) for name, v in times["ngram"].parts.items()}
+        values = (rate_off, rate_on, plain, verify, verify / plain, acceptance, parts)
+        for key, value in zip(keys, values):
             result[key].append(value)
-        result["acceptance"].append(acceptance)
         print(
-            f"single: off {rate_off:.1f} tok/s, replay {rate_on:.1f} tok/s, {steps} verify steps, "
-            f"{acceptance:.0%} accepted, cost {cost:.3f}x"
+            f"single: off {rate_off:.1f} tok/s, ngram {rate_on:.1f} tok/s, {steps} verify steps, "
+            f"{acceptance:.0%} accepted; decode step {plain:.3f} ms, verify step {verify:.3f} ms "
+            f"({verify / plain:.3f}x); verify parts, ms a step: {json.dumps(parts)}"
         )
     on.shutdown()
     off.shutdown()
@@ -108,8 +171,8 @@ def single(args: argparse.Namespace, base: dict) -> dict:
 
 def offline(args: argparse.Namespace, base: dict) -> dict:
     llms = {
-        "off": LLM(**base),
-        "ngram": LLM(**base, speculative_method="ngram", speculative_num_tokens=args.k),
+        "off": _start(**base),
+        "ngram": _start(**base, speculative_method="ngram", speculative_num_tokens=args.k),
     }
     result: dict = {name: [] for name in llms}
     for _ in range(args.reps):
@@ -147,6 +210,36 @@ def check(base: dict, draft_model: str) -> dict:
     return result
 
 
+def profile(args: argparse.Namespace, base: dict) -> dict:
+    """One request's decode with 'ngram' (every draft accepted) and without, each under torch.profiler:
+    the device time by kernel (graph replays' kernels included where CUPTI traces them), the top
+    `--profile` rows of each; the traces go to `--trace-dir` when given."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    result = {}
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, 10000) for _ in range(128)]
+    for method in ("none", "ngram"):
+        extra = {"speculative_num_tokens": args.k} if method != "none" else {}
+        with _start(**base, speculative_method=method, **extra) as llm:
+            _decode_rate(llm, prompt, 64)
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                _decode_rate(llm, prompt, 64)
+            if args.trace_dir:
+                prof.export_chrome_trace(f"{args.trace_dir}/spec-{method}.json")
+            events = prof.key_averages()
+            for key in ("self_device_time_total", "self_cuda_time_total"):
+                try:
+                    table = events.table(sort_by=key, row_limit=args.profile)
+                    break
+                except (AttributeError, KeyError, ValueError):
+                    continue
+            print(f"--- profile, {method}: 64 tokens ---\n{table}")
+            result[method] = table
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,6 +253,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", type=int, default=0, help="profile: the top N kernels by device time")
+    parser.add_argument("--trace-dir", default=None, help="--profile's chrome traces go here")
     parser.add_argument("--draft-model", default="configs/models/qwen3-0.6b", help="--check's draft")
     args = parser.parse_args()
     base = {"config": args.config, "memory_ratio": 0.4}
@@ -172,15 +267,22 @@ def main() -> None:
         results["single"] = single(args, base)
     if args.offline:
         results["offline"] = offline(args, base)
+    if args.profile:
+        results["profile"] = profile(args, base)
+    results["starts"] = STARTS
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\n--- speculative decoding, {args.config} {args.model or ''} k={args.k} ---")
     if "single" in results:
         r = results["single"]
-        off, on = statistics.median(r["off"]), statistics.median(r["replay"])
-        print(f"one request: off {off:.1f} tok/s, replay {on:.1f} tok/s = {on / off:.2f}x")
-        print(f"verify step / decode step: {statistics.median(r['cost']):.3f}x (median of {len(r['cost'])})")
+        off, on = statistics.median(r["off"]), statistics.median(r["ngram"])
+        print(f"one request: off {off:.1f} tok/s, ngram {on:.1f} tok/s = {on / off:.2f}x")
+        verify, plain = statistics.median(r["verify_ms"]), statistics.median(r["plain_ms"])
+        print(
+            f"verify step {verify:.3f} ms / decode step {plain:.3f} ms: "
+            f"{statistics.median(r['cost']):.3f}x (median of {len(r['cost'])})"
+        )
         print(f"drafts accepted: {statistics.median(r['acceptance']):.1%}")
     if "offline" in results:
         r = results["offline"]
@@ -188,6 +290,8 @@ def main() -> None:
         print(
             f"offline rate inf: off {off:,.0f}, ngram {on:,.0f} tok/s = {on / off:.3f}x ({r['verify_steps']} verify steps)"
         )
+    for start in STARTS:
+        print(f"start {start['method']}: {start['seconds']:.1f} s, {start['compiles']} compiles")
     if "check" in results:
         print(f"check: {json.dumps(results['check'])}")
 

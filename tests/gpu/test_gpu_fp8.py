@@ -13,6 +13,12 @@ Bounds, against the emulation (`minisgl.kernels.fp8.fp8_linear` on the same oper
   FP8 MMA adds a 128-column step's products in reduced precision before the float32 accumulator takes
   them: 1e-3 of the output's largest magnitude, plus one unit in the last place of the output's dtype.
 - the model: see `test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation`.
+
+The fused quantizers (`norm_quantize_rows`, `silu_mul_quantize_rows`) against the unfused path (eager
+`rms_norm` / `add_rms_norm` or `F.silu(gate) * up`, then `quantize_rows`), with tests/test_fp8_fused.py's
+checks on CUDA: bit for bit (the norm's random rows: all but one value in a thousand, torch's sum order);
+the ops `minisgl::fp8_norm_linear` and `minisgl::fp8_silu_mul_linear` the unfused path's bits and the
+GEMV's bound against the emulation, also compiled and in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,12 +30,21 @@ import torch
 from conftest import GPU_PROMPT_LENS as PROMPT_LENS
 from conftest import GPU_STEPS as STEPS
 from conftest import gpu_seqs, rel_err, replay_matches, teacher_forced_logits
+from test_fp8_fused import (
+    check_every_gate_value,
+    check_norm_quantize,
+    check_ops,
+    check_silu_mul_quantize,
+    fp8_mlp,
+    rows,
+    spy,
+)
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels import fp8_gemm as G
 from minisgl.kernels.fp8 import fp8_linear, quantize_blocks, quantize_groups
-from minisgl.layers import Fp8Linear, linear
+from minisgl.layers import Fp8Linear, basic, linear
 
 HAVE_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU and Triton")]
@@ -160,6 +175,54 @@ def test_fp8_linear_under_compile_and_graph(monkeypatch, backend):
         h = fp8_linear(x, w1.weight, w1.scale, w1.block, 128)
         want = fp8_linear(torch.relu(h), w2.weight, w2.scale, w2.block, 128)
         assert rel_err(eager.float(), want.float()) < 2e-2
+
+
+# -- the fused quantizers and ops: the norm and the SiLU-and-multiply write e4m3 -----------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [4096, 2560, 1000])
+def test_norm_quantize_rows_bitwise_on_gpu(k, dtype):
+    """Grid rows, random rows and the rows on which torch's mean (times float32(1 / k) on CUDA) and
+    root (rsqrt) show, with and without residual."""
+    for m, with_residual in ((1, False), (2, True), (2, False), (16, True)):
+        check_norm_quantize(m, k, with_residual, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_quantize_rows_bitwise_on_gpu(dtype):
+    """Every gate value below 1024 in magnitude, and random rows of Qwen3-8B's intermediate width."""
+    check_every_gate_value(dtype, "cuda")
+    for m, k in ((1, 12288), (2, 3000)):
+        check_silu_mul_quantize(activations(m, 2 * k, dtype, seed=m))
+
+
+@pytest.mark.parametrize("n,k", [(200, 320), (4096, 4096), (1000, 3000)])
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)])
+def test_fused_ops_match_the_unfused_path_on_gpu(monkeypatch, n, k, block):
+    for m, with_residual, with_bias in ((1, True, True), (2, False, False), (3, True, False)):
+        check_ops(monkeypatch, m, k, block, with_residual, with_bias, n=n, device="cuda")
+
+
+def test_fused_fp8_layers_under_compile_and_graph(monkeypatch):
+    """`norm_linear` and `silu_mul_linear` on FP8 weights, compiled (one graph: the fused ops at 1 and 2
+    rows, the unfused path inside them at 5) and replayed in a CUDA graph: eager's bits, which are the
+    unfused layers' (`use_fused_kernels` off)."""
+    monkeypatch.setattr(G, "FUSED_QUANTIZE", True)
+    fused = spy(monkeypatch, "norm_quantize_rows"), spy(monkeypatch, "silu_mul_quantize_rows")
+    f = fp8_mlp("cuda")
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for m in (1, 2, 5):
+        x, residual = (rows(m, 256, seed, torch.bfloat16, True, "cuda") for seed in (1, 2))
+        eager = f(x, residual)
+        assert all(torch.equal(a, b) for a, b in zip(compiled(x, residual), eager))
+        x2 = rows(m, 256, 3, torch.bfloat16, True, "cuda")
+        assert replay_matches(lambda t, r=residual: compiled(t, r)[0], x, x2)
+        with monkeypatch.context() as patch:
+            patch.setattr(basic, "fused_kernels_mode", lambda: False)
+            unfused = f(x, residual)
+        assert all(torch.equal(a, b) for a, b in zip(eager, unfused))
+    assert set(fused[0]) == set(fused[1]) == {1, 2}
 
 
 def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatch):
