@@ -225,6 +225,15 @@ def test_fused_fp8_layers_under_compile_and_graph(monkeypatch):
     assert set(fused[0]) == set(fused[1]) == {1, 2}
 
 
+def fp8_engine(folder, device: str, **settings) -> Engine:
+    """The model at `folder` quantized at load (`quantization: fp8`): float32 on the CPU (the
+    emulation), bf16 on CUDA (the kernels)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return Engine(
+        EngineConfig(model_path=str(folder), dtype=dtype, device=device, quantization="fp8", **settings)
+    )
+
+
 def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatch):
     """The model quantized at load (`quantization: fp8`, 128x128 blocks) in bf16 on CUDA, on the FP8
     kernels (compiled, decode in CUDA graphs), against the same model's float32 emulation on the CPU.
@@ -237,9 +246,7 @@ def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatc
     the test allows 8e-2 and 70%. Against the emulation in bf16 on the GPU, 6e-2 (on the CPU, the
     Triton GEMM under the interpreter against the bf16 emulation: 1.7e-2, 89%)."""
     seqs = gpu_seqs()
-    cpu = Engine(
-        EngineConfig(model_path=str(tiny_qwen3), dtype=torch.float32, device="cpu", quantization="fp8")
-    )
+    cpu = fp8_engine(tiny_qwen3, "cpu")
     want = teacher_forced_logits(cpu, seqs, PROMPT_LENS, STEPS).float()
     del cpu
     calls = {"gemv": 0, "gemm": 0}
@@ -254,14 +261,7 @@ def test_tiny_qwen3_fp8_on_cuda_matches_the_cpu_emulation(tiny_qwen3, monkeypatc
 
     def cuda_engine():
         # graphs to 8 rows hold the decode of 5 (capturing the default 35 sizes cost the test minutes)
-        config = EngineConfig(
-            model_path=str(tiny_qwen3),
-            dtype=torch.bfloat16,
-            device="cuda",
-            quantization="fp8",
-            cuda_graph_max_bs=8,
-        )
-        return Engine(config)
+        return fp8_engine(tiny_qwen3, "cuda", cuda_graph_max_bs=8)
 
     engine = cuda_engine()
     got = teacher_forced_logits(engine, seqs, PROMPT_LENS, STEPS).float().cpu()
@@ -307,22 +307,11 @@ def test_tiny_qwen3_fp8_fused_quantize_matches_the_emulation(tiny_qwen3, monkeyp
             out.append(tf.float().cpu())
         return torch.cat(out)
 
-    want = logits(
-        Engine(
-            EngineConfig(model_path=str(tiny_qwen3), dtype=torch.float32, device="cpu", quantization="fp8")
-        )
-    )
+    want = logits(fp8_engine(tiny_qwen3, "cpu"))
 
     def on_cuda(fused: bool) -> torch.Tensor:
         monkeypatch.setattr(G, "FUSED_QUANTIZE", fused)
-        config = EngineConfig(
-            model_path=str(tiny_qwen3),
-            dtype=torch.bfloat16,
-            device="cuda",
-            quantization="fp8",
-            cuda_graph_max_bs=2,
-        )
-        return logits(Engine(config))
+        return logits(fp8_engine(tiny_qwen3, "cuda", cuda_graph_max_bs=2))
 
     unfused = on_cuda(False)
     fused = spy(monkeypatch, "norm_quantize_rows"), spy(monkeypatch, "silu_mul_quantize_rows")
