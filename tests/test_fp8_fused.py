@@ -325,13 +325,14 @@ def test_layers_route_fp8_weights_to_the_fused_ops(monkeypatch):
     y, mlp = run()  # on the CPU: the emulation
     assert fused == ([], []) and torch.equal(y, want.bfloat16()) and torch.equal(mlp, want_mlp.bfloat16())
     monkeypatch.setattr(basic, "fp8_kernels_fit", lambda *args, **kwargs: True)
-    run()  # the switch is off by default
-    assert fused == ([], [])
-    monkeypatch.setattr(G, "FUSED_QUANTIZE", True)
-    y, mlp = run()
+    y, mlp = run()  # the switch is on by default
     assert fused == ([2], [2])
     assert_within_one_ulp(y, want)
     assert_within_one_ulp(mlp, want_mlp)
+    monkeypatch.setattr(G, "FUSED_QUANTIZE", False)
+    run()
+    assert fused == ([2], [2])
+    monkeypatch.setattr(G, "FUSED_QUANTIZE", True)
     for name in ("gemv_kernel_mode", "fused_kernels_mode"):
         with monkeypatch.context() as patch:
             patch.setattr(basic, name, lambda: False)

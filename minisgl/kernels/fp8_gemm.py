@@ -102,9 +102,10 @@ GEMV_MAX_ROWS = 2
 # the GEMM for more rows: "scaled_mm" (cuBLASLt, the Triton GEMM where it is refused) or "triton"
 GEMM_BACKEND = "scaled_mm"
 # whether the layers send an FP8 projection's norm and SiLU-and-multiply to the fused ops
-# (`minisgl::fp8_norm_linear`, `minisgl::fp8_silu_mul_linear`): off until they are measured on a GPU (they
-# are tested on the CPU under Triton's interpreter only; tests/gpu/test_gpu_fp8.py has their GPU tests)
-FUSED_QUANTIZE = False
+# (`minisgl::fp8_norm_linear`, `minisgl::fp8_silu_mul_linear`), which write e4m3 rows and their scales
+# once instead of a separate quantization: Qwen3-8B FP8, one request on an H200, 285 -> 311 tok/s
+# (docs/quantization.md); False puts the unfused layers back (perf/gpu/fp8_fused.py compares the two)
+FUSED_QUANTIZE = True
 # Triton GEMM tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages), picked by M: the first
 # whose BLOCK_M covers M, else the last; INVARIANT_CONFIG for `invariant` (every row count alike)
 GEMM_CONFIGS: list[tuple[int, int, int, int]] = [(16, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3)]
