@@ -285,6 +285,26 @@ def test_moe_gemv_matches_reference(tokens, experts, top_k, renormalize, config)
 
 
 @needs_triton
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_gemv_breaks_ties_to_the_lower_expert(renormalize):
+    """Tied router logits (and experts that never win, at -inf): the kernels rank an expert after every
+    higher logit and every equal one of a lower id, so the chosen experts are the lowest ids of a tie.
+    The reference gets the same choice from logits nudged down by 1e-9 per id (weights move by ~1e-9)."""
+    x, _, w13, w2 = _random_moe(3, 10, hidden=72, inter=40, seed=4)
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 2.0, 1.0, float("-inf"), 2.0],
+            [0.5] * 10,  # all tied: experts 0..k-1
+            [-1.0, float("-inf"), 2.0, 2.0, -1.0, -1.0, 2.0, float("-inf"), -1.0, -1.0],
+        ]
+    )
+    nudged = logits.double() - 1e-9 * torch.arange(10, dtype=torch.float64)
+    for top_k in (1, 3, 4, 6):
+        got = moe_gemv(x, logits, w13, w2, top_k, renormalize)
+        assert rel_err(got, _per_token_reference(x, nudged, w13, w2, top_k, renormalize)) < 1e-5
+
+
+@needs_triton
 def test_moe_gemv_in_bfloat16():
     """bf16 in and out: within 2x of the torch backend's own error against float64. (Triton's interpreter
     truncates float32 to bf16 where a GPU rounds to nearest, which doubles a rounding's error; the GPU
