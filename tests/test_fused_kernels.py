@@ -183,9 +183,13 @@ def test_add_rms_norm_gemv_matches_unfused(rows_per_program, with_residual, dtyp
     assert rel_err(new_residual.float().cpu(), ref_residual) < TOL[dtype]
     if not with_residual:
         assert torch.equal(new_residual, x)
+    # keep_normed: the same y and h, and the normalised rows as its first program writes them
+    y2, kept, h2 = G.add_rms_norm_gemv(x, residual, norm_w, w, bias, 1e-6, keep_normed=True)
+    assert torch.equal(y2, y) and torch.equal(h2, new_residual) and kept.dtype == dtype
+    assert rel_err(kept.float().cpu(), normed) < TOL[dtype]
     if m > 1:
-        alone = lambda x, r: G.add_rms_norm_gemv(x, r, norm_w, w, bias, 1e-6)  # noqa: E731
-        _each_row_as_alone(alone, (y, new_residual), x, residual)
+        alone = lambda x, r: G.add_rms_norm_gemv(x, r, norm_w, w, bias, 1e-6, keep_normed=True)  # noqa: E731
+        _each_row_as_alone(alone, (y, kept, new_residual), x, residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -292,8 +296,9 @@ def test_ops_pick_kernels_by_row_count(monkeypatch, rows, gemv_rows):
     bias = torch.randn(n, generator=g).to(DEVICE)
 
     y = torch.ops.minisgl.linear(x, w, bias)
-    y2, h = torch.ops.minisgl.norm_linear(x, residual, norm_w, w, bias, 1e-6)
+    y2, h, empty = torch.ops.minisgl.norm_linear(x, residual, norm_w, w, bias, 1e-6)
     y3 = torch.ops.minisgl.silu_mul_linear(y2, w_down)
+    y4, h4, kept = torch.ops.minisgl.norm_linear(x, residual, norm_w, w, bias, 1e-6, keep_normed=True)
 
     normed, ref_h = add_rms_norm(x, residual, norm_w, 1e-6)
     ref2 = F.linear(normed, w, bias)
@@ -302,8 +307,11 @@ def test_ops_pick_kernels_by_row_count(monkeypatch, rows, gemv_rows):
     assert rel_err(y2.cpu(), ref2.cpu()) < TOL[torch.float32]
     assert rel_err(h.cpu(), ref_h.cpu()) < TOL[torch.float32]
     assert rel_err(y3.cpu(), F.linear(F.silu(gate) * up, w_down).cpu()) < TOL[torch.float32]
-    gemv_kernels = ["gemv", "add_rms_norm_gemv", "silu_mul_gemv"]
-    assert calls == (gemv_kernels if rows <= gemv_rows else ["add_rms_norm_rows", "silu_mul_rows"])
+    assert torch.equal(y4, y2) and torch.equal(h4, h) and empty.numel() == 0
+    assert rel_err(kept.cpu(), normed.cpu()) < TOL[torch.float32]
+    gemv_kernels = ["gemv", "add_rms_norm_gemv", "silu_mul_gemv", "add_rms_norm_gemv"]
+    row_kernels = ["add_rms_norm_rows", "silu_mul_rows", "add_rms_norm_rows"]
+    assert calls == (gemv_kernels if rows <= gemv_rows else row_kernels)
 
 
 def test_ops_send_several_rows_to_the_gemv_only_for_the_shapes_in_the_table(monkeypatch):
@@ -424,7 +432,9 @@ def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, 
         assert calls["rope_store"] == layers * forwards
         gemv_steps = steps if len(lens) <= gemv_rows else 0
         dense_layers = 1 if arch == "qwen3_moe" else 3  # the MoE model's layer 1 alone is dense
-        norms = layers + dense_layers  # norm_linear calls per forward
+        # per forward, each layer's two norms: before attention, and before the MLP or the MoE router
+        # (`norm_linear_keep`)
+        norms = 2 * layers
         assert calls["add_rms_norm_gemv"] == norms * gemv_steps
         assert calls["silu_mul_gemv"] == dense_layers * gemv_steps
         assert calls["add_rms_norm_rows"] == norms * (forwards - gemv_steps)

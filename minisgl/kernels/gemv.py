@@ -102,6 +102,7 @@ if triton is not None:
         b_ptr,
         y_ptr,
         residual_out_ptr,
+        normed_out_ptr,
         N,
         M,
         x_stride,
@@ -110,6 +111,7 @@ if triton is not None:
         PROLOGUE: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        STORE_NORMED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -159,12 +161,37 @@ if triton is not None:
             sum_sq += sq
         if BLOCK_M == 1:
             y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
             if PROLOGUE == 1:
-                y = y * tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+                y = y * rstd
         else:
             y = tl.sum(acc, axis=2)  # (BLOCK_M, BLOCK_N)
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)
             if PROLOGUE == 1:
-                y = y * tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
+                y = y * rstd[:, None]
+        if STORE_NORMED:  # ADD_RMS_NORM: program 0 also stores the normalised rows, (h * w) * rstd
+            if pid == 0:
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    col_mask = cols < K
+                    if BLOCK_M == 1:
+                        at = cols
+                        x, _ = _prologue(
+                            x_ptr + at, residual_ptr + at, residual_out_ptr + at, norm_ptr, cols, col_mask,
+                            col_mask, K, PROLOGUE, HAS_RESIDUAL, False,
+                        )  # fmt: skip
+                        x = x * rstd
+                        mask = col_mask
+                    else:
+                        at = ms[:, None] * K + cols[None, :]
+                        mask = m_mask[:, None] & col_mask[None, :]
+                        x, _ = _prologue(
+                            x_ptr + ms[:, None] * x_stride + cols[None, :], residual_ptr + at,
+                            residual_out_ptr + at, norm_ptr, cols[None, :], mask, col_mask[None, :], K,
+                            PROLOGUE, HAS_RESIDUAL, False,
+                        )  # fmt: skip
+                        x = x * rstd[:, None]
+                    tl.store(normed_out_ptr + at, x.to(normed_out_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         if BLOCK_M == 1:
@@ -188,10 +215,11 @@ def gemv_launch(
     residual_out: torch.Tensor | None = None,
     eps: float = 0.0,
     pdl: bool = False,
+    normed_out: torch.Tensor | None = None,
 ) -> None:
     """Launches the kernel with an explicit configuration (the benchmark sweeps these) on the rows of x
     (contiguous; `residual` too), into `out` (rows, n); `pdl`: with programmatic dependent launch
-    (`minisgl.kernels.pdl`)."""
+    (`minisgl.kernels.pdl`); `normed_out` (ADD_RMS_NORM): also the normalised rows, (rows, k)."""
     n, k = weight.shape
     m = x.shape[0]
     if not 1 <= m <= GEMV_MAX_ROWS:
@@ -204,6 +232,7 @@ def gemv_launch(
         bias if bias is not None else weight,
         out,
         residual_out if residual_out is not None else out,
+        normed_out if normed_out is not None else out,
         n,
         m,
         x.stride(0),
@@ -212,6 +241,7 @@ def gemv_launch(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
+        STORE_NORMED=normed_out is not None,
         BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -247,19 +277,23 @@ def add_rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_normed: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`add_rms_norm` and `linear` of each row in one kernel: h = x + residual (x when residual is None),
-    y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (M, N), h (M, K)).
+    y = (h / rms(h) * norm_weight) @ weight^T (+ bias). Returns (y (M, N), h (M, K)); with
+    `keep_normed`, (y, the normalised rows (M, K), h): one program writes them after its sweep, for a
+    second consumer (a MoE layer's experts beside its router).
 
     The norm's scale is applied to the dot products, after the sweep (each program reads the whole row
     anyway), so the normalised row is never rounded to the model's dtype as the unfused path rounds it;
     the norm reads the float32 sum x + residual (h, the new residual, is stored rounded)."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    normed = torch.empty_like(residual_out) if keep_normed else None
     residual = None if residual is None else residual.contiguous()
     prologue = dict(residual=residual, norm_weight=norm_weight, residual_out=residual_out, eps=eps)
-    _launch(x.contiguous(), weight, bias, out, prologue=ADD_RMS_NORM, **prologue)
-    return out, residual_out
+    _launch(x.contiguous(), weight, bias, out, prologue=ADD_RMS_NORM, normed_out=normed, **prologue)
+    return (out, normed, residual_out) if keep_normed else (out, residual_out)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ of them), and the ops send it more than one row where it measured faster than th
 every other shape (`LINEAR_GEMV_ROWS`).
 
     torch.ops.minisgl.linear(x, weight, bias)                           -> y
-    torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps) -> (y, new residual)
+    torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps, keep_normed=False)
+                                                   -> (y, new residual, normed rows or an empty tensor)
     torch.ops.minisgl.silu_mul_linear(gate_up, weight)                  -> y
 
 `minisgl.layers.basic` calls them where `gemv_fits` (CUDA, half precision, Triton) and the engine's
@@ -178,18 +179,30 @@ def norm_linear_op(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of h = x + residual (x when residual is None), then the projection: (y (T, N), h (T, K)).
-    One row: one kernel (`add_rms_norm_gemv`); more: `add_rms_norm_rows`, then cuBLAS."""
+    keep_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of h = x + residual (x when residual is None), then the projection: (y (T, N), h (T, K),
+    normed). One row: one kernel (`add_rms_norm_gemv`); more: `add_rms_norm_rows`, then cuBLAS.
+    `keep_normed`: normed is the normalised rows (T, K), for a second consumer of the norm (a MoE layer's
+    experts beside its router; with one row the kernel's first program writes it after its sweep, in
+    place of inductor's three kernels of the unfused norm); else an empty (0,) tensor."""
     if 1 <= x.shape[0] <= gemv_rows(weight):
-        return add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
-    normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), h
+        if keep_normed:
+            y, normed, h = add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps, True)
+            return y, h, normed
+        y, h = add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
+    else:
+        normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
+        y = F.linear(normed, weight, bias)
+        if keep_normed:
+            return y, h, normed
+    return y, h, x.new_empty(0)
 
 
 @norm_linear_op.register_fake
-def _(x, residual, norm_weight, weight, bias, eps):
-    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape)
+def _(x, residual, norm_weight, weight, bias, eps, keep_normed=False):
+    normed = x.new_empty(x.shape) if keep_normed else x.new_empty(0)
+    return x.new_empty(x.shape[0], weight.shape[0]), x.new_empty(x.shape), normed
 
 
 @torch.library.custom_op("minisgl::silu_mul_linear", mutates_args=())

@@ -7,6 +7,7 @@ from minisgl.layers.basic import (
     linear,
     lm_head,
     norm_linear,
+    norm_linear_keep,
     rms_norm,
     silu_mul_linear,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "linear",
     "lm_head",
     "norm_linear",
+    "norm_linear_keep",
     "rms_norm",
     "rope_attention",
     "rope_cos_sin",

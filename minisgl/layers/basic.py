@@ -90,7 +90,8 @@ def norm_linear(
     `minisgl::norm_linear` runs one row as one kernel and more as a Triton add + RMSNorm and cuBLAS; an
     FP8 weight there runs `minisgl::fp8_norm_linear` (up to 2 rows the norm writes the e4m3 row)."""
     if _fused_gemv(x, weight):
-        return norm_linear_op(x, residual, norm_weight, weight, bias, eps)
+        y, residual, _ = norm_linear_op(x, residual, norm_weight, weight, bias, eps)
+        return y, residual
     if _fused_fp8(x, weight, norm_weight, residual, bias):
         w = weight  # an Fp8Linear
         return fp8_norm_linear_op(x, residual, norm_weight, eps, w.weight, w.scale, *w.block, w.group, bias)
@@ -99,6 +100,23 @@ def norm_linear(
     else:
         normed, residual = add_rms_norm(x, residual, norm_weight, eps)
     return linear(normed, weight, bias), residual
+
+
+def norm_linear_keep(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | Fp8Linear,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_linear` that also returns the normalised rows: (output, normalised, new residual), for a
+    norm with a second consumer (a MoE layer's router and its experts). On the GEMV kernel's path with
+    ``use_fused_kernels`` on, the op `minisgl::norm_linear` keeping them: one row is one kernel."""
+    if _fused_gemv(x, weight):
+        y, residual, normed = norm_linear_op(x, residual, norm_weight, weight, None, eps, keep_normed=True)
+        return y, normed, residual
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight), normed, residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor | Fp8Linear) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import all_reduce, divide
-from minisgl.layers import add_rms_norm, linear
+from minisgl.layers import norm_linear_keep
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
 from minisgl.models.weights import Shard
@@ -78,8 +78,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced."""
         if not isinstance(layer, SparseDecoderLayer):
             return super()._mlp(layer, hidden, residual)
-        x, residual = add_rms_norm(hidden, residual, layer.post_norm, self.cfg.rms_norm_eps)
-        router_logits = linear(x, layer.gate)  # replicated router: every rank picks the same experts
+        # the norm and the replicated router (every rank picks the same experts), one kernel at a token
+        router_logits, x, residual = norm_linear_keep(
+            hidden, residual, layer.post_norm, self.cfg.rms_norm_eps, layer.gate
+        )
         out = moe(
             x, router_logits, layer.w13, layer.w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
         )
