@@ -250,16 +250,32 @@ def gemv_launch(
     )
 
 
-def _config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, warps) for m rows of x and an (n, k) weight. Several rows: four output rows
-    a program (the fastest at 2 to 8 rows on an H200 at Qwen3-0.6B's shapes and its LM head,
-    `python -m perf.gpu.gemv --rows 2 4 8 --sweep`)."""
+def _config(m: int, n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:
+    """(block_n, block_k, warps) for m rows of x, an (n, k) weight and the kernel's prologue. Chosen on
+    an H200 (`python -m perf.gpu.gemv --rows 1 --sweep --model 8b|30b|survey`: projections of Qwen3-0.6B
+    to 14B, docs/performance.md):
+
+    - one row after the SiLU-and-multiply (down): four output rows a program, two (eight warps) below
+      2,048. Each program computes silu(gate) * up of the whole row again, reading twice the row from
+      L2, so fewer programs are faster: 1.2 to 1.6x over `_block_n` on 1.7B to 14B's down (8B: 45.9 ->
+      28.4 us);
+    - one row, plain, at least 4,096 columns and at most 16,384 output rows (O): a row a program, eight
+      warps (5 to 13% faster than four);
+    - other single rows: `_block_n`, four warps (within 7% of the best everywhere surveyed);
+    - several rows: four output rows a program (the fastest at 2 to 8 rows on Qwen3-0.6B's shapes and
+      its LM head, `python -m perf.gpu.gemv --rows 2 4 8 --sweep`)."""
     block_k = min(1024, triton.next_power_of_2(k))
-    return (_block_n(n) if m == 1 else 4), block_k, 4
+    if m > 1:
+        return 4, block_k, 4
+    if prologue == SILU_MUL:
+        return (4, block_k, 4) if n >= 2048 else (2, block_k, 8)
+    if prologue == PLAIN and k >= 4096 and n <= 16384:
+        return 1, block_k, 8
+    return _block_n(n), block_k, 4
 
 
 def _launch(x, weight, bias, out, **prologue) -> None:
-    config = _config(x.shape[0], *weight.shape)
+    config = _config(x.shape[0], *weight.shape, prologue.get("prologue", PLAIN))
     gemv_launch(x, weight, bias, out, *config, pdl=pdl_enabled(x), **prologue)
 
 

@@ -91,22 +91,30 @@ def bench_rows(name, m, x, bf16, qs, ss, copies, fp8_names, numerics) -> dict[st
 
 
 def sweep_gemv(name, m, x, qs, ss, copies) -> None:
-    """Times the GEMV's configurations (output rows per program, warps) at x's row count m."""
+    """Times the GEMV's configurations (output rows per program, warps, columns a step) at x's row count
+    m, on activations quantized once (as the fused quantizers hand them over)."""
     out = torch.empty(m, qs[0].shape[0], dtype=torch.bfloat16, device=x.device)
+    quantized = G.quantize_rows(x)
     results = []
-    for rows_per_program, warps in itertools.product((1, 2, 4, 8, 16), (2, 4, 8)):
+    for rows_per_program, warps, block_k in itertools.product((1, 2, 4, 8), (4, 8), (256, 512, 1024)):
         try:
             t = timed(
-                lambda i, c=(rows_per_program, warps): G.gemv_launch(x, qs[i], ss[i], BLOCK, None, out, *c),
+                lambda i, c=(rows_per_program, warps), b=block_k: G.gemv_launch(
+                    x, qs[i], ss[i], BLOCK, None, out, *c, quantized=quantized, block_k=b
+                ),
                 copies,
             )
         except Exception as e:  # a configuration Triton rejects (resources)
-            print(f"  {name} M={m} {rows_per_program},{warps}: {type(e).__name__}")
+            print(f"  {name} M={m} {rows_per_program},{warps},{block_k}: {type(e).__name__}")
             continue
-        results.append((t, rows_per_program, warps))
+        results.append((t, rows_per_program, warps, block_k))
     results.sort()
-    best = ", ".join(f"{t:.1f} ({r},{w})" for t, r, w in results[:5])
-    print(f"  gemv sweep {name} M={m} (us, rows per program, warps): {best}", flush=True)
+    default = G.gemv_config(m, qs[0].shape[0])
+    gb = qs[0].numel() / 1e3
+    best = ", ".join(f"{t:.1f} {gb / t:.0f} GB/s ({r},{w},{b})" for t, r, w, b in results[:5])
+    print(
+        f"  gemv sweep {name} M={m} (us, rows per program, warps, block_k; now {default}): {best}", flush=True
+    )
 
 
 def bench_shape(name, n, k, args, fp8_names, totals, dev: str = "cuda") -> None:

@@ -1,7 +1,7 @@
 """Linear layers of a decode step on the GPU: cuBLAS (F.linear) against the Triton GEMV kernel of
 `minisgl.kernels.gemv`, at Qwen3-0.6B's shapes.
 
-    python -m perf.gpu.gemv [--sweep] [--rows 1 2 4 8 16]
+    python -m perf.gpu.gemv [--sweep] [--rows 1 2 4 8 16] [--model 0.6b|8b|30b]
 
 Each figure is device time per call, measured inside a CUDA graph of 28 calls on 28 distinct weight
 copies (as in a decode step: the weights come from HBM, not from L2). `--sweep` also times every kernel
@@ -10,7 +10,9 @@ the LM head of one decode step, chained as in the model. `--rows`: instead, each
 row count as the ops of `minisgl.kernels.linear` run it past the GEMV's row limit (the row kernel for
 the add + RMSNorm before QKV and gate/up or the SiLU-and-multiply before down, then cuBLAS) against the
 GEMV kernel with the prologue fused, and the LM head (plain); with `--sweep`, the kernel's fastest
-configurations at each row count. Its wins set `GEMV_ROWS_BY_SHAPE`. A plain script, not a test.
+configurations at each row count. Its wins set `GEMV_ROWS_BY_SHAPE`. `--model` (with `--rows`): the
+projections of Qwen3-8B or Qwen3-30B-A3B (its attention and the MoE router, whose GEMV carries the
+norm) instead of 0.6B's; the sweep's one-row winners set `GEMV_CONFIGS`. A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ LAYERS = 28
 # (name, N, K): Qwen3-0.6B's projections (QKV, O, gate/up, down) and the tied LM head
 SHAPES = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]
 LM_HEAD = ("lm_head", 151936, 1024)
+# `--model`: (projections, LM head) of the larger presets
+MODELS = {
+    "0.6b": (SHAPES, LM_HEAD),
+    "8b": ([("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)], None),
+    "30b": ([("qkv", 5120, 2048), ("o", 2048, 4096), ("router", 128, 2048)], None),
+    # the one-row configuration rule's survey (with --sweep): projections of other sizes, "kind:model"
+    "survey": (
+        [
+            ("down:0.6b", 1024, 3072), ("down:1.7b", 2048, 6144), ("down:4b", 2560, 9728),
+            ("down:8b", 4096, 12288), ("down:14b", 5120, 13824), ("qkv:4b", 6144, 2560),
+            ("gate_up:4b", 19456, 2560), ("qkv:14b", 7168, 5120), ("gate_up:1.7b", 12288, 2048),
+            ("o:4b", 2560, 4096), ("o:14b", 5120, 5120), ("o:1.7b", 2048, 2048),
+        ],
+        None,
+    ),
+}  # fmt: skip
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -51,10 +69,14 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, nargs="+", help="time these row counts (fused ops against cuBLAS)"
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="0.6b", help="the shapes (with --rows)")
     args = parser.parse_args()
     if args.rows:
-        rows_table(args.rows, sweep=args.sweep)
+        shapes, lm_head = MODELS[args.model]
+        rows_table(args.rows, sweep=args.sweep, shapes=[*shapes, *([lm_head] if lm_head else [])])
         return
+    if args.model != "0.6b":
+        parser.error("--model needs --rows")
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     x_by_k = {k: torch.randn(1, k, dtype=dt, device=dev) for k in (1024, 2048, 3072)}
@@ -163,6 +185,7 @@ PROLOGUES = {
     "gate_up": G.ADD_RMS_NORM,
     "down": G.SILU_MUL,
     "lm_head": G.PLAIN,
+    "router": G.ADD_RMS_NORM,
 }
 
 
@@ -178,19 +201,22 @@ def _row_ops(prologue: int, x, residual, norm_w):
     return lambda w: F.linear(x, w), lambda w: G.gemv(x, w)
 
 
-def rows_table(row_counts: list[int], sweep: bool = False) -> None:
-    """Per projection and row count: the row kernel + cuBLAS against the fused GEMV kernel (time per call
-    over 28 weight copies, one for the LM head; rel diff between their outputs). `sweep`: also the
-    kernel's fastest configurations (block_n, block_k, warps) at each row count."""
+def rows_table(row_counts: list[int], sweep: bool = False, shapes: list | None = None) -> None:
+    """Per projection (`shapes`, 0.6B's by default) and row count: the row kernel + cuBLAS against the
+    fused GEMV kernel as the ops configure it (time per call over 28 weight copies, one for the LM head;
+    GB/s of the GEMV; rel diff between their outputs). `sweep`: also the kernel's fastest configurations
+    (block_n, block_k, warps) at each row count."""
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    print(f"{'shape':>8} {'rows':>4} {'cuBLAS us':>10} {'GEMV us':>8} {'ratio':>6} {'rel diff':>9}")
-    for name, n, k in [*SHAPES, LM_HEAD]:
+    print(
+        f"{'shape':>8} {'rows':>4} {'cuBLAS us':>10} {'GEMV us':>8} {'GB/s':>6} {'ratio':>6} {'rel diff':>9}"
+    )
+    for name, n, k in shapes or [*SHAPES, LM_HEAD]:
         ws = [
             torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(1 if name == "lm_head" else LAYERS)
         ]
         for m in row_counts:
-            prologue = PROLOGUES[name]
+            prologue = PROLOGUES[name.split(":")[0]]
             x = torch.randn(m, 2 * k if prologue == G.SILU_MUL else k, dtype=dt, device=dev)
             residual, norm_w = (
                 torch.randn(m, k, dtype=dt, device=dev),
@@ -200,8 +226,9 @@ def rows_table(row_counts: list[int], sweep: bool = False) -> None:
             t_ref, t_gemv = (graph_us(lambda op=op, ws=ws: [op(w) for w in ws]) / len(ws) for op in ops)
             ref = ops[0](ws[0]).float()
             diff = ((ops[1](ws[0]).float() - ref).norm() / ref.norm()).item()
+            gbs = n * k * 2 / t_gemv / 1e3
             print(
-                f"{name:>8} {m:>4} {t_ref:>10.2f} {t_gemv:>8.2f} {t_gemv / t_ref:>6.2f} {diff:>9.1e}",
+                f"{name:>8} {m:>4} {t_ref:>10.2f} {t_gemv:>8.2f} {gbs:>6.0f} {t_gemv / t_ref:>6.2f} {diff:>9.1e}",
                 flush=True,
             )
             if sweep:
@@ -217,8 +244,9 @@ def _sweep_rows(prologue: int, x, residual, norm_w, ws) -> str:
         residual_out = torch.empty(x.shape[0], k, dtype=x.dtype, device=x.device)
         args = dict(residual=residual, norm_weight=norm_w, residual_out=residual_out, eps=1e-6)
     results = []
-    for bn, bk, nw in itertools.product((1, 2, 4), (128, 256, 512, 1024), (4, 8)):
-        if bk > triton_next_pow2(k):
+    wide = (8, 16) if x.shape[0] == 1 else ()  # (more rows: too many registers)
+    for bn, bk, nw in itertools.product((1, 2, 4, *wide), (128, 256, 512, 1024), (4, 8)):
+        if bk > triton_next_pow2(k) or k > 32 * bk or bn * bk > 8192:  # (32+ blocks compile slowly)
             continue
         launch = lambda w, cfg=(bn, bk, nw): G.gemv_launch(x, w, None, out, *cfg, prologue=prologue, **args)  # noqa: E731
         try:

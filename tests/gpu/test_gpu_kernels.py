@@ -31,6 +31,8 @@ def gpu(test):
         (151936, 1024, False, torch.bfloat16),
         (7, 5, True, torch.float16),
         (6144, 1024, True, torch.float16),
+        (2048, 4096, False, torch.bfloat16),  # one row: a row a program, eight warps (`_config`)
+        (4100, 4096, True, torch.bfloat16),
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 16])
@@ -55,6 +57,40 @@ def test_gemv_matches_float32_reference(n, k, bias, dtype, rows):
         assert ((out[1:2].float() - alone).norm() / alone.norm()).item() < (
             4e-3 if dtype == torch.bfloat16 else 1e-3
         )
+
+
+@pytest.mark.parametrize(
+    "prologue,n,k",
+    [
+        ("silu_mul", 4096, 12288),  # Qwen3-8B's down: four output rows a program
+        ("silu_mul", 2050, 6000),  # the same with a partial last block of rows
+        ("silu_mul", 1000, 3000),  # below 2,048 rows: two a program, eight warps
+        ("add_rms_norm", 6144, 4096),
+    ],
+)
+@gpu
+def test_fused_gemv_one_row_matches_float32_reference(prologue, n, k):
+    """The one-row GEMV with each prologue, in the configurations `_config` gives these shapes, against
+    the float32 norm or SiLU-and-multiply and F.linear."""
+    torch.manual_seed(n + k)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    w = torch.randn(n, k, dtype=dt, device=dev) / k**0.5
+    if prologue == "silu_mul":
+        gate_up = torch.randn(1, 2 * k, dtype=dt, device=dev)
+        out = G.silu_mul_gemv(gate_up, w)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        ref = F.linear(F.silu(gate) * up, w.float())
+    else:
+        x, residual = torch.randn(2, 1, k, dtype=dt, device=dev)
+        norm_w = torch.rand(k, dtype=dt, device=dev) + 0.5
+        out, h = G.add_rms_norm_gemv(x, residual, norm_w, w, None, 1e-6)
+        h32 = x.float() + residual.float()
+        ref = F.linear(
+            h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.float(), w.float()
+        )
+        assert torch.equal(h, h32.to(dt))
+    assert out.shape == (1, n)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 4e-3
 
 
 @gpu
