@@ -287,9 +287,9 @@ def test_moe_gemv_matches_reference(tokens, experts, top_k, renormalize, config)
 @needs_triton
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_moe_gemv_breaks_ties_to_the_lower_expert(renormalize):
-    """Tied router logits (and experts that never win, at -inf): the kernels rank an expert after every
-    higher logit and every equal one of a lower id, so the chosen experts are the lowest ids of a tie.
-    The reference gets the same choice from logits nudged down by 1e-9 per id (weights move by ~1e-9)."""
+    """Tied router logits (and experts that never win, at -inf): of a tie the kernels choose the lowest
+    expert ids. The reference gets the same choice from logits nudged down by 1e-9 per id (weights move
+    by ~1e-9)."""
     x, _, w13, w2 = _random_moe(3, 10, hidden=72, inter=40, seed=4)
     logits = torch.tensor(
         [

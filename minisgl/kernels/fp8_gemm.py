@@ -527,12 +527,12 @@ def gemv_config(m: int, n: int) -> tuple[int, int]:
     return block_rows, 4
 
 
-def _gemv_block_k(k: int, n: int = 0) -> int:
+def _gemv_block_k(k: int, n: int) -> int:
     """Columns a GEMV step reads: 512 (four groups), fewer for narrow rows, never below a group; 1,024
     on weights of at least 4,096 columns and at most 4,096 rows (Qwen3-8B's O and down on an H200: 7.4
     -> 7.1 and 17.8 -> 16.7 us, `python -m perf.gpu.fp8_gemm --rows 1 --sweep`; wider weights, QKV and
     gate/up, read 512 as fast or faster)."""
-    if k >= 4096 and 0 < n <= 4096:
+    if k >= 4096 and n <= 4096:
         return 1024
     return max(GROUP, min(GEMV_BLOCK_K, triton.next_power_of_2(k)))
 

@@ -187,16 +187,12 @@ def norm_linear_op(
     experts beside its router; with one row the kernel's first program writes it after its sweep, in
     place of inductor's three kernels of the unfused norm); else an empty (0,) tensor."""
     if 1 <= x.shape[0] <= gemv_rows(weight):
-        if keep_normed:
-            y, normed, h = add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps, True)
-            return y, h, normed
-        y, h = add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps)
+        # (y, normed, h) when kept, else (y, h)
+        y, *kept, h = add_rms_norm_gemv(x, residual, norm_weight, weight, bias, eps, keep_normed)
     else:
         normed, h = add_rms_norm_rows(x, residual, norm_weight, eps)
-        y = F.linear(normed, weight, bias)
-        if keep_normed:
-            return y, h, normed
-    return y, h, x.new_empty(0)
+        y, kept = F.linear(normed, weight, bias), [normed]
+    return y, h, kept[0] if keep_normed else x.new_empty(0)
 
 
 @norm_linear_op.register_fake
