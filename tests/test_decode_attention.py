@@ -108,6 +108,36 @@ def test_sliding_window_any_lengths(lens, splits, window, seed):
     _check(lens, 4, 1, 16, torch.float32, splits=splits, seed=seed, block_n=16, window=window)
 
 
+@pytest.mark.parametrize("window", [0, 50])
+def test_merge_reads_only_the_splits_that_hold_tokens(window):
+    """The merge weighs the parts of the splits that hold tokens and never reads the others: with NaN
+    in every other split's part and log-sum-exp it still gives the live parts' weighted mean (a read
+    of one empty split would make the output NaN)."""
+    lens, heads, splits, block_n, d = [1, 17, 40, 200], 2, 8, 16, 16
+    bs = len(lens)
+    g = torch.Generator().manual_seed(5)
+    part = torch.randn(bs * heads * splits, d, generator=g)
+    lse = torch.randn(bs * heads * splits, generator=g)
+    want = torch.empty(bs, heads, d)
+    for b, n in enumerate(lens):
+        n = min(n, window) if window else n
+        chunk = math.ceil(math.ceil(n / splits) / block_n) * block_n
+        live = math.ceil(n / chunk)
+        for h in range(heads):
+            base = (b * heads + h) * splits
+            part[base + live : base + splits] = float("nan")
+            lse[base + live : base + splits] = float("nan")
+            w = lse[base : base + live].softmax(0)
+            want[b, h] = (w[:, None] * part[base : base + live]).sum(0)
+    out_dev = torch.empty(bs, heads, d, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    DA._merge_kernel[(bs, heads)](
+        part.to(DEVICE), lse.to(DEVICE), lens_t.to(DEVICE), out_dev, out_dev.stride(0), out_dev.stride(1),
+        NUM_HEADS=heads, HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n, SPLITS=splits, WINDOW=window, USE_PDL=False,
+    )  # fmt: skip
+    assert torch.allclose(out_dev.cpu(), want, atol=1e-5), (out_dev.cpu() - want).abs().max()
+
+
 def test_rejects_a_window_that_is_no_positive_integer():
     case = _case([4], 2, 2, 16, torch.float32, 0)
     for window in (0, -3, 2.5, True):

@@ -12,7 +12,9 @@ context (their grid is sized for the whole GPU, and the tensor-core kernel adds 
   of its KV head and runs the online softmax for all query heads of the group at once (`tl.dot`, the
   group padded to 16 rows). It writes the part's normalised output and its log-sum-exp, or, with one
   split, the output itself.
-- `_merge_kernel`: one program per (request, query head) weighs the parts by their log-sum-exp.
+- `_merge_kernel`: one program per (request, query head) weighs the parts by their log-sum-exp. It
+  reads only the splits that hold tokens (their count follows from the length as the chunk does): at a
+  batch of one the grid has 64 splits, and 1,100 tokens fill 18 of them.
 
 With a sliding window of W tokens (`window`, the model's, a compile-time constant: 0 for none) a
 request of n tokens attends to its last min(n, W) only: the splits divide those tokens, and the pages
@@ -170,13 +172,16 @@ if triton is not None:
     def _merge_kernel(
         part_ptr,
         lse_ptr,
+        lens_ptr,
         out_ptr,
         stride_ot,
         stride_oh,
         NUM_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
+        WINDOW: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:
@@ -187,9 +192,14 @@ if triton is not None:
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, BLOCK_D)
         base = (b * NUM_HEADS + hq) * SPLITS
-        lse = tl.load(lse_ptr + base + s)
+        # only the splits that hold tokens are read (the split kernel's chunk, from the same length)
+        n = tl.load(lens_ptr + b)
+        if WINDOW > 0:
+            n = tl.minimum(n, WINDOW)
+        live = s < tl.cdiv(n, tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N)
+        lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds tokens: the max is finite
-        part = tl.load(part_ptr + (base + s)[:, None] * BLOCK_D + d[None, :])
+        part = tl.load(part_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
         out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
         tl.store(
             out_ptr + b * stride_ot + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
@@ -276,7 +286,8 @@ def decode_attention(
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(bs, num_heads)](
-            part, lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, **options,
+            part, lse, lens, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits,
+            WINDOW=window or 0, **options,
         )  # fmt: skip
     return out
