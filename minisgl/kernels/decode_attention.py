@@ -63,6 +63,17 @@ def num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _span(n, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+        """The first token a request of n tokens attends to, and the tokens of each split (a multiple
+        of the block): shared by the split kernel and the merge, which reads only the splits that hold
+        tokens."""
+        if WINDOW > 0:
+            first = tl.maximum(n - WINDOW, 0)
+        else:
+            first = 0
+        return first, tl.cdiv(tl.cdiv(n - first, SPLITS), BLOCK_N) * BLOCK_N
+
+    @triton.jit
     def _split_kernel(
         q_ptr,
         k_ptr,
@@ -103,11 +114,7 @@ if triton is not None:
         s = tl.program_id(2)
         n = tl.load(lens_ptr + b)
         row = tl.load(rows_ptr + b).to(tl.int64)
-        if WINDOW > 0:  # the first token attended
-            first = tl.maximum(n - WINDOW, 0)
-        else:
-            first = 0
-        chunk = tl.cdiv(tl.cdiv(n - first, SPLITS), BLOCK_N) * BLOCK_N
+        first, chunk = _span(n, SPLITS, BLOCK_N, WINDOW)
         start = first + s * chunk
         end = tl.minimum(start + chunk, n)
         g = tl.arange(0, BLOCK_G)
@@ -192,11 +199,9 @@ if triton is not None:
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, BLOCK_D)
         base = (b * NUM_HEADS + hq) * SPLITS
-        # only the splits that hold tokens are read (the split kernel's chunk, from the same length)
         n = tl.load(lens_ptr + b)
-        if WINDOW > 0:
-            n = tl.minimum(n, WINDOW)
-        live = s < tl.cdiv(n, tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N)
+        first, chunk = _span(n, SPLITS, BLOCK_N, WINDOW)
+        live = s < tl.cdiv(n - first, chunk)  # only the splits that hold tokens are read
         lse = tl.load(lse_ptr + base + s, mask=live, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))  # split 0 always holds tokens: the max is finite
         part = tl.load(part_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=live[:, None], other=0.0)
