@@ -447,6 +447,9 @@ class Batch:
     # sends them to the other ranks without reading the device); input_ids is None in a pending decode
     # batch, whose tokens are only on the device
     host_inputs: tuple[list[int] | None, list[int], list[int]] | None = field(default=None, init=False)
+    # a pending verify batch (`Engine.forward_verify(pending=True)`): (B,) each request's shift of its
+    # positions and (T,) each token's, on the device; the attention plan adds them to its lengths
+    shift: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):

@@ -73,13 +73,41 @@ def test_greedy_ngram_is_token_exact_and_accepts_drafts(pair):
         SamplingParams(max_tokens=50, ignore_eos=True),
         SamplingParams(max_tokens=25, ignore_eos=True, min_tokens=10),
     ]
+    pipelined = spec.pipelined_steps
     want, got = off.generate(prompts, params), on.generate(prompts, params)
     _same(want, got)
     assert got[2].finish_reason == "stop" and got[2].text.endswith("1234")  # a stop string inside a run
+    assert spec.pipelined_steps > pipelined  # once min_tokens is behind every request (see below)
     assert spec.drafted > drafted and spec.accepted - accepted >= 20  # the copy prompts were drafted
     assert spec.accepted - accepted < spec.drafted - drafted  # and some drafts were rejected
     for llm in pair:
         llm_clean(llm)
+
+
+def test_one_copying_request_overlaps_its_verify_steps(pair, smollm2_path):
+    """One request that copies its prompt: most verify steps are launched before the one before them is
+    read (on the guess that it accepts every draft), and the output is that of a run without
+    speculation; without overlap scheduling none is, and the output is the same. A mixed batch
+    overlaps too: requests without drafts ride along with one row."""
+    off, on = pair
+    prompt, params = _prompts(off)[0], SamplingParams(max_tokens=60, ignore_eos=True)
+    spec = on.scheduler.spec
+    steps, pipelined, missed = spec.verify_steps, spec.pipelined_steps, spec.missed_guesses
+    want = off.generate([prompt], params)
+    _same(want, on.generate([prompt], params))
+    assert spec.pipelined_steps - pipelined >= (spec.verify_steps - steps) // 2 > 0
+    # some guesses failed: those steps were moved back on the device, and the tokens are still exact
+    assert spec.missed_guesses > missed
+    llm_clean(on)
+    prompts, mixed = _prompts(off), SamplingParams(max_tokens=40, ignore_eos=True)
+    pipelined = spec.pipelined_steps
+    _same(off.generate(prompts, mixed), on.generate(prompts, mixed))
+    assert spec.pipelined_steps > pipelined
+    llm_clean(on)
+    with LLM(str(smollm2_path), speculative_method="ngram", overlap_scheduling=False, **COMMON) as plain:
+        _same(want, plain.generate([prompt], params))
+        assert plain.scheduler.spec.verify_steps > 0 and plain.scheduler.spec.pipelined_steps == 0
+        llm_clean(plain)
 
 
 @pytest.mark.parametrize("max_tokens", range(1, K + 3))

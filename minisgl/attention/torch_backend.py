@@ -73,7 +73,10 @@ class TorchAttnBackend(BaseAttnBackend):
         max_kv = -(-max_kv // page_size) * page_size
         table_idx = self._to_device(torch.tensor([req.table_idx for req in batch.reqs], dtype=torch.int64))
         page_index = self.page_table[table_idx, :max_kv:page_size].long() // page_size
-        q_pos = self._to_device(cached)[:, None] + torch.arange(max_q, device=self.device)
+        q_start = self._to_device(cached)
+        if batch.shift is not None:  # a pending verify batch: its requests start earlier
+            q_start = q_start + batch.shift[0]
+        q_pos = q_start[:, None] + torch.arange(max_q, device=self.device)
         kv_pos = torch.arange(max_kv, device=self.device)
         mask = kv_pos <= q_pos[:, :, None]
         if self.sliding_window is not None:

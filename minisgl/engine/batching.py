@@ -255,7 +255,9 @@ class BatchPreparer:
         if pending:  # the tokens the previous forward sampled, still on the device
             batch.input_ids = self.engine.last_tokens[batch.table_idx]
         else:
-            batch.input_ids = torch.tensor(input_ids, dtype=torch.int32).to(device, non_blocking=True)
+            # pinned: a copy from pageable memory would wait for the forwards in flight
+            host = torch.tensor(input_ids, dtype=torch.int32, pin_memory=device.type == "cuda")
+            batch.input_ids = host.to(device, non_blocking=True)
         return batch
 
     def reserve(self, req: Req, num_tokens: int) -> None:

@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple, TypeVar
 import torch
 
 from minisgl.attention import create_attention_backend
+from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, Context, FatalEngineError
 from minisgl.distributed import (
     DistributedInfo,
@@ -217,7 +218,7 @@ class Engine:
                     f"max_seq_len={self.max_seq_len}, page_size={page_size})"
                 )
             self.page_table = shared
-            self.last_tokens = torch.zeros(max_running_req + 1, dtype=torch.int32, device=self.device)
+            self._init_last_tokens()
             return
         _check_fits(
             (max_running_req + 1) * aligned_max_seq_len * 4,
@@ -229,8 +230,15 @@ class Engine:
         )
         dummy_loc = self.kv_cache.dummy_page * page_size
         self.page_table[max_running_req] = dummy_loc + torch.arange(aligned_max_seq_len) % page_size
+        self._init_last_tokens()
+
+    def _init_last_tokens(self) -> None:
+        rows = self.config.max_running_req + 1
         # the token each table_idx sampled last: a pending decode batch reads its input_ids here
-        self.last_tokens = torch.zeros(max_running_req + 1, dtype=torch.int32, device=self.device)
+        self.last_tokens = torch.zeros(rows, dtype=torch.int32, device=self.device)
+        # each table_idx's latest verify step: accepted drafts minus drafts (<= 0), which a pending verify
+        # batch (built as if every draft were accepted) adds to its positions
+        self.verify_shift = torch.zeros(rows, dtype=torch.int64, device=self.device)
 
     @property
     def attention_window(self) -> int | None:
@@ -364,6 +372,8 @@ class Engine:
         ps = self.config.page_size
         locs = torch.tensor(pages, dtype=torch.int32).repeat_interleave(ps) * ps
         locs += torch.arange(len(pages) * ps, dtype=torch.int32) % ps
+        if self.device.type == "cuda":  # a copy from pageable memory would wait for the forwards in flight
+            locs = locs.pin_memory()
         self.page_table[table_idx, start : start + len(locs)] = locs.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
@@ -387,18 +397,71 @@ class Engine:
         return self._output(next_tokens, logprobs)
 
     @torch.inference_mode()
-    def forward_verify(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+    def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:
         """Speculative decoding's verify step: `batch` (a prefill-phase batch) computes for each request
         its newest token and the draft tokens that follow it, and every row is sampled: `args` has one
         entry per token row (for row j of a request, the arguments of the token at its position + 1),
         so row j's token is the one a decode step at that position would draw. Returns a token per row
-        (the scheduler accepts a request's drafts while they equal them); `last_tokens` is the
-        scheduler's to set, with the accepted tokens."""
-        rows = torch.arange(batch.num_tokens, device=self.device)
+        (the scheduler accepts a request's drafts while they equal them, and does the same on the
+        host). On the device it accepts them too: each request's token after its accepted drafts goes
+        to `last_tokens`, and accepted minus proposed drafts to `verify_shift`.
+
+        `pending`: the batch was built before the previous verify step of its requests was read, as if
+        that step had accepted every draft: each request's first token is read from `last_tokens`, and
+        its positions, KV slots, attention lengths and sampling positions move by its `verify_shift`
+        (<= 0), all on the device (needs a verify CUDA graph or the torch attention backend:
+        `can_shift`)."""
+        ext = [req.extend_len for req in batch.reqs]  # before the forward marks the tokens cached
+        host = torch.tensor([*ext, *(i for i, n in enumerate(ext) for _ in range(n))], dtype=torch.int64)
+        packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        ext_d, tok_req = packed[: len(ext)], packed[len(ext) :]
+        table_idx = batch.table_idx
+        if table_idx is None:
+            table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
+        starts = torch.cumsum(ext_d, 0) - ext_d
+        if pending:
+            self.move_pending(batch, args, table_idx, starts, tok_req)
+        rows = torch.arange(sum(ext), device=self.device)
         logits = self._forward(batch, rows=rows, verify=True)
         tokens = self.sampler.sample(logits, args)
         logprobs = None if args.logprobs is None else self.sampler.logprobs(logits, tokens, args.logprobs)
+        # accept on the device: row j's token against the draft after it (the input of row j + 1)
+        width = max(ext)
+        j = torch.arange(width, device=self.device)
+        at = starts[:, None] + torch.minimum(j, ext_d[:, None] - 1)  # (B, width): each request's rows
+        sampled = tokens[at]
+        drafts = batch.input_ids[torch.clamp(at + 1, max=sum(ext) - 1)]
+        match = (sampled[:, :-1] == drafts[:, :-1]) & (j[:-1] < ext_d[:, None] - 1)
+        accepted = match.to(torch.int64).cumprod(1).sum(1)
+        self.last_tokens[table_idx] = sampled.gather(1, accepted[:, None])[:, 0].to(torch.int32)
+        self.verify_shift[table_idx] = accepted - (ext_d - 1)
         return self._output(tokens, logprobs)
+
+    def move_pending(
+        self,
+        batch: Batch,
+        args: BatchSamplingArgs | None,
+        table_idx: torch.Tensor,
+        starts: torch.Tensor,
+        tok_req: torch.Tensor,
+    ) -> None:
+        """A pending verify batch moved on the device to what its requests' previous verify step
+        accepted (`forward_verify`): `starts` (B,) each request's first row, `tok_req` (T,) each row's
+        request, on the device."""
+        shift = self.verify_shift[table_idx]
+        token_shift = shift[tok_req]
+        batch.input_ids[starts] = self.last_tokens[table_idx]
+        batch.positions += token_shift
+        batch.out_loc = self.page_table[table_idx[tok_req], batch.positions].long()
+        if args is not None and args.ints is not None:  # the sampling position of each row
+            args.ints[2] += token_shift
+        batch.shift = (shift, token_shift)
+
+    def can_shift(self, batch: Batch) -> bool:
+        """Whether `forward_verify(batch, args, pending=True)` can move the batch on the device: it
+        replays a verify CUDA graph (its attention plan is on the device), or the torch backend plans
+        it (from device tensors)."""
+        return self.graph_runner.can_replay_verify(batch) or isinstance(self.attn_backend, TorchAttnBackend)
 
     def _output(self, next_tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None) -> ForwardOutput:
         """The forward's output, its tokens (and log probabilities) copied to the host without blocking."""

@@ -419,6 +419,8 @@ class GraphRunner:
         at = blocks + tokens
         plan, last = packed[:at], packed[at : at + len(last)]
         place = packed[at + len(last) : at + len(last) + batch.num_tokens]
+        if batch.shift is not None:  # a pending verify batch: each token's length moves with it
+            plan[blocks:].index_add_(0, place, batch.shift[1])
         self.out_loc[:tokens].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
         self.input_ids.index_copy_(0, place, batch.input_ids)
         self.positions.index_copy_(0, place, batch.positions)

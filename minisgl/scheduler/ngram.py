@@ -78,7 +78,12 @@ class NgramIndex:
         seq = self._tokens
         start = max(len(seq), 1)  # the first token closes nothing: there is no position before it
         seq.extend(new)
-        child, end, max_n = self._child, self._end, self.max_n
+        self._index(start, None)
+
+    def _index(self, start: int, undo: list | None) -> None:
+        """Indexes the n-grams closed off by the tokens from position `start` on; `undo` (when given)
+        records each change: a new child's key, or (node, its previous end)."""
+        seq, child, end, max_n = self._tokens, self._child, self._end, self.max_n
         for p in range(start, len(seq)):
             node = 0
             # n = 1..max_n: the n-gram seq[p-n..p), read from seq[p-1] backwards
@@ -89,9 +94,32 @@ class NgramIndex:
                     nxt = len(end)
                     child[key] = nxt
                     end.append(p)
+                    if undo is not None:
+                        undo.append(key)
                 else:
+                    if undo is not None:
+                        undo.append((nxt, end[nxt]))
                     end[nxt] = p
                 node = nxt
+
+    def propose_after(self, extra: Sequence[int], k: int) -> list[int]:
+        """What `propose(k)` would give after `extend(extra)`, the index left as it is (speculative
+        decoding's pipelined step: the proposal if the tokens in flight, `extra`, are all accepted)."""
+        seq = self._tokens
+        length, nodes = len(seq), len(self._end)
+        seq.extend(int(token) for token in extra)
+        undo: list = []
+        try:
+            self._index(max(length, 1), undo)
+            return self.propose(k)
+        finally:
+            for change in reversed(undo):
+                if isinstance(change, tuple):
+                    self._end[change[0]] = change[1]
+                else:
+                    del self._child[change]
+            del self._end[nodes:]
+            del seq[length:]
 
     def propose(self, k: int) -> list[int]:
         """The `k` tokens that followed the latest earlier occurrence of the longest suffix of length
@@ -155,6 +183,19 @@ class NgramProposer:
                 index.extend(tokens[seen:])
             proposals.append(index.propose(limit))
         return proposals
+
+    def propose_after(
+        self,
+        requests: Sequence[tuple[int, Sequence[int]]],
+        extras: Sequence[Sequence[int]],
+        ks: Sequence[int],
+    ) -> list[list[int]]:
+        """Each request's `ks[i]` tokens as `propose` would give them after its tokens and `extras[i]`
+        (tokens in flight, supposed accepted), which are not indexed."""
+        self.propose(requests, [0] * len(requests))  # index what arrived
+        return [
+            self._indexes[uid].propose_after(extra, k) for (uid, _), extra, k in zip(requests, extras, ks)
+        ]
 
     def forget(self, uid: int) -> None:
         """Drop a finished request's index (nothing happens for a uid never seen)."""

@@ -58,7 +58,8 @@ class OutputProcessor:
         if width == 0:
             return None
         padded = [row + [vocab_size] * (width - len(row)) for row in rows]
-        return torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+        host = torch.tensor(padded, dtype=torch.int64, pin_memory=device.type == "cuda")
+        return host.to(device, non_blocking=True)
 
     def check_stop(self, state: RequestState, token: int) -> FinishReason | None:
         """Called with each new token (already in `state.output_ids`): updates the text and returns

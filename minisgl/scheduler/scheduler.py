@@ -187,6 +187,7 @@ class Scheduler:
         self.step_records: deque[StepRecord] = deque()
         self.record_steps = record_steps
         self._in_flight: _InFlight | None = None  # overlap: the forward whose tokens come next
+        self._verifying: _Verify | None = None  # overlap with speculation: the verify step in flight
         # a forward whose tokens `_deferred_mask` read early (its constrained requests' tokens accepted),
         # and what `_read` gave: processed by the step's own collect
         self._early: tuple[_InFlight, _Read] | None = None
@@ -309,7 +310,7 @@ class Scheduler:
         self.metrics.queues(len(self.running), len(self.waiting), self._kv_cache_usage())
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._in_flight)
+        return bool(self.waiting or self.running or self._in_flight or self._verifying)
 
     def _admit(self) -> list[Update]:
         """Admits waiting requests while they fit; returns the updates of any that failed to."""
@@ -430,7 +431,15 @@ class Scheduler:
         started = time.perf_counter()
         if self.link is not None:  # a following rank applies what rank 0 sent for this step
             self.link.begin(self)
-        updates = self._admit()
+        updates: list[Update] = []
+        if self._verifying is not None:  # a verify step in flight: launch the next one, then read it
+            pending, self._verifying = self._verifying, None
+            following = self._pipeline(pending, started, updates)
+            updates += self._finish_verify(pending, following)
+            if following is not None:
+                self._verifying = following
+                return updates
+        updates += self._admit()
         blocked = bool(self.waiting) and not self.running  # the queue's head did not fit an empty engine
         states, chunks = self._schedule()
         if self.spec is not None and chunks is None and states and self.spec.wanted(states):
@@ -499,7 +508,13 @@ class Scheduler:
                 self.prep.truncate(state.req, len(state.req.input_ids))
                 self.spec.verified(state, limit, 0, 0)
             return states, None
-        updates += self._verify(states, limits, drafts, started)
+        verify = self._verify(states, limits, drafts, started)
+        if isinstance(verify, list):
+            updates += verify
+        elif self.overlap and self.spec.pipelines:  # read in the next step, after it launches the next
+            self._verifying = verify
+        else:
+            updates += self._finish_verify(verify)
         return None
 
     def _fit_drafts(self, states: list[RequestState], limits: list[int]) -> list[int]:
@@ -518,21 +533,42 @@ class Scheduler:
 
     def _verify(
         self, states: list[RequestState], limits: list[int], drafts: list[list[int]], started: float
-    ) -> list[Update]:
-        """Runs the target over each request's newest token and its drafts, samples every row (a row per
-        token: the arguments a decode step at that position would have), accepts each request's drafts
-        while they equal the row's token and takes the token after them; processes the accepted tokens
-        as decode steps would, one by one (stops, max_tokens and logprobs as without speculation)."""
+    ) -> _Verify | list[Update]:
+        """Launches the target over each request's newest token and its drafts (`_launch_verify`);
+        returns the verify step in flight, or the failed requests' updates."""
+        try:
+            return self._launch_verify(states, limits, drafts, started, guesses=None)
+        except Exception as e:
+            e = self._under_tp(e)
+            failed = self._fail(states, e, "running a step")
+            if isinstance(e, FATAL_ERRORS):
+                raise e
+            return failed
+
+    def _launch_verify(
+        self,
+        states: list[RequestState],
+        limits: list[int],
+        drafts: list[list[int]],
+        started: float,
+        guesses: list[list[int]] | None,
+    ) -> _Verify:
+        """Runs the target over each request's newest token and its drafts, sampling every row (a row
+        per token: the arguments a decode step at that position would have). `guesses` (a pipelined
+        step, `_pipeline`): the tokens each request's verify step in flight is supposed to give (its
+        drafts and the token after them), which the batch is built after; the device moves it to what
+        that step accepted (`Engine.forward_verify(pending=True)`)."""
         scheduled = time.perf_counter()
         reqs = [state.req for state in states]
-        lens = [len(req.input_ids) for req in reqs]
+        known = [len(req.input_ids) for req in reqs]
+        ahead = [[] for _ in reqs] if guesses is None else guesses
         rows: list[Req] = []  # the sampling arguments' requests, one per token row
         row_states: list[RequestState] = []
-        for state, req, n, draft in zip(states, reqs, lens, drafts):
+        for state, req, n, guess, draft in zip(states, reqs, known, ahead, drafts):
             if not draft:
                 rows.append(req)
             for j in range(len(draft) + 1 if draft else 0):
-                pos = n - 1 + j
+                pos = n + len(guess) - 1 + j
                 params, start, ready = req.sampling_params, req.output_start, req.penalties_ready
                 rows.append(
                     Req(
@@ -550,9 +586,13 @@ class Scheduler:
             row_states += [state] * (len(draft) + 1)
         device = self.engine.device
         try:
-            for req, draft in zip(reqs, drafts):
-                req.input_ids += draft
+            for req, guess, draft in zip(reqs, ahead, drafts):
+                req.input_ids += guess + draft
             batch = self.prep.prefill(reqs, [len(draft) + 1 for draft in drafts])
+            if guesses is not None and not self.engine.can_shift(batch):
+                for req in reqs:
+                    req.device_len = req.cached_len
+                raise _NotShiftable
             for state in states:
                 state.held_pages = self.prep.pages_needed(state.req.device_len)
             args = BatchSamplingArgs.from_reqs(rows, device)
@@ -564,63 +604,133 @@ class Scheduler:
                 _draft_penalties(args.penalties, rows, drafts, device)
             mode = self.engine.forward_mode(batch, all_rows=True, verify=True)
             timer = DeviceTimer() if self.record_steps and device.type == "cuda" else None
-            output = self.engine.forward_verify(batch, args)
+            output = self.engine.forward_verify(batch, args, pending=guesses is not None)
             if timer is not None:
                 timer.stop()
-            launched = _InFlight(
-                states,
-                reqs,
-                [True] * len(states),
-                output,
-                "decode",
-                mode,
-                len(rows),
-                scheduled,
-                time.perf_counter() - started,
-                timer,
-                args.logprobs,
-            )
-            read = self._read(launched)
-        except Exception as e:
-            e = self._under_tp(e)
-            for req, n in zip(reqs, lens):
+        finally:
+            for req, n in zip(reqs, known):
                 del req.input_ids[n:]
-            failed = self._fail(states, e, "running a step")
+        launched = _InFlight(
+            states,
+            reqs,
+            [True] * len(states),
+            output,
+            "decode",
+            mode,
+            len(rows),
+            scheduled,
+            time.perf_counter() - started,
+            timer,
+            args.logprobs,
+        )
+        self._last_phase = "decode"
+        return _Verify(launched, limits, drafts, [None] * len(states), [True] * len(states))
+
+    def _pipeline(self, pending: _Verify, started: float, updates: list[Update]) -> _Verify | None:
+        """Overlap for speculative decoding: launches the next verify step of `pending`'s requests before
+        `pending` is read, as if it accepted every draft and its token after them is the proposer's
+        guess: the proposals go on from there (`Speculator.propose_after`), the pages are reserved for
+        that, and the device moves each request's positions back by the drafts it rejected. A request
+        whose drafts in `pending` were made on a guess that failed, that backs off, has no guess, or is
+        a token from max_tokens, rides along without drafts (one row: its next token). None (and
+        `pending` is read first) when its requests are not exactly the running ones, something waits,
+        a request needs what only the host knows (a grammar, penalties, min_tokens) or may have ended
+        (max_tokens, max_seq_len), or no request gets drafts."""
+        spec = self.spec
+        assert spec is not None
+        states = pending.launched.states
+        if not (
+            self.overlap
+            and spec.pipelines
+            and not self.waiting
+            and len(self.running) == len(states)
+            and set(self.running) == set(states)
+            and all(state.req is req for state, req in zip(states, pending.launched.reqs))
+        ):
+            return None
+        ks = []
+        for state, draft, valid in zip(states, pending.drafts, pending.valid):
+            params, done = state.params, len(state.output_ids) + len(draft) + 1
+            ahead = len(state.req.input_ids) + len(draft) + 1
+            limit = min(spec.k, params.max_tokens - done - 1, self.engine.max_seq_len - ahead)
+            # min_tokens: the rows' EOS ban needs the count of tokens so far, which only the host knows
+            short = len(state.output_ids) < params.min_tokens
+            if state.grammar is not None or params.has_penalties or short or limit < 0:
+                return None
+            if state.spec_wait > 0:  # a step of its back-off
+                state.spec_wait -= 1
+                limit = 0
+            ks.append(limit + 1 if valid else 0)
+        proposals = spec.propose_after(states, pending.drafts, ks)
+        drafts = [p[1:] for p in proposals]
+        if not any(drafts):
+            return None
+        # the tokens `pending` is supposed to give: its drafts, then the guess (a rider without one: any)
+        guesses = [draft + (p[:1] or [0]) for draft, p in zip(pending.drafts, proposals)]
+        reqs = [state.req for state in states]
+        reach = [len(req.input_ids) + len(g) + len(d) for req, g, d in zip(reqs, guesses, drafts)]
+        need = sum(max(0, self.prep.pages_needed(n) - s.held_pages) for n, s in zip(reach, states))
+        if need > self.prep.available_pages:
+            return None
+        try:
+            launched = self._launch_verify(states, [len(d) for d in drafts], drafts, started, guesses)
+        except _NotShiftable:
+            return None
+        except Exception as e:
+            updates += self._fail(states, e, "running a step")
             if isinstance(e, FATAL_ERRORS):
-                raise e
-            return failed
-        for req, n in zip(reqs, lens):
-            del req.input_ids[n:]
+                raise
+            return None
+        launched.guessed = [p[0] if p else None for p in proposals]
+        spec.pipelined_steps += 1
+        return launched
+
+    def _finish_verify(self, pending: _Verify, following: _Verify | None = None) -> list[Update]:
+        """Reads a verify step and processes it: each request's drafts are accepted while they equal
+        their row's token, and the token after them is taken; the accepted tokens are processed as
+        decode steps would, one by one (stops, max_tokens and logprobs as without speculation).
+        `following`: the verify step launched on a guess of this one (`_pipeline`): its requests keep
+        the pages it reaches, and a request whose guess failed is marked (`_Verify.valid`)."""
+        launched = pending.launched
+        read = self._read(launched)
         if read.tokens is None:
             return read.failed
-        self._last_phase = "decode"
+        assert self.spec is not None
         self.spec.verify_steps += 1
         self.tokens_time = now = read.read_at
-        scored = _Scored(launched) if output.logprobs is not None else None
+        scored = _Scored(launched) if launched.output.logprobs is not None else None
+        after = {} if following is None else {s: i for i, s in enumerate(following.launched.states)}
         accepted: list[tuple[RequestState, list[int], list[int | None]]] = []
         row = 0
-        for state, req, n, draft, limit in zip(states, reqs, lens, drafts, limits):
+        for state, req, draft, limit in zip(launched.states, launched.reqs, pending.drafts, pending.limits):
             sampled = read.tokens[row : row + len(draft) + 1]
             lp_rows = [
                 None if scored is None else scored.take(row + j, state, req) for j in range(len(sampled))
             ]
             row += len(sampled)
+            if not _takes(state, req, True):  # finished, aborted or preempted since the launch
+                continue
+            n = len(req.input_ids)
             a = 0
             while a < len(draft) and sampled[a] == draft[a]:
                 a += 1
-            # the KV of the newest token and the accepted drafts stays; the rejected rows' pages go
-            req.cached_len = req.device_len = n + a
-            self.prep.truncate(req, n + a)
-            state.held_pages = self.prep.pages_needed(n + a)
+            # the KV of the newest token and the accepted drafts stays, and what the following step
+            # computes; the rest of the rows' pages go
+            keep = n + a
+            i = after.get(state)
+            if i is not None:
+                keep += 1 + len(following.drafts[i])
+                guessed = following.guessed[i]
+                if guessed is not None and (a < len(draft) or sampled[a] != guessed):
+                    following.valid[i] = False  # its drafts were made after tokens that are not its own
+                    self.spec.missed_guesses += 1
+            req.cached_len = req.device_len = keep
+            self.prep.truncate(req, keep)
+            state.held_pages = self.prep.pages_needed(keep)
             self.spec.verified(state, limit, len(draft), a)
             accepted.append((state, sampled[: a + 1], lp_rows[: a + 1]))
             if draft and state.params.has_penalties:  # its rows' tokens were not counted: the accepted are
                 self.engine.sampler.count_tokens([req.table_idx] * (a + 1), sampled[: a + 1])
-        # a decode step that reads its input tokens on the device (overlap) takes the last of them
-        pin = device.type == "cuda"
-        idx = torch.tensor([req.table_idx for req in reqs], pin_memory=pin).to(device, non_blocking=True)
-        last = torch.tensor([t[-1] for _, t, _ in accepted], dtype=torch.int32, pin_memory=pin)
-        self.engine.last_tokens[idx] = last.to(device, non_blocking=True)
         updates, failed = [], []
         for state, tokens, lp_rows in accepted:
             merged: Update | None = None
@@ -996,6 +1106,24 @@ def _takes(state: RequestState, req: Req, produces: bool) -> bool:
     prompt tokens for later), and the request has not finished (stopped one step earlier with overlap,
     aborted or failed) or been preempted (a new `Req`) since the launch."""
     return produces and not state.finished and state.req is req
+
+
+@dataclass
+class _Verify:
+    """A launched verify step: its forward, each request's draft limit and drafts; for a step built
+    on a guess (`Scheduler._pipeline`), the token each request's previous step was guessed to end with
+    (None: no guess, no drafts), and whether its drafts still stand on true tokens (`valid`: False once
+    the previous step is read and its guess failed; no step is then built on this one's drafts)."""
+
+    launched: _InFlight
+    limits: list[int]
+    drafts: list[list[int]]
+    guessed: list[int | None]
+    valid: list[bool]
+
+
+class _NotShiftable(Exception):
+    """A pipelined verify batch the engine cannot move on the device (`Engine.can_shift`)."""
 
 
 @dataclass

@@ -75,6 +75,10 @@ class Speculator:
         self.drafted = 0  # draft tokens proposed so far
         self.accepted = 0  # of those, accepted
         self.verify_steps = 0
+        # verify steps launched before the previous one was read (overlap), and of those, the ones whose
+        # guess of the previous step failed (moved back on the device, their drafts made on that guess)
+        self.pipelined_steps = 0
+        self.missed_guesses = 0
         labels = {"model_name": model_name}
         self._drafted = metrics.SPEC_DRAFT_TOKENS.labels(**labels)
         self._accepted = metrics.SPEC_ACCEPTED_TOKENS.labels(**labels)
@@ -120,6 +124,22 @@ class Speculator:
         if self.ngram is not None:
             return self.ngram.propose([(s.uid, s.req.input_ids) for s in states], limits)
         return self.draft.propose([s.req for s in states], limits)
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether a verify step can be launched before the previous one is read (overlap): its
+        proposals can be made on a guess of the tokens in flight (`propose_after`). 'ngram' only: the
+        draft model proposes from its KV, which holds the accepted tokens only."""
+        return self.ngram is not None
+
+    def propose_after(
+        self, states: Sequence[RequestState], ahead: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[list[int]]:
+        """Up to `ks[i]` tokens for each request as `propose` would give them once the tokens
+        `ahead[i]` (in flight, supposed accepted) follow its own: its guess of the next token, then
+        drafts ('ngram' only)."""
+        assert self.ngram is not None
+        return self.ngram.propose_after([(s.uid, s.req.input_ids) for s in states], ahead, ks)
 
     def verified(self, state: RequestState, limit: int, drafted: int, accepted: int) -> None:
         """After a verify step: the request could take `limit` drafts, proposed `drafted` and `accepted`

@@ -52,31 +52,34 @@ class StepTimes:
     of the parts of its verify steps: proposing, preparing the batch, launching the forward, reading its
     tokens (the wait for the device)."""
 
-    PARTS = (("spec", "propose"), ("prep", "prefill"), ("engine", "forward_verify"), ("", "_read"))
+    PARTS = (
+        ("spec", "propose"),
+        ("spec", "propose_after"),
+        ("prep", "prefill"),
+        ("engine", "forward_verify"),
+        ("", "_read"),
+    )
 
     def __init__(self, llm: LLM) -> None:
         self.steps: dict[str, list[float]] = {"plain": [], "verify": []}
         self.parts: dict[str, float] = {name: 0.0 for _, name in self.PARTS}
         self._inside = False
         sched = llm.scheduler
-        step, speculate = sched.step, sched._speculate
+        step = sched.step
 
         def timed_step():
             before = sched.spec.verify_steps if sched.spec is not None else 0
             started = time.perf_counter()
-            out = step()
+            self._inside = sched.spec is not None
+            try:
+                out = step()
+            finally:
+                self._inside = False
             verified = sched.spec is not None and sched.spec.verify_steps > before
             self.steps["verify" if verified else "plain"].append(time.perf_counter() - started)
             return out
 
-        def timed_speculate(*args):
-            self._inside = True
-            try:
-                return speculate(*args)
-            finally:
-                self._inside = False
-
-        sched.step, sched._speculate = timed_step, timed_speculate
+        sched.step = timed_step
         for owner, name in self.PARTS:
             if not owner or getattr(sched, owner) is not None:
                 self._wrap(getattr(sched, owner) if owner else sched, name)
@@ -148,7 +151,12 @@ def single(args: argparse.Namespace, base: dict) -> dict:
             t.reset()
         rate_off, ref = _decode_rate(off, prompt, args.tokens)
         spec = on.scheduler.spec
-        steps, drafted, accepted = spec.verify_steps, spec.drafted, spec.accepted
+        steps, drafted, accepted, pipelined = (
+            spec.verify_steps,
+            spec.drafted,
+            spec.accepted,
+            spec.pipelined_steps,
+        )
         rate_on, out = _decode_rate(on, prompt, args.tokens)
         if out != ref:
             raise AssertionError("speculation changed the output of a greedy request")
@@ -160,7 +168,8 @@ def single(args: argparse.Namespace, base: dict) -> dict:
         for key, value in zip(keys, values):
             result[key].append(value)
         print(
-            f"single: off {rate_off:.1f} tok/s, ngram {rate_on:.1f} tok/s, {steps} verify steps, "
+            f"single: off {rate_off:.1f} tok/s, ngram {rate_on:.1f} tok/s, {steps} verify steps "
+            f"({spec.pipelined_steps - pipelined} launched before the one before was read), "
             f"{acceptance:.0%} accepted; decode step {plain:.3f} ms, verify step {verify:.3f} ms "
             f"({verify / plain:.3f}x); verify parts, ms a step: {json.dumps(parts)}"
         )

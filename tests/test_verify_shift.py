@@ -1,0 +1,95 @@
+"""A pending verify batch (speculative decoding's overlap, docs/speculative.md): built on the host as if
+the verify step before it had accepted every draft, it is moved on the device by what that step really
+accepted (`Engine.forward_verify(pending=True)`, `Engine.move_pending`). Its logits must be those of the
+same rows built at the true positions: on the CPU with the torch attention backend, and on a GPU through
+the verify CUDA graphs (their attention plan is on the device)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import GPU_SHAPE, make_tiny_model, rel_err
+
+from minisgl.core import SamplingParams
+from minisgl.engine import BatchPreparer, Engine, EngineConfig
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Qwen3 of each device's shape (FlashInfer needs the GPU tests' head size)."""
+    folder = tmp_path_factory.mktemp("models")
+
+    def build(device: str):
+        (folder / device).mkdir(exist_ok=True)
+        return make_tiny_model(folder / device, "qwen3", **(GPU_SHAPE if device == "cuda" else {}))
+
+    return build
+
+
+def _engines() -> list[dict]:
+    cpu = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
+    if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None:
+        return [cpu]
+    return [cpu, dict(device="cuda", dtype=torch.bfloat16, attention_backend="fi", cuda_graph_max_bs=4)]
+
+
+def _rows(
+    engine: Engine, prep: BatchPreparer, seqs, drafts, rejected, pending: bool, move: bool = True
+) -> torch.Tensor:
+    """Each sequence's last token and its drafts as one verify batch, after the rest of it is in the KV
+    cache: built at the true positions, or (`pending`) `rejected[i]` positions further on (as if those
+    tokens had been accepted, with a wrong token in the first row), moved back on the device (unless
+    not `move`)."""
+    reqs = [prep.add_request(seq, SamplingParams(max_tokens=8)) for seq in seqs]
+    try:
+        engine.forward_logits(prep.prefill(reqs, [len(s) - 1 for s in seqs]))
+        for req, draft, r in zip(reqs, drafts, rejected):
+            if pending:  # r tokens supposed accepted, and a wrong newest token: the device's is right
+                req.input_ids[-1:] = [0] * r + [1]
+                req.cached_len += r
+            req.input_ids += draft
+        batch = prep.prefill(reqs, [len(d) + 1 for d in drafts])
+        with torch.inference_mode():
+            if pending and move:
+                ext = [len(d) + 1 for d in drafts]
+                idx = torch.tensor([req.table_idx for req in reqs], device=engine.device)
+                engine.verify_shift[idx] = -torch.tensor(rejected, device=engine.device)
+                engine.last_tokens[idx] = torch.tensor([s[-1] for s in seqs], device=engine.device).int()
+                starts = torch.tensor([sum(ext[:i]) for i in range(len(ext))], device=engine.device)
+                tok_req = torch.tensor([i for i, n in enumerate(ext) for _ in range(n)], device=engine.device)
+                assert engine.can_shift(batch)
+                engine.move_pending(batch, None, idx, starts, tok_req)
+            rows = torch.arange(batch.num_tokens, device=engine.device)
+            return engine._forward(batch, rows=rows, verify=True).float().clone()
+    finally:
+        prep.release(reqs)
+
+
+@pytest.mark.parametrize("kw", _engines(), ids=lambda kw: kw["device"])
+def test_a_pending_verify_batch_equals_one_built_where_it_lands(tiny, kw):
+    model = tiny(kw["device"])
+    engine = Engine(EngineConfig(model_path=str(model), max_running_req=8, num_page_override=256, **kw))
+    try:
+        if engine.device.type == "cuda":
+            engine.graph_runner.capture_verify(K + 1, 4)
+        g = torch.Generator().manual_seed(0)
+        vocab = engine.config.model_config.vocab_size
+        seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 30, 17)]
+        drafts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (K, K, 2)]
+        rejected = [3, 0, K]  # the previous step rejected these drafts of each request
+        prep = BatchPreparer(engine)
+        want = _rows(engine, prep, seqs, drafts, rejected, pending=False)
+        got = _rows(engine, prep, seqs, drafts, rejected, pending=True)
+        tol = 1e-5 if engine.device.type == "cpu" else 2e-2
+        assert got.shape == want.shape and rel_err(got, want) < tol
+        # unmoved, the pending batch computes other tokens at other positions: the check is not vacuous
+        unmoved = _rows(engine, prep, seqs, drafts, rejected, pending=True, move=False)
+        assert rel_err(unmoved[: K + 1], want[: K + 1]) > 100 * tol
+        prep.check_pages()
+        assert prep.pages.num_used == 0
+    finally:
+        engine.shutdown()
