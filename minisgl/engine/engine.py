@@ -29,6 +29,7 @@ from minisgl.distributed import (
 from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kernels import verify as verify_kernels
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
 from minisgl.models import build_model
 from minisgl.models.llama import check_tensor_parallel_fp8
@@ -412,29 +413,21 @@ class Engine:
         (<= 0), all on the device (needs a verify CUDA graph or the torch attention backend:
         `can_shift`)."""
         ext = [req.extend_len for req in batch.reqs]  # before the forward marks the tokens cached
-        host = torch.tensor([*ext, *(i for i, n in enumerate(ext) for _ in range(n))], dtype=torch.int64)
+        host = torch.tensor([*ext, *(sum(ext[:i]) for i in range(len(ext)))], dtype=torch.int64)
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        ext_d, tok_req = packed[: len(ext)], packed[len(ext) :]
+        ext_d, starts = packed[: len(ext)], packed[len(ext) :]
         table_idx = batch.table_idx
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
-        starts = torch.cumsum(ext_d, 0) - ext_d
         if pending:
-            self.move_pending(batch, args, table_idx, starts, tok_req)
+            self.move_pending(batch, args, table_idx, ext_d, starts, max(ext))
         rows = torch.arange(sum(ext), device=self.device)
         logits = self._forward(batch, rows=rows, verify=True)
         tokens = self.sampler.sample(logits, args)
         logprobs = None if args.logprobs is None else self.sampler.logprobs(logits, tokens, args.logprobs)
-        # accept on the device: row j's token against the draft after it (the input of row j + 1)
-        width = max(ext)
-        j = torch.arange(width, device=self.device)
-        at = starts[:, None] + torch.minimum(j, ext_d[:, None] - 1)  # (B, width): each request's rows
-        sampled = tokens[at]
-        drafts = batch.input_ids[torch.clamp(at + 1, max=sum(ext) - 1)]
-        match = (sampled[:, :-1] == drafts[:, :-1]) & (j[:-1] < ext_d[:, None] - 1)
-        accepted = match.to(torch.int64).cumprod(1).sum(1)
-        self.last_tokens[table_idx] = sampled.gather(1, accepted[:, None])[:, 0].to(torch.int32)
-        self.verify_shift[table_idx] = accepted - (ext_d - 1)
+        verify_kernels.accept(
+            tokens, batch.input_ids, ext_d, starts, table_idx, self.last_tokens, self.verify_shift, max(ext)
+        )
         return self._output(tokens, logprobs)
 
     def move_pending(
@@ -442,20 +435,18 @@ class Engine:
         batch: Batch,
         args: BatchSamplingArgs | None,
         table_idx: torch.Tensor,
+        ext: torch.Tensor,
         starts: torch.Tensor,
-        tok_req: torch.Tensor,
+        width: int,
     ) -> None:
         """A pending verify batch moved on the device to what its requests' previous verify step
-        accepted (`forward_verify`): `starts` (B,) each request's first row, `tok_req` (T,) each row's
-        request, on the device."""
-        shift = self.verify_shift[table_idx]
-        token_shift = shift[tok_req]
-        batch.input_ids[starts] = self.last_tokens[table_idx]
-        batch.positions += token_shift
-        batch.out_loc = self.page_table[table_idx[tok_req], batch.positions].long()
-        if args is not None and args.ints is not None:  # the sampling position of each row
-            args.ints[2] += token_shift
-        batch.shift = (shift, token_shift)
+        accepted (`forward_verify`, `minisgl.kernels.verify.move`): `ext` (B,) each request's rows,
+        `starts` (B,) its first row, on the device; `width` the most rows a request has."""
+        offsets = args.ints[2] if args is not None and args.ints is not None else None
+        batch.shift = verify_kernels.move(
+            batch.input_ids, batch.positions, batch.out_loc, offsets, ext, starts, table_idx,
+            self.last_tokens, self.verify_shift, self.page_table, width,
+        )  # fmt: skip
 
     def can_shift(self, batch: Batch) -> bool:
         """Whether `forward_verify(batch, args, pending=True)` can move the batch on the device: it

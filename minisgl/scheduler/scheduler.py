@@ -45,6 +45,10 @@ wastes nothing. A request preempted while its token is in flight loses that toke
 forward is read, recomputed after its re-admission); freeing its pages and table_idx at once is safe
 as an abort's is: the device runs the forwards in order.
 
+Speculative decoding keeps overlap too: verify step N+1 is launched before step N is read, built as
+if N accepted every draft and moved on the device by what it did accept (`_pipeline`,
+docs/speculative.md).
+
 Structured output (`minisgl.scheduler.grammar`, docs/structured-output.md) keeps overlap: a
 constrained request's token mask for step N depends on its token of step N-1, which is still in flight
 when step N is prepared. So a batch with a constrained request gets its mask late (`_deferred_mask`):

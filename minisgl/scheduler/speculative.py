@@ -17,8 +17,9 @@ where a batch is large enough that the forward is bound by compute rather than b
 those tokens cost nearly their full price and speculation loses. So a decode step speculates only while
 batch size x (k + 1) <= `MAX_VERIFY_TOKENS` (by device). A request that proposed nothing, or whose
 drafts were all rejected, sits out 1, 3, 7, 15, then `MAX_BACKOFF` decode steps (reset by an accepted
-draft), so a workload that never matches pays for almost no verify steps (and keeps overlap
-scheduling, which a verify step gives up: its proposals need the previous step's tokens on the host).
+draft), so a workload that never matches pays for almost no verify steps. Verify steps keep overlap
+scheduling ('ngram'): the next one is launched on a guess of the one in flight (`propose_after`) and
+moved on the device by what it accepted (`Scheduler._pipeline`, docs/speculative.md).
 Requests with fewer outputs than min_tokens decode without drafts (they can still share a verify step,
 with one row). Each row sees the drafts before it: a constrained request's rows take its grammar's mask
 after them (`Grammars.verify_mask`), a penalised request's its counts with them (`PenaltyArgs.extra`).
