@@ -35,7 +35,7 @@ def _engines() -> list[dict]:
     cpu = dict(device="cpu", dtype=torch.float32, attention_backend="torch")
     if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None:
         return [cpu]
-    return [cpu, dict(device="cuda", dtype=torch.bfloat16, attention_backend="fi", cuda_graph_max_bs=4)]
+    return [cpu, dict(device="cuda", dtype=torch.bfloat16, attention_backend="fi", cuda_graph_max_bs=8)]
 
 
 def _rows(
@@ -71,8 +71,13 @@ def _rows(
         prep.release(reqs)
 
 
+# three requests (a GPU replays the verify graph: 16-row blocks), and one (the decode graph of its rows)
+SHAPES = {"three": ((9, 30, 17), (K, K, 2), (3, 0, K)), "one": ((30,), (K,), (2,))}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kw", _engines(), ids=lambda kw: kw["device"])
-def test_a_pending_verify_batch_equals_one_built_where_it_lands(tiny, kw):
+def test_a_pending_verify_batch_equals_one_built_where_it_lands(tiny, kw, shape):
     model = tiny(kw["device"])
     engine = Engine(EngineConfig(model_path=str(model), max_running_req=8, num_page_override=256, **kw))
     try:
@@ -80,16 +85,16 @@ def test_a_pending_verify_batch_equals_one_built_where_it_lands(tiny, kw):
             engine.graph_runner.capture_verify(K + 1, 4)
         g = torch.Generator().manual_seed(0)
         vocab = engine.config.model_config.vocab_size
-        seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 30, 17)]
-        drafts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (K, K, 2)]
-        rejected = [3, 0, K]  # the previous step rejected these drafts of each request
+        lens, widths, rejected = SHAPES[shape]  # rejected: the drafts the previous step rejected
+        seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        drafts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in widths]
         prep = BatchPreparer(engine)
-        want = _rows(engine, prep, seqs, drafts, rejected, pending=False)
-        got = _rows(engine, prep, seqs, drafts, rejected, pending=True)
+        want = _rows(engine, prep, seqs, drafts, list(rejected), pending=False)
+        got = _rows(engine, prep, seqs, drafts, list(rejected), pending=True)
         tol = 1e-5 if engine.device.type == "cpu" else 2e-2
         assert got.shape == want.shape and rel_err(got, want) < tol
         # unmoved, the pending batch computes other tokens at other positions: the check is not vacuous
-        unmoved = _rows(engine, prep, seqs, drafts, rejected, pending=True, move=False)
+        unmoved = _rows(engine, prep, seqs, drafts, list(rejected), pending=True, move=False)
         assert rel_err(unmoved[: K + 1], want[: K + 1]) > 10 * tol
         prep.check_pages()
         assert prep.pages.num_used == 0

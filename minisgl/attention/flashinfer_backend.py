@@ -302,8 +302,13 @@ class FlashInferAttnBackend(BaseAttnBackend):
         without a graph."""
         pad = max(graph_bs - len(batch.reqs), 0)
         dummy_row = self.page_table.shape[0] - 1
-        rows = torch.tensor([req.table_idx for req in batch.reqs] + [dummy_row] * pad, dtype=torch.int32)
-        lens = torch.tensor([req.device_len for req in batch.reqs] + [1] * pad, dtype=torch.int32)
+        # pinned: a copy from pageable memory would wait for the forward in flight (overlap)
+        rows = torch.tensor(
+            [req.table_idx for req in batch.reqs] + [dummy_row] * pad, dtype=torch.int32, pin_memory=True
+        )
+        lens = torch.tensor(
+            [req.device_len for req in batch.reqs] + [1] * pad, dtype=torch.int32, pin_memory=True
+        )
         if graph_bs:
             bs = len(rows)
             self._graph_buffers["rows"][:bs].copy_(rows, non_blocking=True)
@@ -311,6 +316,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
             rows, lens = self._graph_buffers["rows"][:bs], self._graph_buffers["lens"][:bs]
         else:
             rows, lens = rows.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
+        if batch.shift is not None:  # a pending verify batch's rows (`GraphRunner.as_decode_rows`) move
+            lens[: len(batch.reqs)] += batch.shift[1].to(lens.dtype)
         batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=None, rows=rows, lens=lens)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------

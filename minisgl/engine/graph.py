@@ -106,6 +106,8 @@ class GraphRunner:
         # speculative decoding's verify graphs (`capture_verify`), by token count, and the rows each
         # request's block gives logits of
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a verify batch of few rows replays the decode graph of its rows (`as_decode_rows`; off: ablation)
+        self.verify_as_decode = True
         self.verify_rows = 0
         self.prefill_graph_max_context = prefill_graph_max_context
         # the compiled graph's kernels depend on the token count, so batch invariance rules it out
@@ -253,8 +255,11 @@ class GraphRunner:
         logger.info("verify CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
     def can_replay_verify(self, batch: Batch) -> bool:
-        """A verify batch whose requests each compute at most `verify_rows` tokens, in as many blocks
+        """A verify batch whose rows fit a decode graph that attends with the Triton kernel
+        (`as_decode_rows`), or whose requests each compute at most `verify_rows` tokens, in as many blocks
         as the largest verify graph has, reaching at most `prefill_graph_max_context` tokens."""
+        if self.as_decode_rows(batch) is not None:
+            return True
         return (
             bool(self.verify_graphs)
             and batch.size * ALIGN <= max(self.verify_graphs)
@@ -262,9 +267,36 @@ class GraphRunner:
             and max(req.device_len for req in batch.reqs) <= self.prefill_graph_max_context
         )
 
+    def as_decode_rows(self, batch: Batch) -> Batch | None:
+        """A verify batch as a decode batch of its rows, when the decode graph that holds them attends
+        with the Triton decode kernel (its rows and lengths are read on the device): each row a request
+        of one token on its request's page-table row, of length its position + 1. A verify step of one
+        request (k + 1 rows) then replays the decode graph of k + 1, not a 16-row prefill block: the
+        projections and the LM head run on its rows only, and each row's attention is split over the
+        KV as a decode step's is. None where no such graph is captured (or `verify_as_decode` is off)."""
+        num = batch.num_tokens
+        if not (self.verify_as_decode and self.batch_sizes and num <= self.batch_sizes[-1]):
+            return None
+        graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num)]
+        if graph_bs > getattr(self.ctx.attn_backend, "triton_decode_max_bs", 0):
+            return None
+        rows = [
+            Req([], req.table_idx, pos, 0, req.uid, req.sampling_params, pos + 1)
+            for req in batch.reqs
+            for pos in range(req.cached_len, req.device_len)
+        ]
+        decode = Batch(reqs=rows, phase="decode")
+        decode.input_ids, decode.positions, decode.out_loc = batch.input_ids, batch.positions, batch.out_loc
+        decode.shift = batch.shift
+        return decode
+
     def replay_verify(self, batch: Batch) -> torch.Tensor:
         """Replays the smallest verify graph that holds the batch (a block per request): the logits of
-        every computed token, in batch order."""
+        every computed token, in batch order. A batch of few rows replays the decode graph of its rows
+        instead (`as_decode_rows`)."""
+        decode = self.as_decode_rows(batch)
+        if decode is not None:
+            return self.replay(decode)
         tokens = min(t for t in self.verify_graphs if t >= batch.size * ALIGN)
         rows, picks = self.verify_rows, []
         last = torch.zeros(tokens // ALIGN * rows, dtype=torch.int64)

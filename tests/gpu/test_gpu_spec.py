@@ -61,6 +61,29 @@ def test_verify_graphs_match_compiled_and_torch(tiny_qwen3, backend):
     assert rel_err(compiled.float(), ref.float()) < BF16_TOL
 
 
+@pytest.mark.parametrize("backend", ["fi", "fa,fi"])
+def test_a_small_verify_batch_replays_the_decode_graph_of_its_rows(tiny_qwen3, backend):
+    """One request's k + 1 rows replay the decode graph of k + 1 rows (`GraphRunner.as_decode_rows`:
+    the Triton decode kernel, each row to its own length), with the logits of the torch backend and of
+    the verify graph (`verify_as_decode` off)."""
+    seqs, drafts = gpu_seqs(512, [90]), [4]
+    kw = dict(model_path=str(tiny_qwen3), dtype=torch.bfloat16, device="cuda", max_running_req=16)
+    ref = _verify_logits(
+        Engine(EngineConfig(attention_backend="torch", num_page_override=512, **kw)), seqs, drafts
+    )
+    engine = Engine(EngineConfig(attention_backend=backend, num_page_override=512, cuda_graph_max_bs=8, **kw))
+    runner = engine.graph_runner
+    runner.capture_verify(ROWS, 4)
+    decoded, replay = [], runner.replay
+    runner.replay = lambda batch: (batch.is_decode and decoded.append(batch.size)) or replay(batch)
+    got = _verify_logits(engine, seqs, drafts)
+    assert decoded == [ROWS]
+    assert got.shape == ref.shape and rel_err(got.float(), ref.float()) < BF16_TOL
+    runner.verify_as_decode = False  # the verify graph (a 16-row block)
+    blocks = _verify_logits(engine, seqs, drafts)
+    assert decoded == [ROWS] and rel_err(blocks.float(), ref.float()) < BF16_TOL
+
+
 def test_ngram_on_the_gpu_accepts_drafts_and_frees_everything(tiny_qwen3):
     """Random weights loop, so n-grams match: verify steps (graphs) accept drafts, every request gets its
     tokens, nothing is held at rest. (Token equality with speculation off is the CPU tests' check, in
