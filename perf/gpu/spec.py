@@ -1,7 +1,8 @@
 """Speculative decoding on the GPU (issue 45's goals; docs/speculative.md).
 
     python -m perf.gpu.spec [--config YAML] [--model DIR] [--k 4] [--tokens 256] [--reps 3]
-                            [--offline] [--check] [--profile N [--trace-dir DIR]] [--out FILE]
+                            [--verify-graph] [--offline] [--check] [--profile N [--trace-dir DIR]]
+                            [--out FILE]
 
 - One request alone (128 random prompt tokens, `--tokens` greedy tokens, ignore_eos) without
   speculation and with 'ngram', every draft accepted: the ceiling of the mechanics. Dummy weights
@@ -12,6 +13,8 @@
   runs each, medians: the decode tokens per second (after the first token), their ratio, and the
   verify step's wall time over a plain decode step's (`StepTimes`: each scheduler step timed, a verify
   step's parts too).
+- `--verify-graph` (with `--single`): each rep also runs the 'ngram' request on the verify graph
+  (16-row prefill blocks, `GraphRunner.verify_as_decode` off) instead of the decode graph of its rows.
 - `--offline`: the offline random workload (rate inf) with 'ngram' against without, alternating
   passes: speculation must switch itself off there (goal: at least 0.97x).
 - `--profile N`: one request's 64 tokens with 'ngram' and without under torch.profiler, the top N
@@ -167,6 +170,20 @@ def single(args: argparse.Namespace, base: dict) -> dict:
         values = (rate_off, rate_on, plain, verify, verify / plain, acceptance, parts)
         for key, value in zip(keys, values):
             result[key].append(value)
+        if args.verify_graph:  # the same request on the verify graph (16-row blocks), in the same rep
+            runner = on.engine.graph_runner
+            times["ngram"].reset()
+            runner.verify_as_decode = False
+            try:
+                rate_block, out = _decode_rate(on, prompt, args.tokens)
+            finally:
+                runner.verify_as_decode = True
+            if out != ref:
+                raise AssertionError("speculation on the verify graph changed the output of a greedy request")
+            block = _ms(times["ngram"].steps["verify"])
+            result.setdefault("ngram_verify_graph", []).append(rate_block)
+            result.setdefault("verify_graph_ms", []).append(block)
+            print(f"single, verify graph: ngram {rate_block:.1f} tok/s, verify step {block:.3f} ms")
         print(
             f"single: off {rate_off:.1f} tok/s, ngram {rate_on:.1f} tok/s, {steps} verify steps "
             f"({spec.pipelined_steps - pipelined} launched before the one before was read), "
@@ -261,6 +278,11 @@ def main() -> None:
     parser.add_argument("--offline", action="store_true")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--single", action="store_true")
+    parser.add_argument(
+        "--verify-graph",
+        action="store_true",
+        help="--single: also each rep on the verify graph (16-row blocks) instead of the decode graph of the rows",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", type=int, default=0, help="profile: the top N kernels by device time")
     parser.add_argument("--trace-dir", default=None, help="--profile's chrome traces go here")
