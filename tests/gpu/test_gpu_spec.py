@@ -38,17 +38,24 @@ def _verify_logits(engine: Engine, seqs: list[list[int]], drafts: list[int]) -> 
         prep.release(reqs)
 
 
+def _reference_and_engine(model, backend: str, seqs, drafts) -> tuple[torch.Tensor, Engine]:
+    """The torch backend's verify logits of the batch, and an engine of `backend` with decode graphs up
+    to 8 and the verify graphs captured."""
+    kw = dict(
+        model_path=str(model), dtype=torch.bfloat16, device="cuda", max_running_req=16, num_page_override=512
+    )
+    ref = _verify_logits(Engine(EngineConfig(attention_backend="torch", **kw)), seqs, drafts)
+    engine = Engine(EngineConfig(attention_backend=backend, cuda_graph_max_bs=8, **kw))
+    engine.graph_runner.capture_verify(ROWS, 4)
+    return ref, engine
+
+
 @pytest.mark.parametrize("backend", ["fi", "fa,fi"])
 def test_verify_graphs_match_compiled_and_torch(tiny_qwen3, backend):
     seqs = gpu_seqs(512, [40, 90, 7, 200])
     drafts = [4, 0, 2, 4]
-    kw = dict(model_path=str(tiny_qwen3), dtype=torch.bfloat16, device="cuda", max_running_req=16)
-    ref = _verify_logits(
-        Engine(EngineConfig(attention_backend="torch", num_page_override=512, **kw)), seqs, drafts
-    )
-    engine = Engine(EngineConfig(attention_backend=backend, num_page_override=512, cuda_graph_max_bs=8, **kw))
+    ref, engine = _reference_and_engine(tiny_qwen3, backend, seqs, drafts)
     runner = engine.graph_runner
-    runner.capture_verify(ROWS, 4)
     assert sorted(runner.verify_graphs) == [16, 32, 64]
     replayed, replay = [], runner.replay_verify
     runner.replay_verify = lambda batch: replayed.append(batch.num_tokens) or replay(batch)
@@ -67,13 +74,8 @@ def test_a_small_verify_batch_replays_the_decode_graph_of_its_rows(tiny_qwen3, b
     the Triton decode kernel, each row to its own length), with the logits of the torch backend and of
     the verify graph (`verify_as_decode` off)."""
     seqs, drafts = gpu_seqs(512, [90]), [4]
-    kw = dict(model_path=str(tiny_qwen3), dtype=torch.bfloat16, device="cuda", max_running_req=16)
-    ref = _verify_logits(
-        Engine(EngineConfig(attention_backend="torch", num_page_override=512, **kw)), seqs, drafts
-    )
-    engine = Engine(EngineConfig(attention_backend=backend, num_page_override=512, cuda_graph_max_bs=8, **kw))
+    ref, engine = _reference_and_engine(tiny_qwen3, backend, seqs, drafts)
     runner = engine.graph_runner
-    runner.capture_verify(ROWS, 4)
     decoded, replay = [], runner.replay
     runner.replay = lambda batch: (batch.is_decode and decoded.append(batch.size)) or replay(batch)
     got = _verify_logits(engine, seqs, drafts)
