@@ -303,11 +303,12 @@ class FlashInferAttnBackend(BaseAttnBackend):
         pad = max(graph_bs - len(batch.reqs), 0)
         dummy_row = self.page_table.shape[0] - 1
         # pinned: a copy from pageable memory would wait for the forward in flight (overlap)
+        pin = self.device.type == "cuda"
         rows = torch.tensor(
-            [req.table_idx for req in batch.reqs] + [dummy_row] * pad, dtype=torch.int32, pin_memory=True
+            [req.table_idx for req in batch.reqs] + [dummy_row] * pad, dtype=torch.int32, pin_memory=pin
         )
         lens = torch.tensor(
-            [req.device_len for req in batch.reqs] + [1] * pad, dtype=torch.int32, pin_memory=True
+            [req.device_len for req in batch.reqs] + [1] * pad, dtype=torch.int32, pin_memory=pin
         )
         if graph_bs:
             bs = len(rows)
