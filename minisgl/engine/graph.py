@@ -258,7 +258,7 @@ class GraphRunner:
         """A verify batch whose rows fit a decode graph that attends with the Triton kernel
         (`as_decode_rows`), or whose requests each compute at most `verify_rows` tokens, in as many blocks
         as the largest verify graph has, reaching at most `prefill_graph_max_context` tokens."""
-        if self.as_decode_rows(batch) is not None:
+        if self.fits_decode_rows(batch):
             return True
         return (
             bool(self.verify_graphs)
@@ -267,18 +267,22 @@ class GraphRunner:
             and max(req.device_len for req in batch.reqs) <= self.prefill_graph_max_context
         )
 
-    def as_decode_rows(self, batch: Batch) -> Batch | None:
-        """A verify batch as a decode batch of its rows, when the decode graph that holds them attends
-        with the Triton decode kernel (its rows and lengths are read on the device): each row a request
-        of one token on its request's page-table row, of length its position + 1. A verify step of one
-        request (k + 1 rows) then replays the decode graph of k + 1, not a 16-row prefill block: the
-        projections and the LM head run on its rows only, and each row's attention is split over the
-        KV as a decode step's is. None where no such graph is captured (or `verify_as_decode` is off)."""
+    def fits_decode_rows(self, batch: Batch) -> bool:
+        """Whether a verify batch's rows fit a decode graph that attends with the Triton decode kernel
+        (its rows and lengths are read on the device), with `verify_as_decode` on (`as_decode_rows`)."""
         num = batch.num_tokens
         if not (self.verify_as_decode and self.batch_sizes and num <= self.batch_sizes[-1]):
-            return None
+            return False
         graph_bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, num)]
-        if graph_bs > getattr(self.ctx.attn_backend, "triton_decode_max_bs", 0):
+        return graph_bs <= getattr(self.ctx.attn_backend, "triton_decode_max_bs", 0)
+
+    def as_decode_rows(self, batch: Batch) -> Batch | None:
+        """A verify batch as a decode batch of its rows, where they fit (`fits_decode_rows`): each row
+        a request of one token on its request's page-table row, of length its position + 1. A verify
+        step of one request (k + 1 rows) then replays the decode graph of k + 1, not a 16-row prefill
+        block: the projections and the LM head run on its rows only, and each row's attention is split
+        over the KV as a decode step's is. None where they do not fit."""
+        if not self.fits_decode_rows(batch):
             return None
         rows = [
             Req([], req.table_idx, pos, 0, req.uid, req.sampling_params, pos + 1)
