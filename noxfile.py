@@ -41,7 +41,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def perf(session: nox.Session) -> None:
-    """CPU benchmarks (pytest-benchmark): SmolLM2 decode steps at batch 1 and 16, a 512-token prefill."""
+    """The CPU benchmarks of perf/cpu (pytest-benchmark; what each measures: docs/performance.md)."""
     _install(session)
     session.run("python", "-m", "pytest", "perf/cpu", "--benchmark-only", "-q", *session.posargs, env=OFFLINE)
 
@@ -49,11 +49,12 @@ def perf(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def perf_gpu(session: nox.Session) -> None:
     """The GPU benchmark in the current environment: the offline workload on Qwen3-0.6B (dummy weights)
-    with the H200 preset, plus one request alone. Same as `python -m minisgl.bench --config ...`."""
+    with the H200 preset, plus one request alone. Same as `minisgl-run bench --config ...`."""
     session.run(
         "python",
         "-m",
-        "minisgl.bench",
+        "minisgl",
+        "bench",
         "--config",
         "configs/h200-qwen3-0.6b.yaml",
         "--single-request",

@@ -2,7 +2,7 @@
 
 Bottom to top (a module may import from its own layer and the layers below it, never from above):
 
-    entry        cli, __main__ (`python -m minisgl`), bench.__main__ (`python -m minisgl.bench`)
+    entry        cli, __main__ (`python -m minisgl`)
     server       server (the HTTP server: OpenAI and SGLang APIs, guards, scheduler processes, replicas)
     bench        bench (the benchmarks: offline on an LLM in this process; serving, a client of a server)
     llm          llm (the LLM front end: tokenizer, scheduler, TP ranks)
@@ -60,7 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("chat", ("minisgl.chat",)),
     ("bench", ("minisgl.bench",)),
     ("server", ("minisgl.server",)),
-    ("entry", ("minisgl.cli", "minisgl.__main__", "minisgl.bench.__main__")),
+    ("entry", ("minisgl.cli", "minisgl.__main__")),
 ]
 
 
