@@ -13,7 +13,8 @@ from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch, SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.engine import BatchPreparer, Engine, EngineConfig, ForwardOutput, generate
-from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.engine.sample import Sampler
+from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kvcache import BaseKVCachePool, bytes_per_page
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3], list(range(100, 117))]

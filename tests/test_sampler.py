@@ -1,4 +1,5 @@
-"""Tests of minisgl.engine.sample: greedy, filters, seeded reproducibility, exact distributions."""
+"""Tests of the sampler (minisgl.engine.sample, .draw, .sampling_args): greedy, filters, seeded
+reproducibility, exact distributions."""
 
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.sample import (
+from minisgl.engine.draw import (
     SAMPLE_BLOCK,
     TOP_K_ALL,
     WEIGHT_BITS,
-    BatchSamplingArgs,
-    LogprobArgs,
-    Sampler,
     blocked_cumsum,
     draw,
     mark_batch_unbacked,
     sample_rows,
     token_weights,
 )
+from minisgl.engine.sample import Sampler
+from minisgl.engine.sampling_args import BatchSamplingArgs, LogprobArgs
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000

@@ -28,7 +28,8 @@ from minisgl.distributed import (
 )
 from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.engine.sample import Sampler
+from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kernels import verify as verify_kernels
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
 from minisgl.models import build_model

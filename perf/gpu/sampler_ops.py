@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minisgl.core import Req, SamplingParams
-from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.engine.sample import Sampler
+from minisgl.engine.sampling_args import BatchSamplingArgs
 
 CPU = torch.device("cpu")
 

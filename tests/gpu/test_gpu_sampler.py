@@ -17,7 +17,9 @@ from test_sampler import (
 )
 
 from minisgl.core import SamplingParams
-from minisgl.engine.sample import BatchSamplingArgs, Sampler, token_weights
+from minisgl.engine.draw import token_weights
+from minisgl.engine.sample import GRAPH_MAX_BS, Sampler
+from minisgl.engine.sampling_args import BatchSamplingArgs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
@@ -115,8 +117,6 @@ def test_sampler_graphs_draw_the_compiled_tokens() -> None:
     function draws for the first B rows, with and without filters, at every B up to the graph's size;
     a batch that transforms the logits (suppressed tokens) or is all greedy, or a size above
     GRAPH_MAX_BS, does not replay them."""
-    from minisgl.engine.sample import GRAPH_MAX_BS
-
     sampler = Sampler(CUDA, VOCAB)
     gen = torch.Generator(device=CUDA).manual_seed(1)
     static = {
