@@ -1,51 +1,9 @@
 """FlashInfer attention on CUDA: `fi` (FA2 paged prefill, FlashInfer's paged decode kernel) and `fa` (the
-FlashAttention-3 kernels FlashInfer ships, `backend="fa3"`, sm90 only; decode runs them as a prefill of
-one query token per request).
+FlashAttention-3 kernels FlashInfer ships, sm90 only).
 
-`fi` decode uses FlashInfer's tensor-core kernel when each KV head serves at least
-`tensor_core_min_group` query heads (the setting of that name; default 1: always) and its CUDA-core
-kernel below that. The two kernels are compared in docs/performance.md (`python -m perf.gpu.attention`);
-the tensor-core kernel is the one the end-to-end benchmark measures, so it is the default.
-
-Under a CUDA graph FlashInfer's tensor-core decode always splits each request's KV into chunks over more
-blocks than the batch needs, then merges the chunks' outputs in a second kernel (its plan cannot know the
-next replay's lengths, so it sizes the grid for the whole GPU). That pays at small batches, where a block
-per request and KV head would leave most of the GPU idle, and not at large ones, whose blocks fill it
-anyway: graphs of batches above `split_kv_max_bs` (the setting `decode_split_kv_max_bs`) are planned with
-`disable_split_kv`, one block per request and KV head and no merge kernel. Whether a graph splits is fixed
-when it is captured (the merge kernel is in it or not); each replay's plan keeps to it. Unset by default
-(every graph splits): measured, not splitting saves about 1 us a layer at short contexts and costs up to
-2.7x at long ones (docs/performance.md, Attention).
-
-At small batches FlashInfer's decode kernels take 10 to 13 us a layer under a graph whatever the
-context; decode batches up to `triton_decode_max_bs` (the setting `decode_triton_max_bs`; a graph's size,
-padding included) attend with minisgl's Triton split-KV kernel instead (`minisgl.kernels.decode_attention`),
-which reads each request's page-table row and length from two small device buffers: no FlashInfer plan.
-
-An FP8 KV cache (float8_e4m3fn pages, `kv_cache_dtype: fp8_e4m3`) is planned with `q_data_type` the
-model's dtype and `kv_data_type` e4m3, and run with the layer's `k_scale` and `v_scale` as Python floats
-(FlashInfer folds k_scale into the softmax scale and multiplies the output by v_scale after the kernel,
-skipping it at 1.0): the pool's scales are fixed once the model is loaded, so they are read from the
-device once, here at creation, never per step. FlashInfer's FA3 kernels take FP8 KV only with an FP8
-query, so `fa` is refused with an FP8 cache (`minisgl.attention.check_kv_dtype`); `auto` picks the FA2
-prefill (`fi`) there. The tensor-core decode runs FlashInfer's FA2 prefill kernel with FP8 KV, the
-CUDA-core decode its decode kernel, and the Triton decode reads the FP8 pages itself. The dtypes of a
-graph's plan are the pool's, fixed at capture and at every replay.
-
-Prefill CUDA graphs (`minisgl.engine.graph`, the `prefill_graph_max_tokens` setting) attend with
-minisgl's Triton prefill kernel (`minisgl.kernels.prefill_attention`), which reads each block of 16
-tokens' page-table row and each token's length from two device buffers (`prepare_prefill_graph`): no
-FlashInfer plan, so a replay takes any batch that fits its bucket.
-
-The model's sliding window W (`sliding_window`, Mistral's) goes into every FlashInfer plan as
-`window_left=W - 1` (FlashInfer counts the keys left of the query's own; -1: none), prefill, decode and
-their CUDA-graph wrappers alike, and into the Triton decode and prefill kernels as `window=W`. The pages
-behind the window stay in the page table; the kernels skip them.
-
-Planning (indptr, page indices, last page lengths) happens in `prepare_metadata`, outside any compiled
-region or CUDA graph: lengths come from the requests on the host, page indices are gathered from the page
-table on the device, so nothing waits on the GPU. Graph capture uses one decode wrapper per captured
-batch size whose plan writes into fixed buffers, so a replay only needs a new plan.
+Small decode batches go to minisgl's Triton split-KV kernel and prefill graphs to its Triton prefill
+kernel (no FlashInfer plan); planning runs in `prepare_metadata`, outside compiled regions and graphs.
+Tensor-core choice, split-KV, FP8 KV and sliding windows: docs/gpu.md ("Attention backends").
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Decode attention for small batches in Triton: split-KV ("flash decoding") over the token-level page
-table, then a merge of the splits.
+table, then a merge of the splits by their log-sum-exp.
 
-At a small batch FlashInfer's decode kernels under a CUDA graph take 10 to 13 us a layer whatever the
-context (their grid is sized for the whole GPU, and the tensor-core kernel adds a merge kernel;
-`python -m perf.gpu.attention --graphs`), far above the few microseconds the KV reads need. Here:
-
-- `_split_kernel`: one program per (request, KV head, split). Split s of a request of n tokens covers
-  tokens [s * chunk, (s + 1) * chunk), chunk = ceil(n / splits) rounded up to the block; a program past
-  the end writes an empty part. Each block of `BLOCK_N` tokens gathers their locations from the page
-  table row (`table[row, t]`, as the engine's page table maps positions to KV locations), loads K and V
-  of its KV head and runs the online softmax for all query heads of the group at once (`tl.dot`, the
-  group padded to 16 rows). It writes the part's normalised output and its log-sum-exp, or, with one
-  split, the output itself.
-- `_merge_kernel`: one program per (request, query head) weighs the parts by their log-sum-exp. It
-  reads only the splits that hold tokens (their count follows from the length as the chunk does): at a
-  batch of one the grid has 64 splits, and 1,100 tokens fill 18 of them.
-
-With a sliding window of W tokens (`window`, the model's, a compile-time constant: 0 for none) a
-request of n tokens attends to its last min(n, W) only: the splits divide those tokens, and the pages
-before them are not read.
-
-The number of splits depends only on the batch size and the head counts (about two programs per SM), so
-a CUDA graph captured at one batch size replays the same grid. Each request's row of the page table and
-its length are read on the device: nothing is planned on the host. `decode_attention` is called by the
-FlashInfer backend (see its module) for decode batches up to the `decode_triton_max_bs` setting; the
-tests run it on CPU tensors under Triton's interpreter against a torch reference.
-
-An FP8 KV cache (float8_e4m3fn pages, the setting `kv_cache_dtype: fp8_e4m3`) is read as is: each block
-of K and V is widened to q's dtype (exact: e4m3 values are bf16 and fp16 values), K's scale multiplies
-the softmax scale and V's the output (both read on the device, from the layer's (2,) scales), so the
-kernel attends over e4m3 * scale as the torch backend does, without a dequantized copy.
+Under a CUDA graph FlashInfer's decode kernels take 10 to 13 us a layer at small batches whatever the
+context; this kernel reads each request's page-table row and length on the device (no host plan) and
+its split count depends only on the batch size, so a graph replays the same grid. It takes sliding
+windows and FP8 KV pages (widened exactly, scales applied on the device). Design and measurements:
+docs/gpu.md ("Small decode batches"), docs/quantization.md (FP8 KV).
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """FP8 (float8_e4m3fn) numerics: block-scaled weights, per-token-group activations, FP8 KV values.
 
-The formats (docs/quantization.md):
-
-- A weight (N, K) is stored as e4m3 values `q` and a float32 `scale` of shape
-  (ceil(N / block_n), ceil(K / block_k)): one scale per block of block_n rows and block_k columns (the
-  last blocks may be partial). The weight is `q * scale` of each entry's block, the convention of
-  `weight_scale_inv` in Qwen's and DeepSeek's FP8 checkpoints. `quantize_blocks` makes them: a block's
-  scale is its largest magnitude / 448 (e4m3's largest finite value; computed as amax times the float32
-  reciprocal of 448), its values are divided by it.
-- An activation row is quantized the same way on the fly, in groups of `group` columns: one scale per
-  token and group (`quantize_groups`).
-- A KV value is stored as e4m3 of value / scale, with one float32 scale per layer for K and one for V
-  (`quantize_kv`); it reads back as e4m3 * scale.
-
-Every division rounds to e4m3 once (round to nearest even), after clamping to [-448, 448].
-
-`fp8_linear` here is the float32 emulation: activations quantized per token group, both operands
-dequantized to float32, one float32 GEMM, the result rounded to x's dtype once. It is the reference
-the tests check the GPU kernels against, and it runs wherever they do not: the layers call
-`minisgl.kernels.fp8_gemm.fp8_linear`, which sends CUDA tensors in the format the kernels take (bf16 or
-fp16 activations, 128-column weight blocks and activation groups) to its Triton GEMV / GEMM and
-`torch._scaled_mm`, and everything else (the CPU, other block widths) here. These agree within FP8
-GEMM rounding (docs/quantization.md, "The GPU GEMM").
+`quantize_blocks`, `quantize_groups` and `quantize_kv` make the formats of docs/quantization.md ("The
+formats"); every division rounds to e4m3 once, after clamping to [-448, 448]. `fp8_linear` here is the
+float32 emulation, the reference the GPU kernels are tested against and what runs where they do not
+(`minisgl.kernels.fp8_gemm.fp8_linear` chooses).
 """
 
 from __future__ import annotations

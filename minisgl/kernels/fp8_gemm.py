@@ -1,70 +1,9 @@
 """The FP8 projection on the GPU: Triton kernels and `torch._scaled_mm` for block-scaled e4m3 weights.
 
-The formats are those of `minisgl.kernels.fp8` (docs/quantization.md): a weight W (N, K) in e4m3 with
-float32 scales (ceil(N / block_n), ceil(K / block_k)), activations quantized per token in groups of 128
-columns. The kernels take 128x128 blocks (FP8 checkpoints, the setting `quantization: fp8`), blocks of
-one row (the merged projections of small models, `minisgl.layers.fp8`) and any block_n, block_k a
-multiple of 128 or all of K (per-tensor scales): a weight row's scale row is n // block_n.
-`minisgl.kernels.fp8.fp8_linear` (the float32 emulation) stays the reference; the layers call
-`fp8_linear` here, which sends CUDA tensors in a format the kernels take (`fp8_kernels_fit`) to the op
-`minisgl::fp8_linear` and everything else to the emulation:
-
-- `quantize_rows`: x (M, K) -> e4m3 (M, K) and float32 scales (M, ceil(K / 128)) stored column-major,
-  strides (1, M), the layout `torch._scaled_mm` takes for 1x128 scales. The numbers of
-  `minisgl.kernels.fp8.quantize_groups`, bit for bit.
-- `fp8_gemv`: few rows (decode), M <= `GEMV_MAX_ROWS`. The activations are quantized once
-  (`quantize_rows`); then a program owns `block_rows` output rows and sweeps all of K in one unrolled
-  loop of 512-column steps (as `minisgl.kernels.gemv` does), reading the weight at one byte an element;
-  per 128-column group it sums the e4m3 products (exact in float32) on the CUDA cores and multiplies
-  the sum by the weight and activation scales: the emulation's sum in another order. (The first
-  version quantized the activations inside every program and was slower than bf16 on an H200.)
-  Programmatic dependent launch as in `minisgl.kernels.pdl`: the first weight block (and the scales)
-  are loaded before `gdc_wait`.
-- `fp8_gemm_triton`: more rows. `tl.dot` on e4m3 tiles (BLOCK_M x 128 activations, 128 x BLOCK_N
-  weights) gives each 128-column step's partial product in float32, which is multiplied by the
-  activation scale of its row and the weight scale of its column and added to a float32 accumulator.
-  `GEMM_CONFIGS`: the tile shapes, chosen by M.
-- `fp8_gemm_scaled_mm`: cuBLASLt's block-scaled FP8 GEMM through `torch._scaled_mm` (1x128 activation
-  scales, 128x128 weight scales; sm90, CUDA 12.9 or newer), on rows padded to a multiple of 4
-  (`SCALED_MM_ROWS`), for weights of a multiple of 4 blocks a row only (`scaled_mm_fits`: cuBLASLt
-  silently misreads the others' scales). Where it raises (another GPU, an older torch or cuBLAS, a
-  shape it refuses) the Triton GEMM runs instead; the answer is cached per device, shape and dtype, so
-  it is tried once.
-- `norm_quantize_rows`, `silu_mul_quantize_rows`: the FP8 projections' prologues with the quantization
-  fused: `quantize_rows`' kernel with a prologue (`minisgl.kernels.gemv`'s numbering), residual + x
-  (optional), the RMSNorm and the norm weight's product (a program a row), or silu(gate) * up, then the
-  same quantization (`_store_rows`): e4m3 values and scales in `quantize_rows`' layout, no activation
-  row written in between (for more rows than the GEMV takes, the same kernel writes the row in x's
-  dtype instead, for the GEMMs). Their numbers are the eager layers' (`minisgl.layers.basic`'s
-  `add_rms_norm`, `F.silu(gate) * up`: every op rounded to x's dtype where torch rounds it, no fused
-  multiply-add; the mean as torch takes it: the sum divided by K on the CPU, times float32(1 / K) on
-  CUDA; torch's expf on CUDA) then `quantize_rows`': the same bytes, but where torch's float32 sum of
-  squares, in an order of its own, differs in the last place and moves a value across a rounding
-  midpoint (tests/test_fp8_fused.py).
-
-`torch.ops.minisgl.fp8_linear(x, weight, scale, bias, block_n, block_k, group, invariant)` picks the
-kernel by row count when it runs (one compiled graph serves every batch size, as the ops of
-`minisgl.kernels.linear`): the GEMV up to `GEMV_MAX_ROWS` rows, else `GEMM_BACKEND` ("scaled_mm" or
-"triton", a module-level choice the benchmark switches). With `invariant` (the engine's GEMV kernels off
-or `batch_invariant`), every row count runs the Triton GEMM in one configuration, so that a row gets the
-same bits alone or in a batch. `minisgl::fp8_norm_linear(x, residual, norm_weight, eps, weight, scale,
-block_n, block_k, group, bias) -> (y, new residual)` and `minisgl::fp8_silu_mul_linear(gate_up, weight,
-scale, block_n, block_k, group)` run a fused quantizer and the GEMV (`fp8_gemv` on `quantized`
-rows) up to `GEMV_MAX_ROWS` rows, the same kernel unquantized then `minisgl::fp8_linear`'s choice for
-more (one graph for every row count, the same numbers); `minisgl.layers.basic` calls them where
-`fp8_kernels_fit` and the engine's GEMV and fused kernels are on (never `invariant`).
-
-Numerics against the emulation: the GEMV differs by float32 summation order only (measured on the CPU
-under Triton's interpreter within 1e-5 of the output's scale). The tensor-core GEMMs (Triton's and
-cuBLAS's) multiply e4m3 exactly but Hopper's FP8 MMA accumulates a 128-column step in reduced precision
-before it reaches the float32 accumulator: bound 1e-3 of the output's largest magnitude, plus the
-output's rounding (tests/gpu/test_gpu_fp8.py).
-
-The kernels round float32 to e4m3 in float32 arithmetic before the conversion, on every device: Triton's
-interpreter (TRITON_INTERPRET=1, the CPU tests; Triton 3.9) rounds wrongly where rounding up carries into
-the exponent (31.6 -> 16 instead of 32), and on an H200 (Triton 3.6) the conversion gave other bytes
-than torch's for some values (the scales, see quantize_blocks). Under the interpreter bf16 outputs are rounded the same way (its
-conversion from float32 truncates); on a GPU the hardware conversion (round to nearest even) runs.
+`fp8_linear` sends CUDA tensors the kernels take (`fp8_kernels_fit`) to the op `minisgl::fp8_linear`
+(a GEMV, the Triton GEMM or cuBLASLt, chosen by rows) and everything else to the float32 emulation
+`minisgl.kernels.fp8.fp8_linear`, the reference. Kernels, fused quantizers, numerics and timings:
+docs/quantization.md ("The GPU GEMM").
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""A linear layer of a few rows (y = x W^T + b for x of 1 to `GEMV_MAX_ROWS` rows) as a Triton kernel.
+"""A linear layer of a few rows (y = x W^T + b for x of 1 to `GEMV_MAX_ROWS` rows) as a Triton kernel,
+with `add_rms_norm_gemv` and `silu_mul_gemv` prologues.
 
-Decoding one request multiplies one row by every weight matrix of the model. cuBLAS's kernels for that
-shape read small matrices well below HBM bandwidth (see docs/performance.md, `python -m perf.gpu.gemv`);
-this kernel gives each program `BLOCK_N` whole output rows (all of K, read in one unrolled sweep so
-every load is in flight at once) and reduces in float32.
-
-For M rows (up to 16) each program loads its block of weights once and multiplies it by every row
-(products M x BLOCK_N x BLOCK_K), so HBM reads the weights once whatever M; each row's result equals
-its one-row launch up to the order of float32 additions (bit for bit under Triton's interpreter). The
-ops of `minisgl.kernels.linear` send the kernel several rows only for the weight shapes where it beat
-the row kernels and cuBLAS (`GEMV_ROWS_BY_SHAPE`); the others go to cuBLAS.
-
-The same kernel has two prologues, so that a one-row decode step runs fewer kernels per layer:
-`add_rms_norm_gemv` (the residual add and RMSNorm before the QKV and gate/up projections) and
-`silu_mul_gemv` (SiLU-and-multiply before the down projection).
-
-The model does not call these functions itself: the custom ops of `minisgl.kernels.linear` call them
-when a batch has one row (they pick the kernels by row count when they run, so one compiled graph
-serves every batch size). On a CPU they run under Triton's interpreter (TRITON_INTERPRET=1), as the
-CPU tests run them.
+cuBLAS reads small matrices well below HBM bandwidth at one row; here each program owns whole output
+rows, sweeps all of K at once and reduces in float32, reading the weights once whatever the row count.
+The custom ops of `minisgl.kernels.linear` call these by row count. docs/gpu.md ("One-row GEMV").
 """
 
 from __future__ import annotations

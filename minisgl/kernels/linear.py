@@ -1,31 +1,14 @@
-"""The model's projections as custom ops that pick their kernels by row count when they run.
-
-A decode step of one request runs the one-row GEMV kernels of `minisgl.kernels.gemv`, with the residual
-add + RMSNorm or the SiLU-and-multiply folded into the GEMV's prologue; more rows run cuBLAS, after one
-Triton kernel for the add + RMSNorm (`add_rms_norm_rows`) or the SiLU-and-multiply
-(`silu_mul_rows`). Before, the choice was made in Python while dynamo traced the forward, so a batch of
-one needed a graph of its own: the forward compiled twice for decode and a third time for prefill.
-Made inside the ops, the choice leaves the traced graph the same for every row count, and the engine
-compiles the forward once (see `minisgl.engine.graph`). A CUDA graph captured at a batch size holds the
-kernels that size took. The GEMV kernel takes up to 16 rows (each weight block loaded once for all
-of them), and the ops send it more than one row where it measured faster than the row kernel + cuBLAS:
-`GEMV_ROWS_BY_SHAPE` (`python -m perf.gpu.gemv --rows 2 4 8 --sweep`; docs/performance.md), one row for
-every other shape (`LINEAR_GEMV_ROWS`).
+"""The model's projections as custom ops that pick their kernels by row count when they run, so the
+engine compiles the forward once for every batch size: few rows run the GEMV kernels of
+`minisgl.kernels.gemv` (prologues fused), more run a Triton row kernel and cuBLAS.
 
     torch.ops.minisgl.linear(x, weight, bias)                           -> y
     torch.ops.minisgl.norm_linear(x, residual, norm_weight, weight, bias, eps, keep_normed=False)
                                                    -> (y, new residual, normed rows or an empty tensor)
     torch.ops.minisgl.silu_mul_linear(gate_up, weight)                  -> y
 
-`minisgl.layers.basic` calls them where `gemv_fits` (CUDA, half precision, Triton) and the engine's
-settings allow (`use_gemv_kernel`, `use_fused_kernels`, not `batch_invariant`). Numerics of the row
-kernels follow the compiled unfused layers on a GPU: `add_rms_norm_rows` stores the new residual rounded
-to the model's dtype, and normalises and scales the float32 sum, rounding once at the store, as
-inductor's Triton kernel for `add_rms_norm` does (eager `add_rms_norm` also rounds the sum and the
-normalised row before the weight: measured further from float32, `python -m perf.gpu.numerics`);
-`silu_mul_rows` computes in float32 and rounds once, as inductor's fused kernel for `F.silu(gate) * up`
-does. On a CPU the kernels run under Triton's
-interpreter (TRITON_INTERPRET=1), as the CPU tests run them.
+Rows per shape (`GEMV_ROWS_BY_SHAPE`), when `minisgl.layers.basic` uses them and their numerics:
+docs/gpu.md ("One-row GEMV", "Numerics"). On a CPU the kernels run under Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The mixture-of-experts MLP of many tokens (prefill, large decode batches) as two grouped GEMMs in Triton.
 
-The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of `BLOCK_M`
-(`align_pairs`), so that every block of `BLOCK_M` rows belongs to one expert:
-
-1. gate/up, a program per (block of rows, block of intermediate columns): the block's token rows
-   (gathered, not copied) times its expert's gate and up columns, two accumulators on the tensor cores,
-   SiLU(gate) * up stored per pair (T * top_k, I);
-2. down, a program per (block of rows, block of hidden columns): those activations times the expert's
-   down projection, scaled by the routing weight, stored per pair (T * top_k, H);
-
-then the top_k rows of each token are summed in float32 (no atomics: deterministic). No shape depends on
-the routing and nothing is read on the host: the grid has the most blocks any routing can need
-(ceil(T * top_k / BLOCK_M) plus one per expert that can be reached), and blocks past the last expert's
-return at once; so the kernels are captured in CUDA graphs. Launch configurations per (E, 2I, H,
-tokens) come from `moe_gemv_configs.json`'s "grouped" table (`python -m perf.gpu.moe_tune --grouped`),
-defaults elsewhere. On a CPU they run under Triton's interpreter (TRITON_INTERPRET=1) for the tests.
+The (token, slot) pairs are sorted by expert and each expert's run padded to whole blocks of `BLOCK_M`
+rows (`align_pairs`), so a block belongs to one expert; gate/up (SiLU-and-multiply in the epilogue),
+then down scaled by the routing weight, then each token's top_k rows summed in float32. The grid has
+the most blocks any routing can need (extra blocks return at once), so nothing is read on the host and
+the kernels are captured in CUDA graphs. Configurations: `python -m perf.gpu.moe_tune --grouped`.
+docs/tensor-parallel-and-moe.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The mixture-of-experts MLP of a few tokens (decode) in two Triton kernels, routing included.
 
-A decode step of a Qwen3-30B-A3B layer sends each token to 8 of 128 experts: the work is reading those
-experts' weights (about 9.4 MB each at bf16), not multiplying. The grouped GEMMs of the `fused`
-backend (sort, counts, gather, two `torch._grouped_mm`, scatter) cost ~121 us for one token on an H200
-against a ~16 us read; here a step is two kernels that read each chosen expert's weights once:
-
-1. `_gate_up_kernel`, a program per (block of intermediate rows, token, slot): computes its token's
-   top-k from the router logits (E values: a few iterated max reductions, cheaper than a kernel of its
-   own), then the slot's expert's gate and up rows against the token and SiLU(gate) * up, stored
-   (T * top_k, I) in the model's dtype, as the grouped GEMM path stores it;
-2. `_down_kernel`, a program per (block of hidden rows, token): the token's top-k again with its routing
-   weights (softmax over all experts, renormalised over the chosen ones when asked, rounded to the
-   model's dtype as `select_experts` rounds them), then each chosen expert's down projection of its
-   activations, weighted and summed in float32: the combine of the top-k slots is part of the kernel.
-
-Programs of one block of rows run side by side for every token, so tokens routed to the same expert
-read its block once from HBM and again from L2. Nothing is read on the host: the kernels are captured
-in CUDA graphs. Their launch configurations (rows a program, warps) come from `MOE_GEMV_CONFIGS`
-("gemv"), tuned per (experts, 2I, H, tokens) on an H200 by `python -m perf.gpu.moe_tune`; the
-fused backend sends a batch here up to `minisgl.kernels.linear.gemv_rows(w13)` tokens (the table that
-also holds the dense projections' row counts). On a CPU the kernels run under Triton's interpreter
-(TRITON_INTERPRET=1), as the CPU tests run them.
+A decode step's work is reading the chosen experts' weights, not multiplying: here a step is two
+kernels (`_gate_up_kernel`, `_down_kernel`) that compute the top-k themselves and read each chosen
+expert's weights once, with no sort, gather or scatter, and nothing read on the host (CUDA graphs).
+Routing weights and activations are rounded as `select_experts` and the grouped-GEMM path round them.
+Launch configurations: `MOE_GEMV_CONFIGS` (`python -m perf.gpu.moe_tune`). docs/tensor-parallel-and-moe.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Programmatic dependent launch (PDL) for the Triton kernels of a decode step, on Hopper GPUs and newer.
 
-A kernel launched with PDL may start before the kernel ahead of it in the stream (or CUDA graph) has
-finished, once every program of that kernel has called `gdc_launch_dependents`; its own `gdc_wait`
-then blocks until that kernel has finished and its writes are visible. So the kernels here:
-
-- call `gdc_launch_dependents` first, letting the next kernel launch while they run;
-- load only data no kernel of the step writes (weights) before their `gdc_wait`, everything else after.
-  The GEMV kernels load their first block of weights, most or all of their traffic, before waiting:
-  that read overlaps the previous kernel's tail instead of following it.
-
-A kernel that reaches `gdc_wait` has had all kernels ahead of it finish (each waited for its own
-predecessor before finishing), and a kernel launched without PDL starts only after the one ahead
-finishes, so mixing them with inductor's and cuBLAS's kernels is safe.
-
-The engine turns it on with the `use_pdl` setting; the kernels ask `pdl_enabled(tensor)`: inside an
-engine's forward with `use_pdl`, on a CUDA device of compute capability 9 or more, with a Triton that has
-`gdc_wait` and the `launch_pdl` launch option (never under Triton's interpreter). Outside a forward it is
-off, unless a caller passes `pdl=True` to a kernel's launch function (the benchmarks do).
+Each kernel calls `gdc_launch_dependents` first, so the next launches while it runs, and loads only
+what no kernel of the step writes (weights) before its `gdc_wait`. The kernels ask `pdl_enabled(tensor)`
+(an engine's forward with `use_pdl`, compute capability 9+, a Triton with `launch_pdl`, never the
+interpreter); outside a forward a caller may pass `pdl=True`. docs/gpu.md ("Programmatic dependent
+launch").
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Prefill attention for CUDA graphs in Triton: causal attention of a prefill chunk over the token-level
 page table, planned on the device (no FlashInfer plan), so a prefill can be captured and replayed.
 
-The tokens come in blocks of `ALIGN` consecutive query tokens, each block inside one request (the
-graph runner lays a prefill batch out so: each request starts a block, the rest of its last block and
-the blocks after the last request are padding). One program per (block, KV head) loads the block's
-queries for every query head of the group at once (`ALIGN` tokens x the group, as rows of one `tl.dot`)
-and sweeps the request's KV in blocks of `BLOCK_N` tokens up to the longest length in the block, each
-query token masked to its own length (its position + 1: causal). A K or V tile is read once for the
-whole block and group, where decode attention would read it once per token.
-
-`block_rows` gives each block's page-table row, `lens` each query token's length (at least 1: padding
-attends to its row's first token). An FP8 KV cache is read as decode attention reads it (e4m3 widened
-to q's dtype, K's scale in the softmax scale, V's on the output). With a sliding window of W tokens
-(`window`, a compile-time constant: 0 for none) a token of length n attends to the tokens n - W to
-n - 1: the sweep starts at the block's earliest such token, and a KV block that holds none of a row's
-tokens leaves that row as it was. The tests run it on CPU tensors under Triton's interpreter against a
-torch reference.
+Queries come in blocks of `ALIGN` tokens, each inside one request; `block_rows` gives each block's
+page-table row, `lens` each query token's length (at least 1: padding attends to its row's first
+token). A program per (block, KV head) reads each K/V tile once for the block and group. FP8 KV and
+sliding windows as in decode attention. docs/gpu.md ("Prefill graphs").
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""q/k RMSNorm, rotary embedding and the KV store in one Triton kernel.
+"""q/k RMSNorm, rotary embedding and the KV store in one Triton kernel (a program per token and head),
+in place of three to five launches a layer on the unfused path.
 
-After the fused QKV projection, the unfused path runs a norm and a RoPE kernel for q, the same for k
-(inductor fuses each pair), then the KV-store kernel: three to five launches per layer, each a few
-microseconds at decode sizes. Here one program per (token, head) reads the head's row of the QKV output,
-normalises it (Qwen3's per-head q/k norm, when the model has one), rotates it (the rotate-half layout,
-cos and sin read from the model's float32 table at the token's position) and writes a query head to
-the output, or a key head and its value head to the KV cache at the token's slot.
-
-An FP8 KV cache (float8_e4m3fn) gets the same keys rounded to the model's dtype first, then quantized as
-`minisgl.kernels.fp8.quantize_kv` does (e4m3 of k / k_scale, `minisgl.kernels.kv_fp8`), and the values
-quantized with v_scale: the FP8 pages hold `quantize_kv` of what a cache in the model's dtype would hold.
-
-Numerics: the norm, its weight and the rotation in float32, rounded once at the store. The unfused
-layers (`rms_norm` then `apply_rope` in `minisgl.layers`) round the normalised row before and after its
-weight and round cos and sin to the model's dtype first; each of those roundings measured further from
-float32 (`python -m perf.gpu.numerics`).
-
-`qk_norm_rope_store` runs on CUDA tensors, and on CPU tensors under Triton's interpreter
-(TRITON_INTERPRET=1, as the CPU tests run it). The attention layer calls it where
-`rope_store_applies` (see `minisgl.layers.attention.rope_attention`).
+The norm, its weight and the rotation are computed in float32 and rounded once at the store; an FP8 KV
+cache gets `minisgl.kernels.fp8.quantize_kv` of what a cache in the model's dtype would hold. Runs on
+CUDA, and on CPU under Triton's interpreter; the attention layer calls it where `rope_store_applies`.
+docs/gpu.md ("Compiled forward and CUDA graphs", "Numerics").
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Speculative decoding's two small device steps around a verify forward (docs/speculative.md), each one
-Triton program per request on a GPU instead of a dozen PyTorch ops (about 40 launches of host time
-around the verify graph's replay at batch one), and the same in PyTorch elsewhere:
-
-- `accept`: after sampling, each request's drafts are accepted while they equal the token its row
-  before them drew (row j's token against the input of row j + 1); the token after the accepted ones
-  goes to `last_tokens` and accepted minus proposed drafts (<= 0) to `shift`, by page-table row.
-- `move`: a pending verify batch, built on the host as if the verify step before it accepted every
-  draft, moved to what it did accept: each request's first input token is read from `last_tokens`,
-  and its positions, KV locations (the page table looked up again), sampling positions (`offsets`,
-  when sampled) by its `shift`. Returns (B,) and (T,) shifts, for the attention plan.
-
-Both take the batch's layout as (B,) `ext` (each request's rows: its drafts + 1) and `starts` (its
-first row), and `table_idx`, on the device. The tests run the kernels under Triton's interpreter on
-CPU tensors against the PyTorch versions.
+"""Speculative decoding's two small device steps around a verify forward, each one Triton program per
+request on a GPU (instead of about 40 PyTorch launches of host time at batch one) and PyTorch elsewhere:
+`accept` (the accepted drafts, the next token to `last_tokens`, the shift by page-table row) and `move`
+(a pending verify batch built on the guess that every draft was accepted, moved to what was; returns
+(B,) and (T,) shifts for the attention plan). Both take the layout as (B,) `ext` (each request's rows:
+drafts + 1), `starts` and `table_idx`, on the device. docs/speculative.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Paged KV storage: per layer, K and V pools of shape (num_pages + 1, page_size, kv_heads, head_dim).
 
 A KV location is `page * page_size + offset`; the flat views index by location. The last page
-(index `num_pages`) is the dummy page that padding and the dummy request write into.
-
-The pool's `dtype` is its storage dtype: the model's, or float8_e4m3fn (the setting `kv_cache_dtype:
-fp8_e4m3`). An FP8 pool has one float32 scale per layer for K and one for V (`scales`, FlashInfer's form):
-it stores e4m3 of k / k_scale (`minisgl.kernels.fp8.quantize_kv`; on CUDA the KV-store kernel writes the
-same bytes) and `gather` reads back e4m3 * k_scale. The scales are fixed once the model is loaded: the
-FlashInfer backend reads them once, at its creation (its kernels take them as numbers).
+(index `num_pages`) is the dummy page that padding and the dummy request write into. An FP8 pool
+(`kv_cache_dtype: fp8_e4m3`) stores e4m3 of value / scale with one float32 scale per layer for K and
+one for V (`scales`), fixed once the model is loaded: docs/quantization.md ("FP8 KV cache").
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The weight of an FP8 linear layer: e4m3 values and float32 block scales (formats: minisgl.kernels.fp8).
 
 `Fp8Linear` only holds tensors; `minisgl.layers.linear` (and `norm_linear`, `silu_mul_linear`) take it in
-place of a weight tensor and run `minisgl.kernels.fp8_gemm.fp8_linear` (the GPU kernels, or the float32
-emulation `minisgl.kernels.fp8.fp8_linear`). A merged projection (Q/K/V, gate/up)
-is one `Fp8Linear` over the checkpoint tensors it concatenates, its `segments`: each segment's rows
-carry the block grid of their own checkpoint tensor. Where every segment but the last fills whole
-blocks of `block_n` rows, the merged weight has that grid too; otherwise (small models) it keeps one
-scale row per weight row (`block_n` 1), each the scale of that row's block: the same numbers in a
-uniform grid, which any block-scaled GEMM can take.
+place of a weight tensor and run `minisgl.kernels.fp8_gemm.fp8_linear`. A merged projection (Q/K/V,
+gate/up) is one `Fp8Linear` over its checkpoint tensors (`segments`), in their block grid or, where
+they do not fill whole blocks, one scale row per weight row: docs/quantization.md ("The formats").
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """ModelConfig: the architecture facts minisgl needs, read from a model folder's config.json.
 
-Every key minisgl reads is checked for its JSON type, not coerced (``true``, ``"64"`` and ``64.5`` are no
-integers; an integer is a number), and for its range, so that a broken config.json fails when it is read,
-with ``<path>: key=value must be ...``, instead of a ZeroDivisionError or a MemoryError in the engine.
-The upper bounds lie far above any released model and only catch absurd values:
-
-- widths (hidden_size, head_dim, intermediate_size, moe_intermediate_size): at most 2**20
-- vocab_size: at most 2**24
-- counts (num_hidden_layers, num_attention_heads, num_key_value_heads, num_experts,
-  decoder_sparse_step): at most 2**16
-- positions (max_position_embeddings, RoPE's original_max_position_embeddings, Mistral's
-  sliding_window): at most 2**31 - 1, the largest int32 position
-
-An optional key set to null takes its default, as in transformers.
-
-A ``quantization_config`` is read too, and refused unless minisgl implements it: ``quant_method: fp8``
-(e4m3 weights with float32 scales per block of ``weight_block_size`` or per tensor, as Qwen's and
-DeepSeek's FP8 releases write them) becomes `Fp8Config`; any other method (AWQ, GPTQ, bitsandbytes,
-compressed-tensors...) is an error naming it, since loading such a checkpoint as plain weights would
-give garbage.
+Every key read is checked for its JSON type (never coerced) and range, so a broken config.json fails
+when it is read, with ``<path>: key=value must be ...``; the bounds: docs/failures.md. A
+``quantization_config`` other than ``quant_method: fp8`` (`Fp8Config`) is refused, naming it:
+docs/quantization.md.
 """
 
 from __future__ import annotations

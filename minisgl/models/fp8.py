@@ -1,21 +1,10 @@
 """The projections of a decoder layer as plain weights or FP8 ones, and how each is read from a checkpoint.
 
-A `Projection` describes one weight of this rank: the checkpoint tensors merged into its rows (Q/K/V,
-gate/up; each a `Part`), and its columns. `make_projection` allocates it (a parameter, or an
-`Fp8Linear` when the model's config has an `Fp8Config`); `projection_map` gives the checkpoint map's
-entries for it:
-
-- unquantized: `<name>.weight` -> a `Shard` of its rows, as before;
-- an FP8 checkpoint: `<name>.weight` (e4m3) -> `Fp8WeightShard`, and its scales -> `Fp8ScaleShard`
-  (`weight_scale_inv` per block, sliced with the weight) or `Fp8TensorScale` (`weight_scale`, one per
-  tensor);
-- the setting `quantization: fp8`: `<name>.weight` (bf16, float16 or float32) -> `Fp8Quantize`, which
-  reads the rank's part, quantizes it in 128x128 blocks on the model's device and stores it as a
-  checkpoint of that format would be stored: the two paths give the same numbers.
-
-Under tensor parallelism a rank's part of a block-scaled weight must be whole blocks: the scales are
-sliced in whole blocks with the weight. `fp8_split_problem` says when a tensor-parallel size would cut a
-block (checked before any process group exists, and again when a projection is made).
+A `Projection` is one weight of this rank (its merged checkpoint `Part`s and its columns);
+`make_projection` allocates it (a parameter, or an `Fp8Linear` under an `Fp8Config`); `projection_map`
+gives its checkpoint-map entries: `Shard`, `Fp8WeightShard` with `Fp8ScaleShard` / `Fp8TensorScale`,
+or `Fp8Quantize` (the setting `quantization: fp8`, the same numbers as an FP8 checkpoint).
+`fp8_split_problem` says when a tensor-parallel size would cut a block. docs/quantization.md.
 """
 
 from __future__ import annotations

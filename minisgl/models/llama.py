@@ -1,22 +1,10 @@
 """Llama-style dense decoders: Llama (2, 3.x, SmolLM2), Mistral (Llama's layers under a sliding attention
-window, `ModelConfig.sliding_window`, which the attention backends apply), Qwen2 (q/k/v bias) and Qwen3
-(q/k RMSNorm).
+window, `ModelConfig.sliding_window`), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
 
-The module only holds weights; `forward` composes the pure functions of `minisgl.layers`. Q, K and V
-are one merged projection, and so are the MLP's gate and up projections: fewer, larger GEMMs.
-
-Tensor parallelism (the process's `get_tp_info()` at construction): each rank holds its query heads and
-KV heads of the QKV rows (KV heads replicated when there are fewer than ranks, see `shard_heads`), the
-matching input columns of o_proj, its part of the intermediate rows of gate_up and columns of down, and
-a vocabulary slice of the embedding and LM head. o_proj and down are row-parallel: their outputs are
-partial sums, all-reduced in `forward`. Norms (q/k norms included) are replicated. `checkpoint_map`
-describes each rank's part as a `Shard` of the checkpoint tensor, so each rank reads only its part.
-
-FP8 (`cfg.quantization`): the four projections of each layer are `Fp8Linear` weights (e4m3 values and
-float32 block scales, sliced with the weights under tensor parallelism; see `minisgl.models.fp8`); the
-embedding, norms, biases and LM head stay in the model's dtype. The model also holds one K and one V
-scale per layer (`kv_scales`) for an FP8 KV cache: 1.0, or the checkpoint's `self_attn.k_scale` and
-`self_attn.v_scale` where it has them.
+The module only holds weights; `forward` composes the pure functions of `minisgl.layers`, with Q/K/V
+and gate/up merged (fewer, larger GEMMs). `checkpoint_map` gives each tensor-parallel rank its `Shard`
+of every checkpoint tensor; FP8 projections are `Fp8Linear`, and `kv_scales` hold an FP8 KV cache's
+scales. docs/tensor-parallel-and-moe.md ("Sharding"), docs/quantization.md.
 """
 
 from __future__ import annotations

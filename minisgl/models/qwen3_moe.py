@@ -1,19 +1,10 @@
 """Qwen3-MoE (Qwen3-30B-A3B and kin): the Qwen3 decoder with a mixture-of-experts MLP.
 
-Everything but the MLP of sparse layers is Qwen3's and is inherited from `minisgl.models.llama`. A
-sparse layer holds a router `gate` (E, H) and the experts fused into two tensors: `w13` (E, 2I, H),
-each expert's gate projection in rows [0, I) and up projection in rows [I, 2I), and `w2` (E, H, I),
-its down projection. Which layers are sparse is `ModelConfig.is_sparse_layer` (transformers' rule).
-
-The MoE computation itself is `minisgl.moe.moe`, which calls the backend of the running engine's
-context, as attention does: the model holds weights only, and the forward stays one graph under
-torch.compile(fullgraph=True) (see `minisgl.moe.op`).
-
-Tensor parallelism (the process's `get_tp_info()` at construction): every rank holds every expert, with
-its part of each expert's intermediate dimension: `w13` rows [gate part r | up part r] and `w2` columns
-part r, read from the checkpoint as `Shard`s; the router `gate` is replicated. The experts' down
-projection is then row-parallel, like the dense MLP's: each rank's MoE output is a partial sum,
-all-reduced in `_mlp`. Attention, norms, embedding and dense layers shard as in `minisgl.models.llama`.
+Everything but the MLP of sparse layers (`ModelConfig.is_sparse_layer`) is inherited from
+`minisgl.models.llama`. A sparse layer holds a router `gate` (E, H), `w13` (E, 2I, H: gate rows [0, I),
+up rows [I, 2I)) and `w2` (E, H, I); `minisgl.moe.moe` runs the engine's backend. Under tensor
+parallelism every rank holds every expert's part of I and the MoE output is all-reduced in `_mlp`.
+docs/tensor-parallel-and-moe.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Loading safetensors checkpoints tensor by tensor into a model's parameters, or dummy weights.
 
-A model describes its checkpoint as `checkpoint_map()`: checkpoint tensor name -> the destination view
-(a parameter, or a slice of a merged one such as QKV), or a `Shard` of it under tensor parallelism:
-then only the rank's part of the checkpoint tensor is read from the file. Each tensor is read, checked
-against its destination's shape and copied into it (converting dtype and moving device on the way), so
-peak host memory stays at the model plus the largest tensor. Only safetensors are read: never pickles.
-
-A destination may also be any `Destination`: an object with the checkpoint tensor's `full_shape` and a
-`load(source)` that reads what it needs from the lazy safetensors slice (the FP8 weights, their scales
-and the quantization at load of `minisgl.models.fp8`). A destination that finds the tensor unusable
-raises `BadTensor`; the loader names the tensor and its file.
+A model's `checkpoint_map()` maps each checkpoint tensor name to its destination: a parameter view, a
+`Shard` (only the rank's part is read), or any `Destination` (`full_shape` and `load(source)`, as the
+FP8 weights of `minisgl.models.fp8`), which raises `BadTensor` when the tensor is unusable; the loader
+names the tensor and its file. Peak host memory stays at the model plus its largest tensor; only
+safetensors are read, never pickles. docs/architecture.md.
 """
 
 from __future__ import annotations

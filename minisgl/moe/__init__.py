@@ -1,11 +1,7 @@
-"""Mixture-of-experts backends.
-
-`torch` runs everywhere and is the reference: it loops over the experts that received tokens (reading
-their list on the host), so it is not captured in CUDA graphs. `fused` sorts the tokens by expert and
-runs two grouped GEMMs with no host sync, so it is captured in CUDA graphs: Triton's on CUDA (and two
-few-token kernels for decode batches), `torch._grouped_mm` on CPU (float32 too); on CUDA it needs
-bfloat16 and an sm90/sm100 GPU (where `torch._grouped_mm`, its path without Triton, has its kernel). `auto` picks `fused`
-where its fast kernel is (CUDA sm90/sm100, bfloat16 or unknown dtype) and `torch` elsewhere.
+"""Mixture-of-experts backends: `torch` (everywhere, the reference; reads the routed experts on the host,
+so no CUDA graphs) and `fused` (grouped GEMMs with no host sync, captured in CUDA graphs; on CUDA it
+needs bfloat16 on sm90/sm100); `auto` picks `fused` where it has its fast kernel and `torch` elsewhere.
+docs/tensor-parallel-and-moe.md.
 """
 
 from __future__ import annotations

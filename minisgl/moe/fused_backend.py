@@ -1,23 +1,8 @@
-"""The fused MoE backend: two grouped GEMMs over the tokens sorted by expert. On CUDA they are Triton's
-(`minisgl.kernels.moe_gemm`), and a batch of a few tokens (decode; up to
-`minisgl.kernels.linear.gemv_rows(w13)`) takes the two kernels of `minisgl.kernels.moe_gemv` instead,
-routing included. On a CPU (and as `grouped_moe`, to compare) they are `torch._grouped_mm`:
-
-    1. route: `select_experts` (the reference's softmax, top-k, renormalisation);
-    2. sort: the T * top_k (token, slot) pairs, stably by expert id; counts per expert by a fixed-size
-       (E) scatter_add, `offs` (the end row of each expert's group) as their int32 cumsum;
-    3. gate/up: one grouped GEMM of the gathered token rows with `w13`, SiLU(gate) * up;
-    4. down: one grouped GEMM with `w2`, scaled by the routing weights;
-    5. combine: back to (T, top_k, H) order and summed over the top_k slots (no atomics: deterministic).
-
-Every shape depends only on T, E, top_k, H and I, never on the routing: nothing reads device values on
-the host (no `.item()`, `.tolist()`, `bincount` without a fixed length, boolean masks or `nonzero`), so
-the backend is captured in CUDA graphs and traces under torch.compile(fullgraph=True).
-
-On CUDA, `torch._grouped_mm` runs a CUTLASS kernel on sm90/sm100 for bfloat16 only, without a
-device-to-host sync; any other dtype (or arch) takes its per-group fallback, which copies `offs` to the
-host and cannot be captured, so this backend refuses non-bfloat16 inputs on CUDA. On CPU it runs the
-fallback (a loop of `mm` per expert) in float32, bfloat16 or float16.
+"""The fused MoE backend: route (`select_experts`), sort the (token, slot) pairs by expert, two grouped
+GEMMs (gate/up with SiLU-and-multiply, down scaled by the routing weights), combine. On CUDA the GEMMs
+are Triton's (`minisgl.kernels.moe_gemm`) and a few tokens take `minisgl.kernels.moe_gemv`; on CPU
+(and as `grouped_moe`) `torch._grouped_mm`. No shape depends on the routing, so it is captured in CUDA
+graphs. docs/tensor-parallel-and-moe.md.
 """
 
 from __future__ import annotations
