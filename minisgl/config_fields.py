@@ -1,41 +1,11 @@
 """Each setting declared once: a field of the config dataclass that reads it, with description and bounds.
 
-A setting of minisgl is one field of :class:`~minisgl.engine.config.EngineConfig`,
-:class:`~minisgl.scheduler.config.SchedulerConfig` or :class:`~minisgl.settings.LaunchConfig`, declared
-with :func:`setting`. Everything else is generated from that one line: the YAML key, the ``MINISGL_*``
-environment variable, the ``minisgl-run --flag``, the ``LLM(key=...)`` keyword, the checks, and the table
-in docs/settings.md. The style::
-
-    @dataclass(frozen=True)
-    class EngineConfig:
-        model_path: str = setting(description="Local model folder ...", parse=_model_folder)  # required
-        dtype: torch.dtype | None = setting(
-            "auto", "Weight dtype: auto, float32, bfloat16 or float16.", given_as=str, parse=parse_dtype
-        )
-        tp_info: DistributedInfo = internal(DistributedInfo, "built from the tp_size setting and the rank")
-        page_size: int = setting(16, "Tokens per KV-cache page.", ge=1, le=256)
-        moe_backend: str = setting("auto", "Mixture-of-experts backend.", choices=("auto", "torch", "fused"))
-        batch_invariant: bool = setting(False, "Same logits alone or in any batch; slower.")  # a switch
-
-        def __post_init__(self) -> None:
-            check_fields(self)  # every field against its declaration; then any check of the whole
-
-- The annotation is the field's type. A value is checked against it after ``parse`` (a bool is no
-  integer; an integer is a number), then against ``ge``/``gt``/``le``/``lt`` (each entry of a list),
-  ``choices`` and ``check`` (any other test, written once beside the config; raises ValueError).
-- ``default`` is written as a user writes it in YAML (``"auto"``, not ``None``); ``parse`` turns a given
-  value into the field's value (``"bfloat16"`` -> ``torch.bfloat16``), ``given_as`` is the type a user
-  gives (YAML, env, CLI) where it differs from the field's type. No ``default``: a required field; in the
-  settings it may stay unset (None) and the settings layer fills it.
-- ``description`` is one line: the CLI help and the docs table show it.
-- A field that is no setting is declared with :func:`internal`, which says where its value comes from.
-
-Adding a setting (an ablation switch, a new knob): one such field in the config that reads it, then
-``python -m minisgl.settings --markdown > docs/settings.md``. Keys are one flat set over all the configs:
-a key declared in two of them is an error.
-
-Errors read ``key=value ...`` so that the settings layer can add where the value came from. This module
-imports nothing from minisgl: every layer may use it.
+`setting(...)` declares a field from which the YAML key, the ``MINISGL_*`` variable, the CLI flag, the
+``LLM(key=...)`` keyword, the checks and docs/settings.md are generated; `internal(...)` declares a field
+that is no setting; `check_fields` checks a config (docs/architecture.md, "Settings and configs").
+Defaults are written as a user writes them in YAML (``"auto"``, not ``None``); a bool is no integer, an
+integer is a number. Errors read ``key=value ...`` so the settings layer can add where the value came
+from. This module imports nothing from minisgl: every layer may use it.
 """
 
 from __future__ import annotations
@@ -103,7 +73,9 @@ def setting(
     parse: Callable[[Any], Any] | None = None,
     given_as: Any = None,
 ) -> Any:
-    """A dataclass field that is a setting (see the module docstring); no ``default``: required."""
+    """A dataclass field that is a setting. No ``default``: required (the settings may leave it None and
+    fill it). ``parse`` makes the field's value from what a user gives (type ``given_as``); the bounds
+    apply to each entry of a list; ``check`` is any other test (raises ValueError)."""
     if not description or "\n" in description:
         raise ValueError(f"a setting needs a one-line description, got {description!r}")
     spec = Setting(

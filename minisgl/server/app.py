@@ -1,26 +1,8 @@
 """The HTTP front end of `minisgl-run serve`: FastAPI on uvicorn, in its own process. This module
 assembles it: `create_app` (the lifespan, the guards, the error handlers, the operational routes
 `/health`, `/metrics`, `/flush_cache`, and the API surfaces) and `serve` (uvicorn with the guarded
-connections and a graceful shutdown).
-
-The front end parses and checks requests, tokenizes prompts, sends token ids to the scheduler process
-(`minisgl.server.worker`) over ZeroMQ, and turns the token ids that come back into text (an incremental
-detokenizer per choice) and OpenAI responses or server-sent events. Stop strings are found there, where
-the text is made: the choice ends at once and an abort goes back to the scheduler, which frees the
-request's pages at its next step. A client that disconnects from a stream aborts its request the same
-way. The modules, by what they own:
-
-- `openai_api`: the OpenAI API's routes; `native`: SGLang's `/generate` and what its router reads.
-- `guards`: what a request passes before a route's work (Host, Origin, API key, content type, body
-  size and shape, availability); `connections`: the connections below the app (timeouts, the cap).
-- `generation`: the steps every generation route takes (prepare, admit, wait, release).
-- `protocol` (request bodies), `sampling` (-> SamplingParams), `responses` (OpenAI's JSON and
-  chunks), `errors` (`APIError`), `logprobs`, `structured`: pure functions, no HTTP, no engine; so are
-  tool calling's `tools` (the request's tools and the reply's calls), `tool_parsers` (calls read from
-  text) and `tool_grammar` (forced calls' grammars).
-- `state`: `ServerState`, what the routes share; `jobs`: a request's `Job` and its `Choice`s;
-  `scheduler_client`: the scheduler process's client; `replicas`: `--dp N` of them; `worker`: the
-  scheduler process itself; `tokenize`: the tokenizer processes.
+connections and a graceful shutdown). What the front end does and its modules: docs/server.md
+("Processes").
 """
 
 from __future__ import annotations

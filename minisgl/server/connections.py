@@ -1,23 +1,7 @@
 """The server's connections, guarded: uvicorn's HTTP protocol (httptools) with the limits a server
-exposed to slow or hostile clients needs, which uvicorn leaves out.
-
-- **Timeouts.** A connection that sends nothing is closed after `idle_timeout_s` (also between the
-  requests of a kept-alive connection: uvicorn's keep-alive timeout); the request line and headers must
-  arrive within `header_timeout_s` of their first byte, the body within `body_timeout_s` of the headers'
-  end; past either the client gets a 408 and the connection is closed. A client that stops reading a
-  response (its buffers full) is dropped after `send_timeout_s`, which ends its request.
-- **A cap on open connections** (`max_connections`, lowered to what the open-file limit allows), so that
-  file descriptors never run out. At the cap a new connection closes the oldest idle one (as nginx does
-  with kept-alive connections): one with no request in flight, kept alive after a response or still
-  short of a whole request line and headers. A connection whose request is in flight (headers read,
-  response not finished: a long stream, a body being uploaded) is never closed for another; only when
-  every open connection has one is the new connection answered 503 and closed at once. So a flood of
-  idle connections cannot lock clients out. The idle connections are kept in the order they became
-  idle (`GuardedHttpProtocol.idle`), which makes an eviction O(1).
-- **Bounded request heads**: a URL over 8 KiB gets 414, headers over 64 KiB (or 200 of them) 431.
-- Every answer made here is an OpenAI error body (as the app's are), and the warnings that a client can
-  cause (malformed HTTP, an upgrade request, evictions and refusals at the cap, the event loop's accept
-  errors) are logged at most once per `LOG_EVERY_S` each, with a count of the ones left out.
+exposed to slow or hostile clients needs, which uvicorn leaves out: timeouts, a cap on open connections
+(the oldest idle one evicted, O(1) through `GuardedHttpProtocol.idle`), bounded request heads, and
+rate-limited warnings (`LOG_EVERY_S`). Limits and answers: docs/server.md ("Security").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The request guards: what a request must pass before a route does any work for it, each refusal an
-OpenAI error body (`error_response`).
-
-- `Guard`, the ASGI middleware in front of every route: the `Host` (DNS rebinding), the `Origin`
-  (CORS), the API key, a JSON content type (docs/server.md#security).
-- `read_body`: the request body within `max_request_bytes` (413), and all bodies being read at once
-  within BODY_BUDGET times that (503).
-- `load_json`: the body as a JSON object, UTF-8, nested at most MAX_DEPTH deep, with no lone surrogate
-  (400), checked on its bytes before anything else reads it.
-- `why_unavailable`: the 503 of a server that is starting, whose engine failed (or restarts), or
-  that is shutting down (None while it serves).
-
-The connections themselves (timeouts, the connection cap, bounded request heads) are guarded below
-the app, in uvicorn's protocol (`minisgl.server.connections`); a request's room in the scheduler's
-queue is checked with its sampling parameters (`minisgl.server.generation`).
+OpenAI error body (`error_response`): `Guard` (Host, Origin, API key, content type), `read_body` (size
+limits), `load_json` (a bounded, well-formed JSON object) and `why_unavailable` (starting, failed,
+shutting down). Limits and answers: docs/server.md ("Security"). The connections themselves are guarded
+below the app (`minisgl.server.connections`).
 """
 
 from __future__ import annotations

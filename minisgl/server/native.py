@@ -1,24 +1,8 @@
-"""SGLang's native API on a minisgl server: `POST /generate` and the endpoints SGLang's router
-(`sglang-router`, docs/scale-out.md) asks its workers for (`/server_info`, `/model_info`, `/get_load`).
-The parsing and the answers are pure functions, like `protocol`'s: bodies in, checked requests and
-SGLang-shaped JSON out. `add_routes` puts them on the server's app; `/generate` goes through the steps
-every generation route shares (`minisgl.server.generation`).
-
-`POST /generate` takes `text` (one string) or `input_ids` (one list of token ids), `sampling_params`
-and `stream`. The sampling parameters become a `/v1/completions` request checked by `protocol`
-(`max_new_tokens` -> `max_tokens`, unset: 128 or what the context leaves, SGLang's default;
-`min_new_tokens` -> `min_tokens`; `sampling_seed` -> `seed`; `temperature` (unset: 1.0), `top_p`,
-`top_k`, `min_p`, `stop`, `stop_token_ids`, `ignore_eos`, `logit_bias`, the penalties, `regex` and
-`ebnf` as they are; `json_schema`, a schema as a JSON string -> `response_format` of type json_schema),
-so a value is refused the same way with the SGLang name in the error. SGLang's fields that minisgl does
-not implement are accepted at the value that asks for nothing (`_TOP_DEFAULTS`, `_SAMPLING_DEFAULTS`:
-what the router adds to every request) and refused, naming the field, otherwise; unknown fields too.
-
-The answer (SGLang's): ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "e2e_latency"}}``, where `finish_reason` is ``{"type": "length", "length": N}``,
-``{"type": "stop", "matched": token id or stop string}`` or null while running. Streamed, each event
-``data: {...}`` carries the same object with the text and token ids so far (SGLang's default, not
-deltas), the last one its finish reason, then ``data: [DONE]``.
+"""SGLang's native API on a minisgl server: `POST /generate` and the endpoints SGLang's router asks its
+workers for (`/server_info`, `/model_info`, `/get_load`). The parsing and the answers are pure
+functions, like `protocol`'s; `add_routes` puts them on the server's app. The sampling parameters become
+a `/v1/completions` request checked by `protocol`, so errors name SGLang's fields. Fields, defaults and
+the answer's shape: docs/scale-out.md ("SGLang's `/generate`").
 """
 
 from __future__ import annotations

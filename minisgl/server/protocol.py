@@ -1,31 +1,10 @@
 """The OpenAI API's requests: a body (the decoded JSON) in, a checked request out, as pydantic models
-(`parse_completion_request`, `parse_chat_request`). Pure functions, no HTTP and no engine.
+(`parse_completion_request`, `parse_chat_request`; APIError 400 / 404 when the body is wrong). Pure
+functions, no HTTP and no engine. Values are checked in strict mode, never coerced; unknown and
+unimplemented parameters are refused: docs/server.md ("Endpoints").
 
-What the server around it (`minisgl.server.openai_api`) does with one request
-(`POST /v1/chat/completions`)::
-
-    request = parse_chat_request(body, served_model)  # APIError 400 / 404 when the body is wrong
-    prompt_ids = ...  # the chat template over request.messages (plain dicts), tokenized
-    params = sampling_params(request, len(prompt_ids), max_context)  # `sampling`: one per choice
-    outputs = ...  # the engine runs them
-    return chat_response(request_id, served_model, len(prompt_ids), outputs)  # `responses`
-
-`/v1/completions` is the same with `parse_completion_request` and `completion_response`. The body
-arrives decoded and checked (`minisgl.server.guards.load_json`); its fields become SamplingParams in
-`minisgl.server.sampling` (`sampling_params`, the mapping in its docstring); the responses, streamed
-chunks and finish reasons are `minisgl.server.responses`'s, the errors `minisgl.server.errors`'s.
-
-Values are checked, never coerced ("0.5" is no number, true and 2.0 are no integers): by pydantic in
-strict mode, then by SamplingParams, whose TypeError / ValueError become 400s naming the parameter.
-
-Parameters of OpenAI's API that minisgl does not implement (best_of, suffix, functions,
-...) are refused with a 400 naming them (code "unsupported_parameter"), unless they carry the value that
-asks for nothing (see ``_UNSUPPORTED``: ``best_of: 1``, ``functions: []``...).
-Metadata that cannot change the output (``user``, ``metadata``, ``service_tier``, ``prompt_cache_key``,
-``safety_identifier``) is type-checked and ignored. Chat's ``tools``, ``tool_choice`` and
-``parallel_tool_calls``, and the tool calls and results of its messages, are `minisgl.server.tools`'s. Any other field is
-refused with a 400 (code "unknown_parameter"). A batch of several prompts is refused with a 400: one
-request per prompt (a list holding one prompt is that prompt).
+`minisgl.server.sampling` turns a request into SamplingParams, `minisgl.server.responses` writes the
+answer, `minisgl.server.tools` handles chat's tools.
 """
 
 from __future__ import annotations

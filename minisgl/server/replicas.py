@@ -1,32 +1,10 @@
 """The engine processes behind the front end and their supervision: data-parallel replicas
 (`minisgl-run serve --dp N`, N scheduler processes behind one front end) and, with N = 1, the one
-engine of a plain server (unless `engine_restart` is off, when a `SchedulerClient` stands alone and
-the server exits when it dies).
+engine of a plain server (unless `engine_restart` is off, when a `SchedulerClient` stands alone).
 
-Each replica is a scheduler process of its own (`scheduler_client.SchedulerClient`), with its own engine (or its
-own tensor-parallel group of `tp_size` ranks, meeting at its own rendezvous), prefix cache and KV
-pages; on CUDA replica i sees the GPUs i*tp_size .. (i+1)*tp_size-1 of the front end's
-(`CUDA_VISIBLE_DEVICES`), on the CPU each gets its share of the cores. `Replicas` stands where one
-`SchedulerClient` stands for the front end:
-
-- a request goes to the serving replica holding the fewest outstanding tokens (its choices' prompts
-  and max_tokens, from admission to the end of their responses; ties to the lowest rank), all of its
-  choices to the same one;
-- `/metrics` merges the replicas' series, each sample labelled `dp_rank` (`merge_metrics`), and adds
-  `minisgl_dp_replica_up` and `minisgl_dp_replica_restarts_total`; `/flush_cache` flushes every
-  serving replica;
-- a replica that dies fails its own requests only (its client ends them with the error: 503
-  `engine_restarting`); it stops getting requests, its process group (the scheduler, its
-  tensor-parallel ranks, their compile workers) is killed and reaped (`kill_process_group`), and it
-  is started again after a back-off (1, 2, 4 ... 30 s; from 1 s again once a start has served for a
-  minute); `/health` answers 200 while one replica serves (its body lists the replicas, `down` names
-  the others) and 503 when none does;
-- a replica that dies `crash_limit` times within `crash_window_s` (settings `engine_restart_limit`,
-  `engine_restart_window_s`) is not started again: a crash loop leaves the server up, answering 503
-  with the last cause, rather than spinning;
-- `restart=False` (setting `engine_restart: false`): the first death ends the server (`on_failure`);
-- a replica that cannot start at all (before the server first served) ends the server with its
-  reason, as one scheduler process does: a setting that cannot work does not go round in restarts.
+`Replicas` stands where one `SchedulerClient` stands for the front end: it routes each request to the
+replica with the fewest outstanding tokens, merges `/metrics`, and restarts a dead replica after a
+back-off. Devices, routing, restarts and `/health`: docs/scale-out.md ("One host: `--dp N`").
 """
 
 from __future__ import annotations

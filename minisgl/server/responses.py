@@ -1,25 +1,10 @@
 """The OpenAI API's answers: engine results in, OpenAI-shaped JSON out. Pure functions, no HTTP and no
 engine.
 
-Non-streamed, one `text_completion` or `chat.completion` object (`completion_response`,
-`chat_response`).
-
-Streamed (`request.stream`), each choice i sends `chat_chunk(..., i, role="assistant", content="")`, then
-`chat_chunk(..., i, content=delta)` per piece of text, then `chat_chunk(..., i,
-finish_reason=openai_finish_reason(...))`; after all choices `usage_chunk(...)` if
-`request.include_usage`, and `SSE_DONE`; every object goes out through `sse` (`to_json`: one line, with
-`RawJSON` values, log probabilities already written as JSON, put in as they are). `ChunkFormat` writes
-the chunks of one choice cheaply. `/v1/completions` streams `completion_chunk`s the same way.
-
-A chat with tools (`minisgl.server.tools`): the message carries `tool_calls` (its content null when it
-has none beside them) and finishes with "tool_calls"; streamed, each call comes as two deltas of
-`chat_chunk(..., tool_calls=[...])`, its id, type and name, then its arguments.
-
-Finish reasons: the engine's "stop" and "length" are OpenAI's. "error" (a step failed for the request)
-and "abort" (the server shut down or the request was cancelled) have no OpenAI counterpart: they become
-an APIError, 500 "server_error" with code "generation_failed", or 503 "server_error" with code
-"request_aborted". Non-streamed, the whole response is that error; streamed (status and headers already
-sent), the error event takes the place of the choice's final chunk, and the openai client raises it.
+Non-streamed: `completion_response`, `chat_response`. Streamed, each choice sends a role chunk, a
+content chunk per piece of text and a finish chunk, then `usage_chunk` (if asked) and `SSE_DONE`, all
+through `sse`; `ChunkFormat` writes one choice's chunks cheaply. Finish reasons "error" and "abort"
+become APIErrors (500 `generation_failed`, 503 `request_aborted`). docs/server.md, docs/tools.md.
 """
 
 from __future__ import annotations

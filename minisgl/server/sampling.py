@@ -1,42 +1,7 @@
 """A checked OpenAI request (`minisgl.server.protocol`) as the engine's sampling parameters: one
 `minisgl.core.SamplingParams` per choice (`sampling_params`), for a prompt of `prompt_len` tokens on a
-model whose context holds `max_context`. Pure functions, no HTTP and no engine.
-
-The request's fields onto `minisgl.core.SamplingParams`:
-
-- ``max_tokens`` (chat: ``max_completion_tokens``, or ``max_tokens``, its older name) -> ``max_tokens``.
-  Unset: the rest of the context, ``max_context - prompt_len``. The prompt and max_tokens must fit in
-  the context, else a 400 with code "context_length_exceeded".
-- ``temperature`` -> ``temperature``; unset or null: 1.0, OpenAI's default (the engine's own default is 0,
-  greedy). 0 is greedy.
-- ``top_p``, ``seed``, ``stop`` (a string or a list of strings) -> the same fields.
-- ``n`` (1 to 128) -> n SamplingParams. With a seed, choice i uses ``seed + i``: the choices differ and
-  each one is reproducible. Without a seed each choice draws a random seed of its own.
-- The engine's own fields, as extra body fields (the names vLLM and SGLang use): ``top_k``, ``min_p``,
-  ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` -> the same fields.
-- ``chat_template_kwargs`` (chat, extra): the chat template's own variables (``minisgl.templates``).
-- ``separate_reasoning`` (chat, extra; SGLang's): the ``<think>...</think>`` of a thinking model goes to
-  the message's (or delta's) ``reasoning_content``, the rest to ``content``.
-- ``logit_bias`` -> ``logit_bias`` (keys: token ids as strings; values in [-100, 100]; ids in the
-  vocabulary, checked by the scheduler).
-- ``presence_penalty``, ``frequency_penalty`` (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (extra,
-  in (0, 10]) -> the same fields.
-- ``response_format`` (both endpoints; ``text``, ``json_object``, ``json_schema``) and ``regex``,
-  ``ebnf`` (extra, SGLang's) -> ``json_object``, ``json_schema``, ``regex``, ``ebnf``
-  (``minisgl.server.structured``; docs/structured-output.md).
-- ``tool_choice`` (chat) "required" or a named function -> ``ebnf``, the forced calls' grammar
-  (``minisgl.server.tool_grammar``, given as `tool_grammar`; docs/tools.md); it excludes the fields
-  above.
-- Log probabilities (of the model's own distribution, before logit_bias, penalties and temperature):
-  completions ``logprobs`` k (0 to 20) -> ``logprobs`` k, and with ``echo`` also ``prompt_logprobs`` k
-  (``echo`` puts the prompt before the text; with it ``max_tokens`` may be 0, to score a prompt); chat
-  ``logprobs: true`` with ``top_logprobs`` k -> ``logprobs`` k. Shapes: `minisgl.server.logprobs`.
-- ``return_token_ids`` (extra): each choice, and each streamed chunk, carries the generated token ids in
-  a ``token_ids`` field. Default: true when the completion prompt is a list of token ids (the mode of
-  models without a tokenizer, whose text is empty), false otherwise.
-
-SamplingParams checks the values again: its TypeError / ValueError become 400s naming the parameter
-(`minisgl.server.errors.invalid_request`).
+model whose context holds `max_context`. Pure functions, no HTTP and no engine. The parameters and their
+defaults: docs/server.md ("Endpoints").
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Structured output in the server's requests (docs/structured-output.md): OpenAI's ``response_format``
-(chat, and completions as vLLM and SGLang take it) and SGLang's ``regex`` and ``ebnf`` fields, onto
-the SamplingParams fields ``json_schema``, ``json_object``, ``regex`` and ``ebnf``.
-
-- ``{"type": "text"}``: nothing (the default).
-- ``{"type": "json_object"}``: any JSON object (``json_object=True``).
-- ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ..., "description":
-  ...}}``: output valid under ``schema`` (``json_schema``); ``name`` and ``description`` are checked and
-  ignored, and the schema is always enforced (``strict`` is accepted, true or false).
-- ``regex``: the whole output matches it; ``ebnf``: an xgrammar EBNF grammar (rule ``root``).
-
-At most one of them. Errors name the request's field: ``response_format.json_schema.schema`` for the
-SamplingParams field ``json_schema`` (`GRAMMAR_PARAMS`).
+"""Structured output in the server's requests: OpenAI's ``response_format`` (``text``, ``json_object``,
+``json_schema``) and SGLang's ``regex`` and ``ebnf`` fields, at most one, onto the SamplingParams
+fields ``json_schema``, ``json_object``, ``regex`` and ``ebnf``. Errors name the request's field
+(`GRAMMAR_PARAMS`). docs/server.md ("Endpoints"), docs/structured-output.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""The grammars of forced tool calls (docs/tools.md): `tool_choice` "required" or a named function
-constrains the reply, through structured output's EBNF path (SamplingParams.ebnf, compiled and masked
-by `minisgl.scheduler.grammar`), to calls in the parser's format whose arguments are valid under the
-functions' parameter schemas. The grammar is built from an xgrammar structural tag (its JSON schema
-parts compiled without free whitespace, as structured output's JSON is) and printed as EBNF.
-
-- hermes: ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``, several separated by
-  a newline;
-- llama3_json: ``{"name": "NAME", "parameters": ARGS}``, several separated by ``; ``;
-- mistral: ``[{"name": "NAME", "arguments": ARGS}, ...]`` (the ``[TOOL_CALLS]`` marker is a special
-  token, which no grammar may produce: the parser takes a bare array at the start of a reply).
-
-A thinking model may think first: `think` "open" (its prompt ended inside ``<think>``: any text up to
-``</think>``) or "optional" (one ``<think>...</think>`` block may come first); a few blanks follow it.
-Each function's parameters are checked (`check_parameters`: a schema xgrammar can compile), also for
-requests that force nothing. Both are cached by their text.
+"""The grammars of forced tool calls: `tool_choice` "required" or a named function constrains the
+reply, through structured output's EBNF path, to calls in the parser's format whose arguments are
+valid under the functions' parameter schemas. The grammar is built from an xgrammar structural tag and
+printed as EBNF; `think` ("open", "optional") lets a thinking model think first. `check_parameters`
+checks each function's schema, also for requests that force nothing; both are cached by their text.
+docs/tools.md ("What each `tool_choice` does").
 """
 
 from __future__ import annotations

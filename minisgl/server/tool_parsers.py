@@ -1,32 +1,7 @@
-"""Tool calls in a model's reply (docs/tools.md): the text in, piece by piece, the reply's content and
-its calls out (`ToolCallParser`). Pure functions over text, no HTTP and no engine.
-
-A parser reads one of three formats (`FORMATS`, setting `tool_call_parser`):
-
-- ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-- ``llama3_json`` (Llama 3.1 to 3.3): the reply is a JSON object ``{"name": ..., "parameters": {...}}``
-  (also ``"arguments"``), or several separated by ``;``, after an optional ``<|python_tag|>``.
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; the marker is a special token,
-  so its text is read with special tokens kept.
-
-The rules, the same for every split of the text into pieces (the parser holds back what it cannot
-decide yet: a piece of markup, blanks that may come before markup, an unfinished call):
-
-1. Text is content. A call region opens at the format's markup, or (llama3_json, mistral) where the
-   reply's first non-blank character is ``{`` / ``[``.
-2. A region holds JSON: hermes one object, then ``</tool_call>``; llama3_json objects separated by
-   ``;``; mistral one array of objects. Strings are followed, so markup inside a JSON string (a literal
-   ``</tool_call>`` in an argument) is text of the string.
-3. An object whose ``"name"`` is one of `names` and whose ``"arguments"`` (or ``"parameters"``) is an
-   object, or absent (``{}``), is a call: its arguments are the JSON text the model wrote, never
-   re-serialized. A hermes call counts once its ``</tool_call>`` is read (at the end of a reply that
-   stopped by itself, a missing one is forgiven); llama3_json's once its object closes, mistral's
-   once the array closes. Calls past `limit` are dropped.
-4. A region that holds no call is dropped when markup opened it (hermes up to its ``</tool_call>``, the
-   others to the end of the reply), and is content as written when it opened bare.
-5. Blanks next to markup (before an opening, after a region) are dropped; the rest is content.
-
-`ThinkGate` passes a thinking model's ``<think>...</think>`` through as content before any of this.
+"""Tool calls in a model's reply: the text in, piece by piece, the reply's content and its calls out
+(`ToolCallParser`, one of `FORMATS`: hermes, llama3_json, mistral; calls past `limit` dropped). Pure
+functions over text, no HTTP and no engine. The formats and the rules, the same for every split of the
+text into pieces: docs/tools.md ("Parsers").
 """
 
 from __future__ import annotations

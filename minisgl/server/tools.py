@@ -1,18 +1,7 @@
-"""Tool calling in the chat API (docs/tools.md): the request's ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` and the tool calls and results of its history, checked; what the request asks
-of its reply (`ToolPlan`); each choice's calls read from its text (`ChoiceTools`) and shaped as OpenAI's
-``tool_calls``, whole or as stream deltas. Pure functions, no HTTP and no engine.
-
-- ``tool_choice`` "none" (the default without tools): the tools are not rendered, the reply is not
-  parsed. "auto" (the default with tools): the tools are rendered and the reply is parsed by the
-  server's `tool_call_parser` (a 400 naming the setting when none is set). "required" and
-  ``{"type": "function", "function": {"name": ...}}``: the reply is forced by a grammar
-  (`minisgl.server.tool_grammar`) to one call (with "required" and ``parallel_tool_calls: true``,
-  given explicitly: one or more) in the parser's format (hermes's without a parser) with valid arguments, and rendered with
-  ``enable_thinking: false`` unless the client sets it (a template that thinks all the same may think
-  before the calls).
-- The history's assistant ``tool_calls`` reach the template with their ``arguments`` parsed into
-  objects; ``tool`` messages carry their ``tool_call_id``.
+"""Tool calling in the chat API: the request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` and
+the tool calls and results of its history, checked; what the request asks of its reply (`ToolPlan`);
+each choice's calls read from its text (`ChoiceTools`) and shaped as OpenAI's ``tool_calls``, whole or
+as stream deltas. Pure functions, no HTTP and no engine. What each ``tool_choice`` does: docs/tools.md.
 
 The checks that need no setting run when the request is parsed (`check_chat`, from
 `minisgl.server.protocol`); the rest when it is planned (`plan_tools`).

@@ -1,43 +1,8 @@
 """The server's scheduler process: rank 0's engine and scheduler (and, under tensor parallelism, the
-other ranks it spawns), fed by the front end over ZeroMQ. It never touches HTTP, JSON bodies or the
-tokenizer's text: requests arrive as token ids and sampling parameters, and each step's new token ids go
-back in one message.
+other ranks it spawns), fed by the front end over ZeroMQ. It never touches HTTP, JSON bodies or text.
 
-Messages are plain data: a JSON header, token ids as raw int64 frames; nothing is unpickled. The front
-end's go over a ZeroMQ PUSH socket; the scheduler's over a Unix stream socket (`Outbox`, framed by
-`pack`), which wakes the front end's event loop about four times sooner than ZeroMQ's I/O threads
-(the hop from a step's end to the front end: 57 against 222 us at the median, measured on a 2-core
-machine). The scheduler never waits on it: what the socket does not take waits in a backlog.
-
-
-front end -> scheduler
-    {"op": "add", "rid": int, "params": {...}} + prompt ids    queue a request (stop strings stay in
-                                                               the front end, which makes the text)
-    {"op": "abort", "rid": int}                                finish it now, freeing its pages
-    {"op": "metrics", "id": int}                               the scheduler's Prometheus series
-    {"op": "flush", "id": int}                                 empty the prefix cache
-    {"op": "stop"}                                             shut down
-scheduler -> front end
-    {"op": "ready", ...the facts the front end needs}          once, when the engine is up
-    {"op": "step", "t": float, "s": float, "n": [...] or null, "done": [[row, reason, error, times, spec], ...]}
-        + rids + token ids                                     one step: when its tokens reached the
-                                                               host and when this message was sent
-                                                               (time.perf_counter(): CLOCK_MONOTONIC,
-                                                               shared by the host's processes), the rids
-                                                               of the requests it served (int64), their
-                                                               new tokens (n[i] each; null: one each),
-                                                               which finished, each with its times in
-                                                               the scheduler [arrived, admitted, first
-                                                               token, finished] (null: never reached)
-                                                               and its speculative decoding's [draft
-                                                               tokens verified, accepted];
-                                                               with log probabilities, four frames more
-                                                               (`LogprobFrames`: the new tokens' and
-                                                               with a first update the prompt's)
-    {"op": "rejected", "rid": int, "error": str}               a request the engine cannot run
-    {"op": "metrics", "id": int, "text": str}
-    {"op": "flush", "id": int, "pages": int}                   the KV pages the flush freed
-    {"op": "failed", "error": str}                             the engine could not start, or died
+Messages are a JSON header plus raw int64 frames, nothing unpickled; the scheduler's go back over a Unix
+stream socket (`Outbox`) that it never waits on. The messages and why: docs/server.md ("Processes").
 """
 
 from __future__ import annotations
