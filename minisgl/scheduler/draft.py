@@ -1,29 +1,9 @@
-"""Speculative decoding's draft-model proposer: a second, smaller model proposes k tokens per request.
+"""Speculative decoding's draft-model proposer: a second, smaller model proposes k greedy tokens per
+request.
 
-The draft model runs in an `Engine` of its own (weights, KV pool, attention backend, CUDA graphs) that
-shares the target engine's page table: its KV pool has as many pages as the target's, and a position's
-draft K and V sit in the draft pool's page of the same id as the target's. So the draft needs no pages,
-page-table rows or allocator of its own: whatever the scheduler reserves for the target (the drafts'
-positions included) holds the draft's KV too. The target's pool is sized for both from one memory budget
-(`draft_footprint`, passed to the target's `Engine` as `companion`).
-
-Per request (by `Req.uid`) the proposer keeps `draft_len`: the positions below it hold draft KV of the
-request's accepted tokens. `DraftProposer.propose` brings the draft up to date with one forward over the
-tokens it has not seen (usually the newest one or two: the bonus token, and the last draft when every
-draft was accepted; the whole prompt the first time, in chunks of at most `max_prefill_tokens`), whose
-argmax is the first draft, then runs up to k - 1 decode steps, each feeding the previous step's draft.
-The steps are chained on the device (a step's input ids are the previous step's argmax; positions and
-KV locations are prepared on the host and copied in one transfer), decode steps replay the draft
-engine's CUDA graphs where it captured them, and the drafts come to the host in one copy at the end.
-
-The drafts are greedy: the proposal distribution q is one-hot, so accepting a draft while the target's
-own draw at that position equals it is the standard rejection test, and the output is the target's
-distribution exactly (`minisgl.scheduler.speculative`).
-
-Draft KV only shapes proposals: the target verifies every token. A stale entry therefore costs acceptance,
-never correctness. That covers the prefix cache: a page the tree shares holds the draft KV of the
-request that computed it (or nothing useful, if that request never drafted). A request the proposer has
-not seen starts at draft_len 0 and computes its whole prompt in the draft, rewriting those positions.
+The draft runs in an `Engine` of its own that shares the target's page table (its pool has as many
+pages, a position's draft KV at the same page id), so it needs no pages or allocator of its own; greedy
+drafts keep the output the target's distribution exactly. docs/speculative.md (`draft`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Structured output through xgrammar (docs/structured-output.md): a request's grammar (a JSON schema, any
-JSON object, a regex or an EBNF grammar: `SamplingParams.grammar`) is compiled once per distinct grammar
-against the model's tokenizer; each constrained request has a matcher (`GrammarState`, in its
-`RequestState`) that accepts each of its output tokens as the scheduler processes it and fills the
-request's row of the step's token mask (`Grammars.token_mask`), which the sampler applies to the
-logits first (`minisgl.engine.token_mask`).
-
-- Compiled when the request is checked (`Grammars.check`, from `Scheduler.check_request`; the server's
-  front end checks with a `Grammars` of its own first), so an invalid grammar raises a ValueError naming
-  its field before anything is queued. An LRU cache keeps the last `GRAMMAR_CACHE_SIZE` distinct
-  grammars (and the errors of invalid ones); xgrammar's own cache is off. xgrammar is imported, and the
-  tokenizer's vocabulary read, at the first grammar only.
-- JSON is generated without free whitespace (xgrammar's ``any_whitespace=False``: ``", "`` and ``": "``
-  between items, nothing else), so that a small model cannot loop on blanks; properties come in the
-  schema's order and only those the schema names (xgrammar's strict mode).
-- The tokenizer's special tokens (other than EOS) are never allowed; EOS only where the grammar may end.
-- Until a request has min_tokens tokens its EOS and stop_token_ids are held back (as without a grammar):
-  a grammar that can then only end leaves no token to draw, and the request finishes with "error".
+"""Structured output through xgrammar: a request's grammar (`SamplingParams.grammar`) is compiled once
+per distinct grammar (`Grammars.check`, so an invalid one raises a ValueError before anything is
+queued; an LRU of `GRAMMAR_CACHE_SIZE`); each constrained request's matcher (`GrammarState`) accepts its
+tokens and fills its row of the step's token mask (`Grammars.token_mask`), which the sampler applies
+first. Whitespace, special tokens, min_tokens: docs/structured-output.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
 """Prompt lookup (n-gram) proposals for speculative decoding: guess a request's next tokens by finding
-its last few tokens earlier in its own prompt and output, and proposing what followed them there.
-
-Where an answer copies its input (a code edit, a summary, a quote, a repeated paragraph), the tokens
-after an earlier occurrence of the current suffix are often the next ones; the target model verifies
-them in one forward, so a right guess saves steps and a wrong one costs only the verify positions.
-
-The method, for one request with tokens ``t[0..L)``: for n from ``max_n`` down to ``min_n`` (longest
-first: a longer context predicts better), if the suffix ``t[L-n..L)`` also occurs ending before the
-last position, take its latest such occurrence (the most recent context is the likeliest to be copied
-on) and propose the k tokens that followed it. They may run into the suffix itself and past the end
-of the sequence: a match d tokens back says the request is copying from d tokens back, so the proposal
-goes on copying, its own tokens included (t[L+j] = t[L-d+j], as LZ77 copies overlap). A text repeating
-with period p thus proposes k tokens of its continuation, not only the p that exist (small models
-decoding greedily fall into such loops, and a loop is where a proposal is surest).
-
-The index (`NgramIndex`) is a trie of the n-grams read backwards (last token first), n = 1..max_n: the
-node reached from the root by ``t[q], t[q-1], ..., t[q-n+1]`` is the n-gram ending at q, and holds the
-end (q + 1) of its latest occurrence. The trie holds every n-gram except those that end at the last
-position, which is what makes "an earlier occurrence" exact without a check: when a token arrives, the
-n-grams ending at the previous last position go in, one walk of max_n steps. So:
-
-- `extend` costs O(max_n) per token, one dictionary update per n; it never rescans the sequence,
-  however the tokens are cut into calls.
-- `propose(k)` walks the suffix backwards from the root (at most max_n look-ups); the deepest node
-  reached is the longest n that matched, and its end is where the proposal starts: O(max_n + k).
-- Memory: at most ``max_n`` trie nodes per token (fewer where n-grams repeat), about 150 bytes each in
-  CPython: about 15 MB for a 32k-token request of distinct n-grams at max_n = 4. In time, at max_n = 4:
-  about 1.5 us a token indexed (2 us fed one at a time) and 0.7 us a proposal.
-
-`NgramProposer` keeps one index per request, fed with the tokens past those it has seen, so each token
-of a request is indexed once over its life.
+its last few tokens earlier in its own prompt and output, and proposing what followed them there
+(continued as a copy from the same distance back). Why, the index and its costs: docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -43,7 +14,11 @@ _TOKEN_LIMIT = 1 << _TOKEN_BITS
 class NgramIndex:
     """The tokens of one request (prompt and output so far) and, for each n in 1..max_n, the end
     position of the latest earlier occurrence of every n-gram (an occurrence ending before the last
-    position). Tokens are vocabulary ids, integers in [0, 2**32)."""
+    position). Tokens are vocabulary ids, integers in [0, 2**32).
+
+    A trie of the n-grams read backwards (last token first): the node reached by ``t[q], ..., t[q-n+1]``
+    holds the end (q + 1) of that n-gram's latest occurrence. The n-grams ending at the last position
+    go in only when the next token arrives, which makes "earlier" exact without a check."""
 
     _map_type: type[dict[int, int]] = dict  # the trie's child map (a subclass may count its operations)
 
