@@ -376,7 +376,7 @@ def _as_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Req:
     """One request as the engine sees it.
 
@@ -420,6 +420,21 @@ class Req:
     @property
     def num_output_tokens(self) -> int:
         return len(self.input_ids) - self.num_prompt_tokens
+
+    def row_at(self, pos: int) -> Req:
+        """The one-token request of its token at position `pos` (its page-table row, its sampling
+        parameters): what a decode step at `pos` would compute. A verify step's rows are these."""
+        return Req(
+            input_ids=[],
+            table_idx=self.table_idx,
+            cached_len=pos,
+            output_len=0,
+            uid=self.uid,
+            sampling_params=self.sampling_params,
+            device_len=pos + 1,
+            output_start=self.output_start,
+            penalties_ready=self.penalties_ready,
+        )
 
     def complete_one(self) -> None:
         """Called by the engine after a forward: the computed tokens are now in the KV cache."""

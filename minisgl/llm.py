@@ -152,13 +152,7 @@ class LLM:
             self._rendezvous_dir = tempfile.mkdtemp(prefix="minisgl-tp-")
             settings["distributed_addr"] = f"file://{self._rendezvous_dir}/rendezvous"
             self.settings = EngineSettings.load(config, **settings)
-        scheduler_config = self.settings.to_scheduler_config()
-        if scheduler_config.speculative_method != "none" and self.settings.tp_size > 1:
-            raise ValueError(
-                f"speculative_method={scheduler_config.speculative_method!r} is not supported under tensor "
-                f"parallelism yet (tp_size={self.settings.tp_size}): leave speculative_method at 'none' or "
-                "use tp_size 1"
-            )
+        scheduler_config = self.settings.to_scheduler_config()  # checked before any engine starts
         self.group: TPGroup | None = None  # rank 0's side of a tensor-parallel group
         try:
             self.engine = self._start_engine(settings, config, launched)
@@ -173,14 +167,12 @@ class LLM:
         self.tokenizer = load_tokenizer(model_path) if has_tokenizer else None
         self.scheduler = Scheduler(
             self.engine,
-            max_prefill_tokens=scheduler_config.prefill_tokens(self.engine.device.type),
-            overlap=scheduler_config.overlap_scheduling,
+            scheduler_config,
             eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
             tokenizer=self.tokenizer if detokenize else None,
             grammar_tokenizer=self.tokenizer,
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
-            cache_type=scheduler_config.cache_type,
             speculator=self._speculator(scheduler_config),
         )
         if self.group is not None:
@@ -229,12 +221,7 @@ class LLM:
         max_batch = max_verify_batch(self.engine.device.type, config.speculative_num_tokens)
         self.engine.graph_runner.capture_verify(config.speculative_num_tokens + 1, max_batch)
         return Speculator(
-            method,
-            config.speculative_num_tokens,
-            ngram_max=config.speculative_ngram_max,
-            device_type=self.engine.device.type,
-            draft=draft,
-            model_name=self.model_name,
+            config, device_type=self.engine.device.type, draft=draft, model_name=self.model_name
         )
 
     def _start_engine(

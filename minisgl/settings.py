@@ -351,7 +351,7 @@ class _Settings(BaseSettings):
 
     def to_scheduler_config(self) -> SchedulerConfig:
         """The frozen :class:`SchedulerConfig`."""
-        return self.build(SchedulerConfig)
+        return self.build(SchedulerConfig, tp_size=self.tp_size)
 
     def to_server_config(self) -> ServerConfig:
         """The frozen :class:`ServerConfig`."""

@@ -27,6 +27,33 @@ def smollm2_path() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def smollm2_server():
+    """One `minisgl-run serve` of the default model (`Server` of test_server.py: 16 requests at a time,
+    bodies up to 64 KiB) for every module whose tests only send it requests (test_server,
+    test_logit_bias, test_penalties, test_logprobs, test_structured_output): a server start is a
+    process with its own imports and model load, several seconds on 2 cores. Stopped at the end of the
+    session, and it must exit 0."""
+    from test_server import Server
+
+    srv = Server("--max-running-req", "16", "--max-request-bytes", "65536")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="session")
+def tiny_server_args(tmp_path_factory) -> list[str]:
+    """`minisgl-run serve` options for a tiny Llama with the default model's tokenizer, served under the
+    default model's name: for servers whose tests check the front end and its processes, not a real
+    model's tokens (requests written for the default model reach it unchanged; its engine loads in a
+    moment, and loads again in a moment after a kill)."""
+    folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("served"))
+    options = ["--model", str(folder), "--device", "cpu", "--dtype", "float32"]
+    return [*options, "--served-model-name", "smollm2-135m-instruct"]
+
+
 @pytest.fixture(scope="module")
 def llm32(smollm2_path):
     """`LLM` on the default model, float32 on the CPU, 8 requests at a time (shut down after the module)."""
@@ -196,7 +223,7 @@ def teacher_forced_logits(
     forcing). Returns the float32 logits, (requests, steps + 1, vocab): step 0 predicts position n.
     `on_step(step, batch)`, when given, is called after each forward (step 0: the prefill)."""
     from minisgl.core import SamplingParams
-    from minisgl.engine import BatchPreparer
+    from minisgl.scheduler import BatchPreparer
 
     prep = BatchPreparer(engine)
     reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, prompt_lens)]
@@ -246,7 +273,7 @@ def check_clean(sched) -> None:
     """Nothing queued or running on the scheduler, no KV page held by a request (the prefix cache may
     hold pages, unreferenced), every slot free."""
     assert not sched.running and not sched.waiting
-    assert sched.prep.num_request_pages == 0 and sched.reserved_pages == 0
+    assert sched.prep.num_request_pages == 0 and sched.held_pages == 0
     sched.prep.check_pages()
     cache = sched.prep.cache
     assert sched.prep.pages.num_used == (0 if cache is None else cache.num_pages)
@@ -264,7 +291,7 @@ def one_decode_step(engine, prompts: list[list[int]], next_token: int = 5) -> tu
     """Prefills `prompts`, feeds each `next_token`, and returns the logits of that one decode step and
     whether it replayed a CUDA graph."""
     from minisgl.core import SamplingParams
-    from minisgl.engine import BatchPreparer
+    from minisgl.scheduler import BatchPreparer
 
     prep = BatchPreparer(engine)
     reqs = [prep.add_request(p, SamplingParams(max_tokens=2)) for p in prompts]

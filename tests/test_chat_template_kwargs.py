@@ -1,4 +1,4 @@
-"""`chat_template_kwargs` and `separate_reasoning` (issue 29, part 4): the template's own variables,
+"""`chat_template_kwargs` and `separate_reasoning`: the template's own variables,
 through `LLM.chat` and the server, on a copy of the default model whose template reads
 `enable_thinking` (off: an empty think block written into the prompt, as Qwen3's does; on: the prompt
 ends inside an opened <think>, as templates that force thinking do); the reply split into its

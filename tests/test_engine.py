@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch, SamplingParams
 from minisgl.distributed import DistributedInfo
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, ForwardOutput, generate
+from minisgl.engine import Engine, EngineConfig, ForwardOutput
 from minisgl.engine.sample import Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kvcache import BaseKVCachePool, bytes_per_page
+from minisgl.scheduler import BatchPreparer, generate
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3], list(range(100, 117))]
 

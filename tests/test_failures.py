@@ -13,9 +13,9 @@ import torch
 from conftest import check_clean, llm_clean, make_tiny_model, make_tiny_model_with_tokenizer
 
 from minisgl.core import FatalEngineError, SamplingParams
-from minisgl.engine import Engine, EngineConfig, ForwardOutput, generate
+from minisgl.engine import Engine, EngineConfig, ForwardOutput
 from minisgl.llm import LLM, RequestError
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig, generate
 
 FAULT = "injected fault"
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -131,7 +131,9 @@ def inject_fault(sched: Scheduler, stage: str, phase: str, offender_prompt: list
 @pytest.mark.parametrize("stage", ["prepare", "sampling_args", "model", "sampler", "device"])
 def test_a_failing_step_finishes_its_requests_and_the_engine_goes_on(tiny_llama, stage, phase, overlap):
     engine = _engine(tiny_llama)
-    sched = Scheduler(engine, max_prefill_tokens=16, eos_token_ids=[2], overlap=overlap)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=overlap), eos_token_ids=[2]
+    )
     expected = {tuple(p): _alone(engine, p) for p in [*PEERS, OFFENDER]}
     hit = inject_fault(sched, stage, phase, OFFENDER)
     peers = [sched.add_request(p, GREEDY) for p in PEERS]
@@ -160,7 +162,9 @@ def test_a_failing_step_finishes_its_requests_and_the_engine_goes_on(tiny_llama,
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failure_in_one_requests_output_fails_it_alone(tiny_llama, overlap):
     engine = _engine(tiny_llama)
-    sched = Scheduler(engine, max_prefill_tokens=64, eos_token_ids=[2], overlap=overlap)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=64, overlap_scheduling=overlap), eos_token_ids=[2]
+    )
     check_stop = sched.output.check_stop
 
     def failing_check_stop(state, token):
@@ -202,7 +206,7 @@ def test_a_request_that_can_no_longer_be_scheduled_is_finished_not_kept(tiny_lla
     """A bug that leaves a request running past its max_tokens (here: a stop check that never says
     "length") must not keep has_work() true for ever: the scheduler finishes the request with an error."""
     engine = _engine(tiny_llama)
-    sched = Scheduler(engine, eos_token_ids=[2], overlap=overlap)
+    sched = Scheduler(engine, SchedulerConfig(overlap_scheduling=overlap), eos_token_ids=[2])
     check_stop = sched.output.check_stop
     sched.output.check_stop = lambda state, token: (check_stop(state, token) == "stop" or None) and "stop"
     state = sched.add_request(PEERS[0], GREEDY)
@@ -217,7 +221,7 @@ def test_a_fatal_engine_failure_finishes_the_step_and_is_raised(tiny_llama):
     requests finish with "error" and step() raises, so that a caller stops instead of failing every
     request one by one."""
     engine = _engine(tiny_llama)
-    sched = Scheduler(engine, eos_token_ids=[2], overlap=False)
+    sched = Scheduler(engine, SchedulerConfig(overlap_scheduling=False), eos_token_ids=[2])
     states = [sched.add_request(p, GREEDY) for p in PEERS]
     sched.step()
     engine.shutdown()

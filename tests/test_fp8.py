@@ -23,11 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo, set_tp_info
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels.fp8 import fp8_linear, quantize_blocks
 from minisgl.kvcache import MHAKVCachePool
 from minisgl.layers import Fp8Linear
 from minisgl.models import ModelConfig, build_model
+from minisgl.scheduler import BatchPreparer
 from minisgl.settings import EngineSettings, SettingsError
 
 E4M3 = torch.float8_e4m3fn

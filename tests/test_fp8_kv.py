@@ -1,4 +1,4 @@
-"""The FP8 KV cache in minisgl's Triton kernels and the backend choice (issue 31, the GPU side), on CPU.
+"""The FP8 KV cache in minisgl's Triton kernels and the backend choice (the GPU side), on CPU.
 
 The kernels run on CPU tensors under Triton's interpreter (conftest sets TRITON_INTERPRET=1); on a CUDA
 machine they run compiled on the GPU, and tests/gpu/test_gpu_fp8_kv.py runs whole models there.
@@ -196,7 +196,13 @@ def test_triton_decode_reads_fp8_pages_as_the_torch_backend():
     scales = torch.tensor([[0.05, 0.4], [2.0, 0.01]])
     pool, table = _fp8_pool_case(lens, kv_heads, dim, scales)
     backend = TorchAttnBackend(pool, table, torch.device(DEVICE))
-    batch = Batch(reqs=[Req([0] * n, i, n - 1, 1, i) for i, n in enumerate(lens)], phase="decode")
+    batch = Batch(
+        reqs=[
+            Req(input_ids=[0] * n, table_idx=i, cached_len=n - 1, output_len=1, uid=i)
+            for i, n in enumerate(lens)
+        ],
+        phase="decode",
+    )
     backend.prepare_metadata(batch)
     q = torch.randn(len(lens), heads, dim, generator=_gen(5)).to(DEVICE)
     rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
@@ -351,8 +357,19 @@ def test_flashinfer_backend_plans_and_runs_fp8_kv(monkeypatch):
     assert backend.layer_scales == want
     pool.scales.copy_(scales)
     q = torch.randn(len(lens), heads, dim, generator=_gen(7)).to(DEVICE)
-    prefill = Batch(reqs=[Req([0] * n, i, 0, 1, i) for i, n in enumerate(lens)], phase="prefill")
-    decode = Batch(reqs=[Req([0] * n, i, n - 1, 1, i) for i, n in enumerate(lens)], phase="decode")
+    prefill = Batch(
+        reqs=[
+            Req(input_ids=[0] * n, table_idx=i, cached_len=0, output_len=1, uid=i) for i, n in enumerate(lens)
+        ],
+        phase="prefill",
+    )
+    decode = Batch(
+        reqs=[
+            Req(input_ids=[0] * n, table_idx=i, cached_len=n - 1, output_len=1, uid=i)
+            for i, n in enumerate(lens)
+        ],
+        phase="decode",
+    )
     for batch, wrapper in ((prefill, backend.prefill_wrapper), (decode, backend.decode_wrapper)):
         backend.prepare_metadata(batch)
         assert wrapper.plans[-1]["q_data_type"] == torch.float32 and wrapper.plans[-1]["kv_data_type"] == E4M3
@@ -362,7 +379,10 @@ def test_flashinfer_backend_plans_and_runs_fp8_kv(monkeypatch):
                 E4M3,
                 want[layer],
             )
-    one = Batch(reqs=[Req([0] * lens[1], 1, lens[1] - 1, 1, 1)], phase="decode")  # the Triton kernel
+    one = Batch(
+        reqs=[Req(input_ids=[0] * lens[1], table_idx=1, cached_len=lens[1] - 1, output_len=1, uid=1)],
+        phase="decode",
+    )  # the Triton kernel
     backend.prepare_metadata(one)
     assert one.attn_metadata.wrapper is None
     torch_backend = TorchAttnBackend(pool, table, device)

@@ -8,9 +8,10 @@ from conftest import make_tiny_model
 
 from minisgl.compile import gemv_kernel_mode
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels import gemv as G
 from minisgl.kernels import kv_store as S
+from minisgl.scheduler import generate
 
 
 def test_gemv_does_not_apply_off_its_shape():

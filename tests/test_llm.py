@@ -5,8 +5,9 @@ import torch
 from conftest import make_tiny_model
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM, resolve_model
+from minisgl.scheduler import generate
 
 
 def test_token_ids_without_tokenizer_and_dummy_weights(tmp_path):

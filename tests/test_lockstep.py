@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from minisgl.core import FatalEngineError, SamplingParams
 from minisgl.engine import Engine, EngineConfig
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.lockstep import Follower, Leader
 
 _names = itertools.count()
@@ -51,15 +51,15 @@ class Pair:
         eos = engines[0].config.model_config.eos_token_ids
         self.lead = Scheduler(
             engines[0],
-            max_prefill_tokens=max_prefill_tokens,
-            overlap=overlap,
+            SchedulerConfig(max_prefill_tokens=max_prefill_tokens, overlap_scheduling=overlap),
             eos_token_ids=eos,
             link=self.leader,
         )
         self.follow = Scheduler(
             engines[1],
-            max_prefill_tokens=follower_prefill or max_prefill_tokens,
-            overlap=overlap,
+            SchedulerConfig(
+                max_prefill_tokens=follower_prefill or max_prefill_tokens, overlap_scheduling=overlap
+            ),
             eos_token_ids=eos,
             link=self.follower,
         )

@@ -1,6 +1,6 @@
-"""`logit_bias` (issue 29, part 2 of its deliverables, the bias; the penalties are not done yet): added
-to the logits before anything else, per request, for greedy and sampled rows; checked against
-transformers' logits plus the same bias, token for token; over HTTP the same tokens as through `LLM`."""
+"""`logit_bias` (the penalties: test_penalties.py): added to the logits before anything else, per
+request, for greedy and sampled rows; checked against transformers' logits plus the same bias, token
+for token; over HTTP the same tokens as through `LLM`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 import transformers
-from test_server import MODEL, Server
+from test_server import MODEL
 
 from minisgl.core import SamplingParams
 
@@ -67,28 +67,25 @@ def test_bad_biases_raise_before_anything_is_queued(llm32) -> None:
     assert not llm32.scheduler.waiting and not llm32.scheduler.running
 
 
-def test_logit_bias_over_http_equals_llm(llm32, biases) -> None:
-    srv = Server()
-    try:
-        client = openai.OpenAI(base_url=srv.url, api_key="x", timeout=120, max_retries=0)
-        want = llm32.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=biases))[0]
-        bias = {str(t): b for t, b in biases.items()}
-        got = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            logit_bias=bias,
-            extra_body={"ignore_eos": True},
-        )
-        assert got.choices[0].text == want.text
-        vocab = llm32.engine.config.model_config.vocab_size
-        for bad, words in (
-            ({str(vocab): 1}, "outside the vocabulary"),
-            ({"1": 101}, r"\[-100, 100\]"),
-            ({"x": 1}, "token ids"),
-        ):
-            with pytest.raises(openai.BadRequestError, match=words):
-                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias=bad)
-    finally:
-        assert srv.stop() == 0
+def test_logit_bias_over_http_equals_llm(llm32, biases, smollm2_server) -> None:
+    """On the session's server of the default model (conftest.py), which must exit 0 at its end."""
+    client = openai.OpenAI(base_url=smollm2_server.url, api_key="x", timeout=120, max_retries=0)
+    want = llm32.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=biases))[0]
+    bias = {str(t): b for t, b in biases.items()}
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == want.text
+    vocab = llm32.engine.config.model_config.vocab_size
+    for bad, words in (
+        ({str(vocab): 1}, "outside the vocabulary"),
+        ({"1": 101}, r"\[-100, 100\]"),
+        ({"x": 1}, "token ids"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias=bad)

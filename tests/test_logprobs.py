@@ -1,4 +1,4 @@
-"""Log probabilities (issue 29, part 1): each generated and prompt token's log probability and top-k
+"""Log probabilities: each generated and prompt token's log probability and top-k
 alternatives against `torch.log_softmax` of transformers' logits on the same sequence (float32, within
 1e-4; top-k sets equal up to ties within 1e-5), before temperature, bias and penalties; prompt log
 probabilities in chunks and after a prefix-cache hit; mixed batches; errors; over HTTP in OpenAI's
@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 import transformers
-from test_server import MODEL, Server
+from test_server import MODEL
 
 from minisgl.core import SamplingParams, TokenLogprob
 from minisgl.server.logprobs import TokenTexts
@@ -100,14 +100,14 @@ def test_prompt_logprobs_in_chunks_and_after_a_prefix_cache_hit(llm32, hf) -> No
     before = llm32.scheduler.prefix_cached_tokens
     [cached] = llm32.generate([long + " Berlin"], SamplingParams(max_tokens=1))  # found in the cache
     assert llm32.scheduler.prefix_cached_tokens > before
-    saved = llm32.scheduler.prompt_logprob_chunk
-    llm32.scheduler.prompt_logprob_chunk = 4
+    saved = llm32.scheduler.policy.prompt_logprob_chunk
+    llm32.scheduler.policy.prompt_logprob_chunk = 4
     try:
         [chunked, hit] = llm32.generate(
             [long, long + " Berlin"], SamplingParams(max_tokens=0, prompt_logprobs=2)
         )
     finally:
-        llm32.scheduler.prompt_logprob_chunk = saved
+        llm32.scheduler.policy.prompt_logprob_chunk = saved
     _check_output(hf, llm32, chunked, None, 2)
     _check_output(hf, llm32, hit, None, 2)
     for a, b in zip(first.prompt_logprobs[1:], chunked.prompt_logprobs[1:]):
@@ -166,10 +166,9 @@ def test_token_texts_give_each_tokens_bytes(llm32) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--device", "cpu", "--dtype", "float32")
-    yield srv
-    srv.stop()
+def server(smollm2_server):
+    """The session's server of the default model (conftest.py; float32 on the CPU)."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Mistral (issue 46, item 6): `MistralForCausalLM` checkpoints, Llama's layers under a sliding attention
+"""Mistral: `MistralForCausalLM` checkpoints, Llama's layers under a sliding attention
 window of `sliding_window` tokens (null: full attention). Tiny random models of Mistral-7B v0.1's
 (a window, RoPE theta 1e4), v0.2's (no window, theta 1e6) and v0.3's (no window, a larger vocabulary)
 kinds against transformers on the CPU, with windows shorter than the sequences: logits with prefill and
@@ -19,9 +19,9 @@ import transformers
 from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.models import ModelConfig
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig, generate
 from minisgl.templates import json_chat_template, load_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -113,7 +113,11 @@ def test_radix_cache_and_chunked_prefill_under_the_window(tiny_mistral: Path, ov
     tails = _seqs(320, [1, 7, 14, 3], 0)
     prompts = [base + tail for tail in tails] + [base[:21]]
     engine = _engine(tiny_mistral, page_size=4, num_page_override=200, max_running_req=4)
-    sched = Scheduler(engine, max_prefill_tokens=8, overlap=overlap, eos_token_ids=[2], cache_type="radix")
+    sched = Scheduler(
+        engine,
+        SchedulerConfig(max_prefill_tokens=8, overlap_scheduling=overlap, cache_type="radix"),
+        eos_token_ids=[2],
+    )
     states = []
     for prompt in prompts:  # one at a time, so that each finds the ones before it cached
         states.append(sched.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True)))

@@ -12,8 +12,9 @@ import transformers
 from conftest import GPU_SHAPE, make_tiny_model, reference_logits, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
 from minisgl.models import ModelConfig
+from minisgl.scheduler import BatchPreparer
 
 PROMPT_LENS = [5, 17, 1, 40]
 DECODE_STEPS = 12

@@ -11,13 +11,14 @@ from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_
 from safetensors import safe_open
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels import linear as linear_ops
 from minisgl.kernels import moe_gemm as moe_gemm_kernels
 from minisgl.kernels import moe_gemv as moe_gemv_kernels
 from minisgl.kernels.moe_gemv import moe_gemv
 from minisgl.models import ModelConfig
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe, select_experts
+from minisgl.scheduler import BatchPreparer, generate
 from minisgl.settings import EngineSettings
 
 PROMPT_LENS = [5, 17, 1, 40]

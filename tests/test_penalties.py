@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties (issue 29, part 2): each against its published
+"""Presence, frequency and repetition penalties: each against its published
 definition on transformers' logits, greedy and token for token over 64 steps; `repetition_penalty`
 against transformers' own `RepetitionPenaltyLogitsProcessor` (through `generate`); mixed batches;
 HTTP. Preemption (the per-slot counts made again at a re-admission): tests/test_preemption.py."""
@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 import transformers
-from test_server import MODEL, Server
+from test_server import MODEL
 
 from minisgl.core import SamplingParams
 
@@ -82,24 +82,21 @@ def test_out_of_range_penalties_are_refused() -> None:
             SamplingParams(**bad)
 
 
-def test_penalties_over_http_equal_llm(llm32) -> None:
-    srv = Server()
-    try:
-        client = openai.OpenAI(base_url=srv.url, api_key="x", timeout=120, max_retries=0)
-        penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3}
-        want = llm32.generate(
-            [PROMPT], SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.2, **penalties)
-        )[0]
-        got = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=16,
-            temperature=0,
-            **penalties,
-            extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
-        )
-        assert got.choices[0].text == want.text
-        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, presence_penalty=3)
-    finally:
-        assert srv.stop() == 0
+def test_penalties_over_http_equal_llm(llm32, smollm2_server) -> None:
+    """On the session's server of the default model (conftest.py), which must exit 0 at its end."""
+    client = openai.OpenAI(base_url=smollm2_server.url, api_key="x", timeout=120, max_retries=0)
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.3}
+    want = llm32.generate(
+        [PROMPT], SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.2, **penalties)
+    )[0]
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        **penalties,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
+    )
+    assert got.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, presence_penalty=3)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from minisgl import metrics
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 PAGE_SIZE = 4
@@ -119,7 +119,9 @@ _reference_runs: dict = {}
 def _references(big, kind: str, specs) -> list:
     """The states of `specs` run over a pool that never runs out (once per kind)."""
     if kind not in _reference_runs:
-        sched = Scheduler(big, max_prefill_tokens=512, eos_token_ids=[EOS], overlap=False)
+        sched = Scheduler(
+            big, SchedulerConfig(max_prefill_tokens=512, overlap_scheduling=False), eos_token_ids=[EOS]
+        )
         _reference_runs[kind] = _run(sched, specs, kind)
         assert sched.preemptions == 0
     return _reference_runs[kind]
@@ -142,9 +144,8 @@ def test_outputs_under_preemption_equal_those_without(big, small, kind, overlap,
     name = f"preempt-{kind}-{overlap}-{budget}"
     sched = Scheduler(
         small,
-        max_prefill_tokens=budget,
+        SchedulerConfig(max_prefill_tokens=budget, overlap_scheduling=overlap),
         eos_token_ids=[EOS],
-        overlap=overlap,
         model_name=name,
         record_steps=5000,
     )
@@ -173,7 +174,9 @@ def test_requests_without_max_tokens_run_many_at_once(tiny_llama, overlap):
     the whole pool; admitted by need, many run at once, and the pool frees completely."""
     engine = _engine(tiny_llama, 60)
     try:
-        sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap, record_steps=200)
+        sched = Scheduler(
+            engine, SchedulerConfig(max_prefill_tokens=64, overlap_scheduling=overlap), record_steps=200
+        )
         rest = engine.max_seq_len
         states = [
             sched.add_request(
@@ -208,8 +211,8 @@ def test_abort_of_a_preempted_request(big, small, overlap):
     """A preempted request waits at the front of the queue holding nothing; aborting it keeps its
     output so far, which is a prefix of its output without preemption."""
     specs = _specs(7, n=6)
-    reference = _run(Scheduler(big, overlap=False), specs, "greedy")
-    sched = Scheduler(small, max_prefill_tokens=16, overlap=overlap)
+    reference = _run(Scheduler(big, SchedulerConfig(overlap_scheduling=False)), specs, "greedy")
+    sched = Scheduler(small, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=overlap))
     states = [sched.add_request(p, _params("greedy", n, i)) for i, (p, n) in enumerate(specs)]
     while sched.preemptions == 0:
         sched.step()
@@ -246,7 +249,9 @@ def test_lockstep_ranks_preempt_alike(big, small_pair_engines, overlap):
     from test_lockstep import Pair, _follower_states
 
     specs = _specs(11, n=8, max_len=80)
-    reference = _run(Scheduler(big, eos_token_ids=[EOS], overlap=False), specs, "seeded")
+    reference = _run(
+        Scheduler(big, SchedulerConfig(overlap_scheduling=False), eos_token_ids=[EOS]), specs, "seeded"
+    )
     pair = Pair(small_pair_engines, overlap=overlap, max_prefill_tokens=8)
     seen = _follower_states(pair)
     try:
@@ -282,7 +287,7 @@ _reference_cache: dict = {}
 def _reference(big, prompt: list[int], params: SamplingParams) -> list[int]:
     key = (tuple(prompt), params)
     if key not in _reference_cache:
-        sched = Scheduler(big, eos_token_ids=[EOS], overlap=False)
+        sched = Scheduler(big, SchedulerConfig(overlap_scheduling=False), eos_token_ids=[EOS])
         state = sched.add_request(prompt, params)
         while sched.has_work():
             sched.step()
@@ -309,7 +314,9 @@ ops = st.lists(
 @given(ops=ops, pool=st.sampled_from(POOLS), overlap=st.booleans(), budget=st.sampled_from([4, 16, 64]))
 def test_random_arrivals_and_aborts_over_small_pools(big, pools, ops, pool, overlap, budget):
     engine = pools[pool]
-    sched = Scheduler(engine, max_prefill_tokens=budget, eos_token_ids=[EOS], overlap=overlap)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=budget, overlap_scheduling=overlap), eos_token_ids=[EOS]
+    )
     states, specs = [], []
     for n, op in enumerate(ops):
         if op[0] == "add":

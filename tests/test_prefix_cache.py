@@ -18,7 +18,7 @@ from minisgl import metrics
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 POOL_TOKENS = 2400  # the KV pool of the "big" engines, in tokens: never evicted, never preempted
@@ -78,9 +78,13 @@ def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, min_tokens=max_tokens // 2)
 
 
-def _scheduler(engine: Engine, cache_type: str, **kw) -> Scheduler:
-    kw = {"max_prefill_tokens": 512, "eos_token_ids": [EOS], **kw}
-    sched = Scheduler(engine, cache_type=cache_type, **kw)
+def _scheduler(
+    engine: Engine, cache_type: str, overlap: bool = True, max_prefill_tokens: int = 512, **kw
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_prefill_tokens=max_prefill_tokens, overlap_scheduling=overlap, cache_type=cache_type
+    )
+    sched = Scheduler(engine, config, eos_token_ids=[EOS], **kw)
     assert (sched.prep.cache is None) == (cache_type == "naive")
     return sched
 
@@ -588,7 +592,7 @@ def test_llm_cache_type_and_flush_cache(tiny_llama):
         for cache_type in ("radix", None):  # radix by default
             llm = llms[cache_type]
             sched = llm.scheduler
-            assert sched.cache_type == "radix"
+            assert sched.config.cache_type == "radix"
             # the second call found every prompt's whole pages short of its last token
             assert sched.prefix_cached_tokens >= sum((len(p) - 1) // 4 * 4 for p in prompts)
             held = sched.prep.cache.num_pages

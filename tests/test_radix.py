@@ -1,4 +1,4 @@
-"""The radix prefix cache (`minisgl.kvcache.radix`): a property test against a brute-force model, and
+"""The radix prefix cache (`minisgl.scheduler.radix`): a property test against a brute-force model, and
 unit tests for the edge cases."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minisgl.kvcache import radix
-from minisgl.kvcache.radix import RadixCache
+from minisgl.scheduler import radix
+from minisgl.scheduler.radix import RadixCache
 
 Key = tuple[int, ...]
 

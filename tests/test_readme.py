@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-# the README is for newcomers, a three-minute read (issue 43): at most 12 KiB = 12,288 bytes (`wc -c`);
+# the README is for newcomers, a three-minute read: at most 12 KiB = 12,288 bytes (`wc -c`);
 # what later work documents goes to docs/
 README_MAX_BYTES = 12 * 1024
 # the quick start: install and generate on a fresh machine; install and run what CI runs (.ci/run)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
-from minisgl.scheduler import IncrementalDetokenizer, Scheduler, StepRecord
+from minisgl.scheduler import IncrementalDetokenizer, Scheduler, SchedulerConfig, StepRecord, generate
 from minisgl.scheduler.detokenizer import decoder
 
 
@@ -46,7 +46,9 @@ def _drain(sched: Scheduler) -> None:
 def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed, overlap):
     rng = random.Random(seed)
     engine = _engine(tiny_llama, page_size=4, max_running_req=6, num_page_override=60)
-    sched = Scheduler(engine, max_prefill_tokens=24, eos_token_ids=[2], overlap=overlap)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=24, overlap_scheduling=overlap), eos_token_ids=[2]
+    )
     specs = [
         ([rng.randrange(3, 320) for _ in range(rng.randint(1, 60))], rng.randint(1, 20)) for _ in range(14)
     ]
@@ -57,7 +59,7 @@ def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed, 
                 prompt, n = pending.pop(0)
                 states.append(sched.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
         sched.step()
-        assert sched.prep.pages.num_used <= engine.num_pages and sched.reserved_pages <= engine.num_pages
+        assert sched.prep.pages.num_used <= engine.num_pages and sched.held_pages <= engine.num_pages
         steps += 1
         assert steps < 2000
     _check_drained(sched)
@@ -70,7 +72,7 @@ def test_random_arrivals_finish_exactly_and_match_single_runs(tiny_llama, seed, 
 def test_tiny_kv_pool_admission(tiny_llama, overlap):
     """12 pages of 4 tokens: requests needing 8-11 pages each must take turns; nothing is lost."""
     engine = _engine(tiny_llama, page_size=4, num_page_override=12, max_running_req=8)
-    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap)
+    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=overlap))
     specs = [(list(range(3 + i, 30 + i)), 10 + i) for i in range(6)]  # 27 + 10..15 tokens: 10..11 pages
     states = [sched.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in specs]
     max_running, max_waiting = 0, 0
@@ -89,7 +91,9 @@ def test_tiny_kv_pool_admission(tiny_llama, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama, overlap):
     engine = _engine(tiny_llama, page_size=8)
-    sched = Scheduler(engine, max_prefill_tokens=16, overlap=overlap, record_steps=100)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=overlap), record_steps=100
+    )
     short = sched.add_request([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True))
     sched.step()  # prefill of the short request
     long_prompt = [random.Random(3).randrange(3, 320) for _ in range(100)]
@@ -114,7 +118,7 @@ def test_prefill_is_chunked_and_decodes_are_not_starved(tiny_llama, overlap):
 def test_waiting_request_starts_within_two_steps(tiny_llama, overlap):
     # 5 table_idxs: 3 long requests, the new one, and the previous new one while it finishes
     engine = _engine(tiny_llama, page_size=4, max_running_req=5)
-    sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap)
+    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=64, overlap_scheduling=overlap))
     for i in range(3):
         sched.add_request([4 + i] * 5, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(5):
@@ -212,7 +216,7 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
     engine = _engine(tiny_llama, page_size=4, max_running_req=8, num_page_override=200)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randint(2, 40))] for _ in range(8)]
-    free_run = Scheduler(engine, max_prefill_tokens=32, overlap=False)
+    free_run = Scheduler(engine, SchedulerConfig(max_prefill_tokens=32, overlap_scheduling=False))
     probe = [free_run.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
     _drain(free_run)
     eos, stop_id = probe[0].output_ids[4], probe[1].output_ids[6]  # tokens that do come up
@@ -228,7 +232,9 @@ def test_overlap_gives_the_same_outputs_and_frees_everything(tiny_llama, monkeyp
     ]
     results = {}
     for overlap in (False, True):
-        sched = Scheduler(engine, max_prefill_tokens=32, eos_token_ids=[eos], overlap=overlap)
+        sched = Scheduler(
+            engine, SchedulerConfig(max_prefill_tokens=32, overlap_scheduling=overlap), eos_token_ids=[eos]
+        )
         states = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
         _drain(sched)
         _check_drained(sched)
@@ -252,12 +258,14 @@ def test_step_records(tiny_llama, overlap, monkeypatch):
     """Each forward leaves a StepRecord (in the order the forwards ran, the last N kept): what ran, and
     its host times split into launch, wait for the tokens and processing; off by default."""
     engine = _engine(tiny_llama, page_size=4, max_running_req=4)
-    off = Scheduler(engine, max_prefill_tokens=8, overlap=overlap)
+    off = Scheduler(engine, SchedulerConfig(max_prefill_tokens=8, overlap_scheduling=overlap))
     off.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
     _drain(off)
     assert off.record_steps == 0 and not off.step_records
 
-    sched = Scheduler(engine, max_prefill_tokens=8, overlap=overlap, record_steps=100)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=8, overlap_scheduling=overlap), record_steps=100
+    )
     # slow launches (20 ms) and slow token copies (30 ms), to see each in its own field: on a clock that
     # only they move, so each field is exactly its own wait however loaded the machine is
     forward_batch, clock = engine.forward_batch, [0.0]
@@ -303,7 +311,7 @@ def test_step_records(tiny_llama, overlap, monkeypatch):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_abort_frees_at_once_and_leaves_the_others_alone(tiny_llama, overlap):
     engine = _engine(tiny_llama, page_size=4, max_running_req=2, num_page_override=40)
-    sched = Scheduler(engine, max_prefill_tokens=64, overlap=overlap)
+    sched = Scheduler(engine, SchedulerConfig(max_prefill_tokens=64, overlap_scheduling=overlap))
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(8, 20)), [12, 13], [14, 15, 16]]
     keep, victim, queued, dropped = [sched.add_request(p, params) for p in prompts]
@@ -316,7 +324,7 @@ def test_abort_frees_at_once_and_leaves_the_others_alone(tiny_llama, overlap):
     kept = list(victim.output_ids)
     sched.abort(victim)
     assert victim.finish_reason == "abort" and victim.finished and victim not in sched.running
-    assert sched.prep.table_idxs.num_free == 1 and sched.reserved_pages == keep.reserved_pages
+    assert sched.prep.table_idxs.num_free == 1 and sched.held_pages == keep.held_pages
     assert sched.prep.num_request_pages == sched.prep.pages_needed(keep.req.cached_len)
     sched.abort(victim)  # finished already: nothing happens
     _drain(sched)

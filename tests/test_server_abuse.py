@@ -248,7 +248,7 @@ def test_clients_gone_during_upload_log_one_line_each_at_most(server, usual) -> 
     assert log.count("\n") - before <= 5 and "Traceback" not in log
 
 
-def test_a_low_open_file_limit_bounds_the_bodies_read_at_once() -> None:
+def test_a_low_open_file_limit_bounds_the_bodies_read_at_once(tiny_server_args: list[str]) -> None:
     """Under an open-file limit of 256, uploads read at the same time are bounded and the server
     answers as usual after them (idle-connection floods under such a limit:
     tests/test_server_connections.py)."""
@@ -257,7 +257,10 @@ def test_a_low_open_file_limit_bounds_the_bodies_read_at_once() -> None:
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
-    srv = Server("--idle-timeout-s", "30", "--max-request-bytes", "65536", preexec_fn=low_limit)
+    # the front end's limits: a tiny model served as the default one (conftest.py)
+    srv = Server(
+        *tiny_server_args, "--idle-timeout-s", "30", "--max-request-bytes", "65536", preexec_fn=low_limit
+    )
     try:
         usual = httpx.post(srv.url + "/completions", json=NORMAL, timeout=30).json()["choices"][0]["text"]
         # bodies read at the same time hold at most 32 x max_request_bytes (2 MiB here): 40 clients
@@ -416,9 +419,10 @@ def test_browser_exposure_content_type_host_and_origin(server, usual) -> None:
     assert _normal(server) == usual
 
 
-def test_cors_is_off_unless_an_origin_is_allowed() -> None:
+def test_cors_is_off_unless_an_origin_is_allowed(tiny_server_args: list[str]) -> None:
     origin = "http://localhost:3000"
-    srv = Server("--cors-allow-origins", origin, "--allowed-hosts", "api.test,127.0.0.1")
+    # the front end's headers: a tiny model served as the default one (conftest.py)
+    srv = Server(*tiny_server_args, "--cors-allow-origins", origin, "--allowed-hosts", "api.test,127.0.0.1")
     try:
         preflight = httpx.options(
             srv.url + "/completions",
@@ -524,7 +528,7 @@ def test_arbitrary_json_bodies_never_get_a_5xx(server, body, route) -> None:
         assert r.json()["error"]["message"]
 
 
-# the sampling fields of issue 29, each with any value on an otherwise valid request (structured output's
+# the sampling fields OpenAI clients send, each with any value on an otherwise valid request (structured output's
 # fields: tests/test_structured_output.py)
 _NEW_FIELDS = {
     "completions": [

@@ -1,4 +1,4 @@
-"""The cap on open connections (minisgl/server/connections.py, issue 42): at the cap a new connection
+"""The cap on open connections (minisgl/server/connections.py): at the cap a new connection
 closes the oldest idle one (no request in flight), never one whose request is in flight (a stream
 included); only when every connection has a request in flight is the new one refused (503). Against a
 real server under a low open-file limit (idle floods), and an in-process uvicorn with a stream that
@@ -63,7 +63,9 @@ def _peek(s: socket.socket) -> bytes | None:
 @pytest.mark.parametrize(
     ("limit", "kept", "connected", "headless"), [(256, 150, 150, 50), (1024, 500, 500, 0)]
 )
-def test_an_idle_connection_flood_cannot_lock_clients_out(limit, kept, connected, headless) -> None:
+def test_an_idle_connection_flood_cannot_lock_clients_out(
+    limit, kept, connected, headless, tiny_server_args: list[str]
+) -> None:
     """`kept` connections kept alive after a request, `connected` that sent nothing and `headless`
     that sent part of a request line, under an open-file limit of `limit`: far more than the cap. An
     authenticated request gets its 200 at once (a 10 s bound for a loaded machine), a stream running
@@ -74,7 +76,8 @@ def test_an_idle_connection_flood_cannot_lock_clients_out(limit, kept, connected
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
     timeouts = ("--idle-timeout-s", "120", "--header-timeout-s", "120")  # only evictions close them
-    srv = Server("--api-key", KEY, *timeouts, preexec_fn=low_limit)
+    # the front end's connections: a tiny model served as the default one (conftest.py)
+    srv = Server(*tiny_server_args, "--api-key", KEY, *timeouts, preexec_fn=low_limit)
     flood: list[socket.socket] = []
     conns: list[http.client.HTTPConnection] = []
     try:

@@ -6,7 +6,8 @@ import transformers
 from conftest import rel_err
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
+from minisgl.scheduler import BatchPreparer, generate
 
 NEW_TOKENS = 32
 TEXTS = [

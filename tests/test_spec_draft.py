@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kvcache import bytes_per_page
+from minisgl.scheduler import BatchPreparer, generate
 from minisgl.scheduler.draft import DraftProposer, draft_footprint
 
 K = 4

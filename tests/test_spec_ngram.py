@@ -245,3 +245,32 @@ def test_the_cost_per_token_does_not_grow_with_the_sequence(max_n) -> None:
         assert CountingMap.operations <= max_n
     # the trie has at most max_n nodes per token, however long the sequence
     assert len(index._end) <= 1 + max_n * len(tokens)
+
+
+def test_a_back_off_step_counts_once_per_forward():
+    """A request backing off sits out one step per forward: when no verify step can be launched on the
+    guess of the one in flight (here its guess leaves no drafts), the decode step that runs instead
+    counts one step of the back-off (`Speculator.wanted`), and the attempt counted none."""
+    from types import SimpleNamespace
+
+    from minisgl.core import Req, SamplingParams
+    from minisgl.scheduler import RequestState, SchedulerConfig
+    from minisgl.scheduler.speculative import Speculator
+    from minisgl.scheduler.verify import Verifier, Verify
+
+    spec = Speculator(SchedulerConfig(speculative_method="ngram", speculative_num_tokens=4))
+    req = Req(input_ids=list(range(10, 30)), table_idx=0, cached_len=19, output_len=64, uid=0)
+    state = RequestState(0, list(range(10, 20)), SamplingParams(max_tokens=64), 0.0, req=req)
+    state.output_ids, state.spec_wait = list(range(20, 30)), 3
+    sched = SimpleNamespace(
+        engine=SimpleNamespace(max_seq_len=4096),
+        prep=None,
+        pipeline=SimpleNamespace(overlap=True),
+        waiting=[],
+        running=[state],
+    )
+    pending = Verify(SimpleNamespace(states=[state], reqs=[req]), [4], [[]], [None], [True])
+    assert Verifier(sched, spec).pipeline(pending, 0.0, []) is None
+    assert state.spec_wait == 3
+    spec.wanted([state])
+    assert state.spec_wait == 2

@@ -1,4 +1,4 @@
-"""Structured output (issue 29, parts 3 and 5): JSON schemas, any JSON object, regexes and EBNF grammars
+"""Structured output: JSON schemas, any JSON object, regexes and EBNF grammars
 through xgrammar, on the real default model (SmolLM2-135M-Instruct, float32 on the CPU). Every output
 is checked against what was asked: parsed and validated by `jsonschema`, matched by `re.fullmatch`, or
 read by a hand-written checker; an output cut by max_tokens fails the test. Then: the mask leaves the
@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 from conftest import llm_clean
-from test_server import MODEL, Server
+from test_server import MODEL
 
 from minisgl.core import SamplingParams
 from minisgl.engine.token_mask import apply_token_mask, unpack_mask
@@ -192,7 +192,7 @@ def test_a_mixed_batch_gives_every_request_the_tokens_it_gets_alone(which, llm32
 
 def test_constrained_steps_keep_overlap_and_the_tokens_of_steps_without(llm32, no_overlap) -> None:
     """Under overlap a constrained batch's masks are filled once its forward is launched, after the
-    previous step's tokens are read (`Scheduler._deferred_mask`): the previous forward is still in
+    previous step's tokens are read (`Pipeline.deferred_mask`): the previous forward is still in
     flight when the step is prepared, and the outputs are those of a scheduler without overlap."""
     sched = llm32.scheduler
     prompts = [chat(llm32, QUESTIONS["person"]), chat(llm32, "Give the date of the moon landing.")]
@@ -200,17 +200,17 @@ def test_constrained_steps_keep_overlap_and_the_tokens_of_steps_without(llm32, n
         SamplingParams(json_schema=PERSON, max_tokens=MAX_TOKENS),
         SamplingParams(regex=DATE, max_tokens=MAX_TOKENS),
     ]
-    deferred, calls = sched._deferred_mask, []
+    deferred, calls = sched.pipeline.deferred_mask, []
 
     def counted(states):
-        calls.append(sched._in_flight is not None)
+        calls.append(sched.pipeline.in_flight is not None)
         return deferred(states)
 
-    sched._deferred_mask = counted
+    sched.pipeline.deferred_mask = counted
     try:
         outs = llm32.generate(prompts, params)
     finally:
-        del sched._deferred_mask
+        del sched.pipeline.deferred_mask
     assert len(calls) > 10 and all(calls)  # every decode step of theirs overlapped the one before
     assert [o.token_ids for o in outs] == [o.token_ids for o in no_overlap.generate(prompts, params)]
     jsonschema.validate(json.loads(finished(outs[0])), PERSON)
@@ -403,8 +403,7 @@ def test_no_tokenizer_or_tensor_parallelism_refuses_grammars(llm32) -> None:
 def test_the_token_mask_allows_only_the_grammars_tokens(llm32) -> None:
     """The host mask of a fresh `.*` matcher: EOS allowed (the empty text is in the language), the
     tokenizer's other special tokens never; applied, it leaves the allowed logits as they were."""
-    from minisgl.engine import BatchPreparer
-    from minisgl.scheduler import RequestState
+    from minisgl.scheduler import BatchPreparer, RequestState
 
     sched = llm32.scheduler
     eos = sorted(sched.output.eos_token_ids)
@@ -458,12 +457,9 @@ def test_request_fields_map_onto_sampling_params() -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server("--device", "cpu", "--dtype", "float32", "--max-running-req", "8")
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
+def server(smollm2_server):
+    """The session's server of the default model (conftest.py; float32 on the CPU)."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

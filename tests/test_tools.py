@@ -1,4 +1,4 @@
-"""Tool calling in the chat API (issue 46; docs/tools.md), through the `openai` package.
+"""Tool calling in the chat API (docs/tools.md), through the `openai` package.
 
 - The request's checks: every refusal a 400 naming its field (no engine).
 - A real server on the default model with configs/templates/hermes-tools.jinja and the hermes parser:

@@ -23,9 +23,10 @@ from conftest import make_tiny_model, rel_err
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo, HeadShard, set_tp_info, shard_heads
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.models import ModelConfig, build_model
 from minisgl.models.weights import Shard
+from minisgl.scheduler import BatchPreparer, generate
 
 PROMPTS = [[5, 17, 42, 9, 100, 3], [7], list(range(20, 61)), [300, 12, 250, 8]]
 MAX_TOKENS = 8

@@ -13,8 +13,9 @@ import torch
 from conftest import GPU_SHAPE, make_tiny_model, rel_err
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels import verify as verify_kernels
+from minisgl.scheduler import BatchPreparer
 
 K = 4
 

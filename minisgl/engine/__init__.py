@@ -1,16 +1,12 @@
-"""The engine: EngineConfig, Engine.forward_batch -> ForwardOutput, and the batch-preparation helper."""
+"""The engine: EngineConfig, Engine.forward_batch -> ForwardOutput."""
 
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine, ForwardMode, ForwardOutput, check_tensor_parallel
 
-from minisgl.engine.batching import BatchPreparer, generate  # isort: skip  (imports Engine)
-
 __all__ = [
-    "BatchPreparer",
     "Engine",
     "EngineConfig",
     "ForwardMode",
     "ForwardOutput",
     "check_tensor_parallel",
-    "generate",
 ]

@@ -39,8 +39,11 @@ from minisgl.moe import create_moe_backend
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # families that shard themselves under TP
 CPU_KV_FRACTION = 0.10  # default CPU KV budget: this share of the RAM available at start
+
+
+# how a forward runs: a CUDA graph replay, the compiled forward without a graph, or the eager model
+ForwardMode = Literal["cuda_graph", "compiled", "eager"]
 
 
 class ForwardOutput(NamedTuple):
@@ -50,6 +53,7 @@ class ForwardOutput(NamedTuple):
     # with log probabilities asked (`BatchSamplingArgs.logprobs`), `Sampler.logprobs`' three tensors on
     # the host, valid with the tokens
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    mode: ForwardMode = "eager"  # how the forward ran (`Engine.forward_mode`)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,6 @@ class _CompletedEvent:
         return True
 
 
-ForwardMode = Literal["cuda_graph", "compiled", "eager"]
 T = TypeVar("T")
 
 
@@ -383,11 +386,13 @@ class Engine:
         """Runs the model on a prepared batch and samples one token per request (also kept in
         `last_tokens`, by table_idx, for a pending decode batch to read)."""
         scoring = args.logprobs
-        logits = self._forward(batch, rows=None if scoring is None else scoring.rows)
+        rows = None if scoring is None else scoring.rows
+        mode = self.forward_mode(batch, all_rows=rows is not None)
+        logits = self._forward(batch, rows=rows, mode=mode)
         if scoring is not None and scoring.last is not None:  # more rows than the requests' last ones
             next_tokens = self.sampler.sample(logits[scoring.last], args)
         else:
-            graph_bs = self.graph_runner.graph_size(batch) if self.forward_mode(batch) == "cuda_graph" else 0
+            graph_bs = self.graph_runner.graph_size(batch) if mode == "cuda_graph" else 0
             next_tokens = self.sampler.sample(logits, args, graph_bs=graph_bs)
         if self.config.tp_broadcast_tokens and self.config.tp_info.size > 1:
             torch.distributed.broadcast(next_tokens, src=0)  # rank 0's tokens, on the device
@@ -396,7 +401,7 @@ class Engine:
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
         self.last_tokens[table_idx] = next_tokens
-        return self._output(next_tokens, logprobs)
+        return self._output(next_tokens, logprobs, mode)
 
     @torch.inference_mode()
     def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:
@@ -423,13 +428,14 @@ class Engine:
         if pending:
             self.move_pending(batch, args, table_idx, ext_d, starts, max(ext))
         rows = torch.arange(sum(ext), device=self.device)
-        logits = self._forward(batch, rows=rows, verify=True)
+        mode = self.forward_mode(batch, all_rows=True, verify=True)
+        logits = self._forward(batch, rows=rows, verify=True, mode=mode)
         tokens = self.sampler.sample(logits, args)
         logprobs = None if args.logprobs is None else self.sampler.logprobs(logits, tokens, args.logprobs)
         verify_kernels.accept(
             tokens, batch.input_ids, ext_d, starts, table_idx, self.last_tokens, self.verify_shift, max(ext)
         )
-        return self._output(tokens, logprobs)
+        return self._output(tokens, logprobs, mode)
 
     def move_pending(
         self,
@@ -455,16 +461,18 @@ class Engine:
         it (from device tensors)."""
         return self.graph_runner.can_replay_verify(batch) or isinstance(self.attn_backend, TorchAttnBackend)
 
-    def _output(self, next_tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None) -> ForwardOutput:
+    def _output(
+        self, next_tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None, mode: ForwardMode
+    ) -> ForwardOutput:
         """The forward's output, its tokens (and log probabilities) copied to the host without blocking."""
         if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs)
+            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs, mode)
         next_tokens_cpu = _to_host(next_tokens)
         if logprobs is not None:
             logprobs = tuple(map(_to_host, logprobs))
         copy_done_event = torch.cuda.Event()
         copy_done_event.record()
-        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event, logprobs)
+        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event, logprobs, mode)
 
     @torch.inference_mode()
     def forward_logits(self, batch: Batch) -> torch.Tensor:
@@ -487,13 +495,19 @@ class Engine:
         return "eager"
 
     def _forward(
-        self, batch: Batch, own_output: bool = False, rows: torch.Tensor | None = None, verify: bool = False
+        self,
+        batch: Batch,
+        own_output: bool = False,
+        rows: torch.Tensor | None = None,
+        verify: bool = False,
+        mode: ForwardMode | None = None,
     ) -> torch.Tensor:
         """Logits of the batch: of each request's last token, or of the token `rows` given (a prefill
         with prompt log probabilities). A CUDA graph writes them into its static output, which the next
         replay overwrites: `own_output` returns a copy (sampling reads them at once and needs none)."""
         self._check_batch(batch)
-        mode = self.forward_mode(batch, all_rows=rows is not None, verify=verify)
+        if mode is None:
+            mode = self.forward_mode(batch, all_rows=rows is not None, verify=verify)
         with self.ctx.forward_batch(batch):
             if mode == "cuda_graph" and verify:
                 logits = self.graph_runner.replay_verify(batch)
@@ -527,7 +541,7 @@ class Engine:
             if not hasattr(batch, name):
                 raise ValueError(
                     f"batch.{name} is not set: the scheduler side prepares input_ids, positions and out_loc "
-                    "(see minisgl.engine.BatchPreparer)"
+                    "(see minisgl.scheduler.BatchPreparer)"
                 )
         for req in batch.reqs:
             if req.extend_len < 1 or (batch.is_decode and req.extend_len != 1):
@@ -565,11 +579,6 @@ def check_tensor_parallel(config: EngineConfig) -> HeadShard:
     """This rank's attention heads; raises before any process group (and before a launcher starts the
     other ranks) when the model cannot be split over ``config.tp_info.size`` ranks."""
     model_config, tp_info = config.model_config, config.tp_info
-    if tp_info.size > 1 and model_config.family not in TP_FAMILIES:
-        raise ValueError(
-            f"tensor parallelism is not supported for {model_config.architecture} yet "
-            f"(tp size {tp_info.size}); supported: {', '.join(TP_FAMILIES)} models"
-        )
     local_heads = shard_heads(model_config.num_heads, model_config.num_kv_heads, tp_info)
     divide(model_config.intermediate_size, tp_info.size, "intermediate_size")
     if model_config.num_experts:

@@ -284,11 +284,7 @@ class GraphRunner:
         over the KV as a decode step's is. None where they do not fit."""
         if not self.fits_decode_rows(batch):
             return None
-        rows = [
-            Req([], req.table_idx, pos, 0, req.uid, req.sampling_params, pos + 1)
-            for req in batch.reqs
-            for pos in range(req.cached_len, req.device_len)
-        ]
+        rows = [req.row_at(pos) for req in batch.reqs for pos in range(req.cached_len, req.device_len)]
         decode = Batch(reqs=rows, phase="decode")
         decode.input_ids, decode.positions, decode.out_loc = batch.input_ids, batch.positions, batch.out_loc
         decode.shift = batch.shift

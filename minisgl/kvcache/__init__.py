@@ -1,15 +1,12 @@
-"""The paged KV cache pool, its sizing, the allocators for pages and table_idx values, and the radix
-tree of cached prefixes over the pages."""
+"""The paged KV cache pool, its sizing, and the allocators for pages and table_idx values."""
 
 from minisgl.kvcache.allocator import PageAllocator, TableIdxAllocator
 from minisgl.kvcache.pool import BaseKVCachePool, MHAKVCachePool, bytes_per_page
-from minisgl.kvcache.radix import RadixCache
 
 __all__ = [
     "BaseKVCachePool",
     "MHAKVCachePool",
     "PageAllocator",
-    "RadixCache",
     "TableIdxAllocator",
     "bytes_per_page",
 ]

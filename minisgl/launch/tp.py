@@ -15,6 +15,7 @@ MASTER_ADDR and MASTER_PORT set): rank 0 runs the LLM as usual, the others run `
 from __future__ import annotations
 
 import ast
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 from minisgl.core import FatalEngineError
 from minisgl.engine import Engine
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig
 from minisgl.scheduler.lockstep import Leader, follower_link, leader_link
 
 logger = logging.getLogger(__name__)
@@ -58,12 +59,7 @@ def worker_main(
             return
         shared = hello["hello"]
         scheduler = Scheduler(
-            engine,
-            max_prefill_tokens=shared["max_prefill_tokens"],
-            overlap=shared["overlap"],
-            eos_token_ids=shared["eos_token_ids"],
-            link=link,
-            cache_type=shared["cache_type"],
+            engine, SchedulerConfig(**shared["config"]), eos_token_ids=shared["eos_token_ids"], link=link
         )
         if setup is not None:
             setup(rank, engine, scheduler)
@@ -101,10 +97,8 @@ class TPGroup:
         """Tells the followers what their schedulers must share with `scheduler` (rank 0's)."""
         self.link.hello(
             {
-                "max_prefill_tokens": scheduler.max_prefill_tokens,
-                "overlap": scheduler.overlap,
+                "config": dataclasses.asdict(scheduler.config),
                 "eos_token_ids": sorted(scheduler.output.eos_token_ids),
-                "cache_type": scheduler.cache_type,
             }
         )
 

@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 ADDRESS_BYTES = 256  # room for one rank's socket address in the start-up exchange
 POLL_MS = 1000  # a follower waiting for the leader checks this often that its parent still lives
 CHECK_S = 0.005  # the leader waiting for a step's tokens checks this often that every rank still runs
+# how long rank 0, after a collective failed, looks for the rank that caused it (its report or exit)
+RANK_FAILURE_GRACE_S = 2.0
 
 # phase ("" when the step runs no forward), requests, tokens, sum of their uids; then the scheduler's
 # state after admission: requests running and waiting, KV pages in use; then a digest of the tokens
@@ -276,7 +278,7 @@ class Follower:
                 offset += length
                 scheduler.follow_add(uid, prompt, _params_from_data(params))
             elif event[0] == "clear":
-                scheduler._clear_prefix_cache()
+                scheduler.follow_clear()
             else:
                 _, uid, reason, error = event
                 scheduler.follow_finish(uid, reason, error)
@@ -379,3 +381,26 @@ def follower_link(rank: int, size: int, distributed_addr: str, parent: int | Non
     report = context.socket(zmq.PUSH)
     report.connect(addresses[0])
     return Follower(rank, inbox, report, parent)
+
+
+def fatal_under_tp(
+    link: Leader | Follower, error: Exception, grace_s: float = RANK_FAILURE_GRACE_S
+) -> Exception:
+    """A forward that failed on one rank leaves the others inside its collectives: every such failure
+    is fatal, and a rank that reported its own failure (or exited) is named as the cause."""
+    if isinstance(error, FatalEngineError):
+        return error
+    if not link.is_leader:  # reported to rank 0 as it is
+        fatal = FatalEngineError(f"{type(error).__name__}: {error}")
+    else:
+        try:
+            link.check_ranks(grace_s=grace_s)
+        except FatalEngineError as rank_error:
+            fatal = rank_error
+        else:
+            fatal = FatalEngineError(
+                "a forward failed under tensor parallelism, so the ranks no longer run the same "
+                f"collectives: {type(error).__name__}: {error}"
+            )
+    fatal.__cause__ = error
+    return fatal

@@ -70,11 +70,6 @@ class RequestState:
         return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_ids)
 
     @property
-    def reserved_pages(self) -> int:
-        """The pages it holds (`held_pages`; the name of the time when admission reserved the worst case)."""
-        return self.held_pages
-
-    @property
     def prefilled(self) -> bool:
         """Admitted and its prompt computed (after a preemption: the prompt and the outputs so far)."""
         return self.req is not None and self.req.cached_len >= self.req.num_prompt_tokens

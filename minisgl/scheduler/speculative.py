@@ -1,29 +1,7 @@
-"""Speculative decoding's proposals and policy (docs/speculative.md); the verify step is the scheduler's.
-
-A decode step of a small batch reads every weight to make one token per request. A verify step makes up
-to k + 1: each speculating request proposes k draft tokens (`propose`), the target computes its newest
-token and the drafts in one forward, and samples every position as a decode step there would (the same
-transforms, the same (seed, position) draw). The drafts are accepted while they equal those draws, and
-the draw after the last accepted draft is the bonus token. The drafts are greedy or copied (a one-hot
-proposal q), for which this is the standard rejection test (Leviathan et al. 2023: accept d with
-probability min(1, p(d) / q(d)) = p(d), else draw from the residual, p without d): the output is the
-target's distribution exactly, and with a seed the very tokens of a run without speculation.
-
-Methods: 'ngram' (`minisgl.scheduler.ngram`: the continuation of the latest earlier occurrence of the
-request's last tokens) and 'draft' (`minisgl.scheduler.draft`: a smaller model's greedy tokens).
-
-The policy (`Speculator.wanted`, `Speculator.limits`): a verify step computes k + 1 tokens per request;
-where a batch is large enough that the forward is bound by compute rather than by reading the weights,
-those tokens cost nearly their full price and speculation loses. So a decode step speculates only while
-batch size x (k + 1) <= `MAX_VERIFY_TOKENS` (by device). A request that proposed nothing, or whose
-drafts were all rejected, sits out 1, 3, 7, 15, then `MAX_BACKOFF` decode steps (reset by an accepted
-draft), so a workload that never matches pays for almost no verify steps. Verify steps keep overlap
-scheduling ('ngram'): the next one is launched on a guess of the one in flight (`propose_after`) and
-moved on the device by what it accepted (`Scheduler._pipeline`, docs/speculative.md).
-Requests with fewer outputs than min_tokens decode without drafts (they can still share a verify step,
-with one row). Each row sees the drafts before it: a constrained request's rows take its grammar's mask
-after them (`Grammars.verify_mask`), a penalised request's its counts with them (`PenaltyArgs.extra`).
-"""
+"""Speculative decoding's proposers and policy: which decode steps speculate, how many drafts each
+request may take, and the back-off of requests whose drafts fail. Drafts are accepted while they equal
+the target's own draws, so the output is the target's (docs/speculative.md); the verify steps themselves
+are `minisgl.scheduler.verify`'s."""
 
 from __future__ import annotations
 
@@ -32,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from minisgl import metrics
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.ngram import NgramProposer
 from minisgl.scheduler.request import RequestState
 
@@ -53,25 +32,13 @@ class Speculator:
     """One scheduler's speculative decoding: the proposer, the policy, and the counters."""
 
     def __init__(
-        self,
-        method: str,
-        num_tokens: int,
-        *,
-        ngram_max: int = 4,
-        device_type: str = "cpu",
-        draft: Any = None,
-        model_name: str = "",
+        self, config: SchedulerConfig, *, device_type: str = "cpu", draft: Any = None, model_name: str = ""
     ) -> None:
-        if method not in ("ngram", "draft"):
-            raise ValueError(f"speculative_method={method!r} is not valid here: use 'ngram' or 'draft'")
-        if num_tokens < 1:
-            raise ValueError(f"speculative_num_tokens={num_tokens} must be at least 1")
-        if method == "draft" and draft is None:
-            raise ValueError("speculative_method='draft' needs a draft proposer (speculative_draft_model)")
-        self.method = method
-        self.k = num_tokens
-        self.max_batch = max_verify_batch(device_type, num_tokens)
-        self.ngram = NgramProposer(ngram_max) if method == "ngram" else None
+        """`config`: its method and k (checked there); `draft`: the proposer of method 'draft'."""
+        self.method = config.speculative_method
+        self.k = config.speculative_num_tokens
+        self.max_batch = max_verify_batch(device_type, self.k)
+        self.ngram = NgramProposer(config.speculative_ngram_max) if self.method == "ngram" else None
         self.draft = draft
         self.drafted = 0  # draft tokens proposed so far
         self.accepted = 0  # of those, accepted

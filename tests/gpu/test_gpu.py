@@ -22,8 +22,8 @@ from conftest import (
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig, generate
-from minisgl.scheduler import Scheduler
+from minisgl.engine import Engine, EngineConfig
+from minisgl.scheduler import BatchPreparer, Scheduler, SchedulerConfig, generate
 
 pytestmark = [
     pytest.mark.cuda,
@@ -276,7 +276,9 @@ def test_overlap_scheduling_equals_plain_on_gpu(tiny_qwen3):
     ]
     results = []
     for overlap in (False, True):
-        sched = Scheduler(engine, max_prefill_tokens=64, eos_token_ids=[2], overlap=overlap)
+        sched = Scheduler(
+            engine, SchedulerConfig(max_prefill_tokens=64, overlap_scheduling=overlap), eos_token_ids=[2]
+        )
         requests = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
         while sched.has_work():
             sched.step()

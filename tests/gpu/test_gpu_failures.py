@@ -10,8 +10,8 @@ import torch
 from conftest import GPU_SHAPE, check_clean, make_tiny_model
 from test_failures import FAULT, GREEDY, OFFENDER, PEERS, inject_fault
 
-from minisgl.engine import Engine, EngineConfig, generate
-from minisgl.scheduler import Scheduler
+from minisgl.engine import Engine, EngineConfig
+from minisgl.scheduler import Scheduler, SchedulerConfig, generate
 
 pytestmark = [
     pytest.mark.cuda,
@@ -40,7 +40,9 @@ def engine(tmp_path_factory):
 @pytest.mark.parametrize("stage", ["model", "sampler", "device"])
 def test_a_failing_step_on_the_gpu_leaves_the_others_and_the_graphs_intact(engine, stage, phase):
     expected = {tuple(p): generate(engine, [p], GREEDY)[0] for p in [*PEERS, OFFENDER]}
-    sched = Scheduler(engine, max_prefill_tokens=16, eos_token_ids=[2], overlap=True)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=True), eos_token_ids=[2]
+    )
     hit = inject_fault(sched, stage, phase, OFFENDER)
     try:
         peers = [sched.add_request(p, GREEDY) for p in PEERS]
@@ -64,7 +66,9 @@ def test_a_failing_step_on_the_gpu_leaves_the_others_and_the_graphs_intact(engin
     assert (phase == "prefill") == all(state.finish_reason == "length" for state in peers)
     check_clean(sched)
     # the engine (KV pool, page table, graphs) is intact: the same requests again, in a new scheduler
-    sched = Scheduler(engine, max_prefill_tokens=16, eos_token_ids=[2], overlap=True)
+    sched = Scheduler(
+        engine, SchedulerConfig(max_prefill_tokens=16, overlap_scheduling=True), eos_token_ids=[2]
+    )
     again = [sched.add_request(p, GREEDY) for p in [*PEERS, OFFENDER]]
     while sched.has_work():
         sched.step()

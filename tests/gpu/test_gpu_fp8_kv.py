@@ -1,4 +1,4 @@
-"""The FP8 KV cache on the GPU (issue 31, part 2): `kv_cache_dtype: fp8_e4m3` with FlashInfer and the Triton
+"""The FP8 KV cache on the GPU: `kv_cache_dtype: fp8_e4m3` with FlashInfer and the Triton
 decode kernel, CUDA graphs on, against the torch backend reading the same FP8 pages and against bf16 KV;
 the page count. Skips without CUDA or flashinfer (and below sm89, where FP8 KV is refused).
 

@@ -1,4 +1,4 @@
-"""Mistral's sliding window on the GPU (issue 46, item 6): a tiny Mistral of the GPU tests' attention shape
+"""Mistral's sliding window on the GPU: a tiny Mistral of the GPU tests' attention shape
 (tests/conftest.py GPU_SHAPE: head_dim 128, 16 query / 8 KV heads, bf16) with a window of 64 tokens. Its
 prompts of 1 to 150 tokens and 6 decode steps after each (the 150- and 64-token ones pass the window)
 run through every attention path against the torch backend on the GPU, whose mask tests/test_mistral.py
@@ -24,7 +24,8 @@ from conftest import GPU_SHAPE, gpu_seqs, make_tiny_model, rel_err, teacher_forc
 from conftest import GPU_STEPS as STEPS
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
+from minisgl.scheduler import BatchPreparer
 
 pytestmark = [
     pytest.mark.cuda,

@@ -14,8 +14,9 @@ import torch
 from conftest import GPU_SHAPE, make_tiny_model, one_decode_step, rel_err, teacher_forced_logits
 
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe
+from minisgl.scheduler import generate
 
 pytestmark = [
     pytest.mark.cuda,

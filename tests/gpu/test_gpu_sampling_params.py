@@ -1,4 +1,4 @@
-"""The sampling parameters OpenAI clients send (issue 29) on CUDA: penalties and logit bias in mixed
+"""The sampling parameters OpenAI clients send, on CUDA: penalties and logit bias in mixed
 batches (CUDA graphs, the compiled sampler), and log probabilities through the compiled prefill (every
 scored row) and the decode graphs, against transformers. Skips without CUDA or flashinfer."""
 
@@ -96,11 +96,11 @@ def test_logprobs_through_the_compiled_prefill_and_the_decode_graphs(llm, folder
     for p, entry in enumerate(entries):
         assert abs(entry.logprob - ref[p, ids[p + 1]].item()) < 5e-2, p
         assert len(entry.top) == (3 if p < len(PROMPT) - 1 else 5)
-    saved = llm.scheduler.prompt_logprob_chunk
-    llm.scheduler.prompt_logprob_chunk = 4
+    saved = llm.scheduler.policy.prompt_logprob_chunk
+    llm.scheduler.policy.prompt_logprob_chunk = 4
     try:
         [chunked] = llm.generate([PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=3))
     finally:
-        llm.scheduler.prompt_logprob_chunk = saved
+        llm.scheduler.policy.prompt_logprob_chunk = saved
     for a, b in zip(chunked.prompt_logprobs[1:], out.prompt_logprobs[1:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 5e-2

@@ -9,8 +9,9 @@ import torch
 from conftest import check_clean, gpu_seqs, rel_err
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
+from minisgl.scheduler import BatchPreparer
 
 pytestmark = [
     pytest.mark.cuda,

@@ -34,9 +34,9 @@ import torch
 
 from minisgl.core import Batch, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine.engine import Engine
-from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, TableIdxAllocator
-from minisgl.kvcache.radix import Match, RadixCache, RadixNode
+from minisgl.scheduler.radix import Match, RadixCache, RadixNode
 
 
 class BatchPreparer:
@@ -67,13 +67,21 @@ class BatchPreparer:
         """Pages that requests hold: their own and the tree's pages they reference."""
         return self.pages.num_used - (0 if self.cache is None else self.cache.num_evictable_pages)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> Match | None:
+    @staticmethod
+    def prefix_key(tokens: Sequence[int], num_tokens: int, params: SamplingParams) -> Sequence[int]:
+        """The identity under which the prefix cache stores the KV of the first `num_tokens` of
+        `tokens` computed for a request with `params`: every look-up and insertion goes through here.
+        Today the tokens alone decide the KV."""
+        return tokens[:num_tokens]
+
+    def match_prefix(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> Match | None:
         """The longest cached prefix of a prompt in whole pages, short of its last token (which must be
         computed to sample from it), locked until `add_request` takes it over or `unlock_prefix`
         drops it. None without a cache."""
         if self.cache is None:
             return None
-        return self.cache.match(token_ids[: len(token_ids) - 1], lock=True)
+        key = self.prefix_key(token_ids, len(token_ids) - 1, params or SamplingParams())
+        return self.cache.match(key, lock=True)
 
     def unlock_prefix(self, prefix: Match | None) -> None:
         """Drops a `match_prefix` that no request took."""
@@ -144,7 +152,7 @@ class BatchPreparer:
         handle, length = self._handles[req.uid]
         if req.cached_len != length:  # it computed tokens of its own
             return 0
-        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens])
+        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens], req.sampling_params)
         if prefix.num_tokens <= length:
             self.cache.unlock(prefix.handle)
             return 0
@@ -169,7 +177,8 @@ class BatchPreparer:
         if num * self.page_size <= length:
             return
         pages = self._req_pages[req.uid]
-        result = self.cache.insert(req.input_ids[: num * self.page_size], pages[:num], lock=True)
+        key = self.prefix_key(req.input_ids, num * self.page_size, req.sampling_params)
+        result = self.cache.insert(key, pages[:num], lock=True)
         self.cache.unlock(handle)
         self._handles[req.uid] = (result.handle, num * self.page_size)
         if result.duplicate_pages:
@@ -318,7 +327,8 @@ class BatchPreparer:
             if self.cache is not None:
                 handle, _ = self._handles.pop(req.uid)
                 num = min(min(req.cached_len, len(req.input_ids)) // self.page_size, len(pages))
-                result = self.cache.insert(req.input_ids[: num * self.page_size], pages[:num])
+                key = self.prefix_key(req.input_ids, num * self.page_size, req.sampling_params)
+                result = self.cache.insert(key, pages[:num])
                 self.cache.unlock(handle)
                 pages = result.duplicate_pages + pages[num:]
             self.pages.free(pages)
