@@ -1,3 +1,3 @@
-"""Benchmarks. `perf/cpu`: pytest-benchmark suites (`nox -s perf`, or
-`python -m pytest perf/cpu --benchmark-only`). `perf/gpu`: plain scripts, run from the repository root
-as modules (`python -m perf.gpu.NAME`), sharing `perf.gpu.timing`."""
+"""Benchmarks (docs/performance.md names each one). `perf/cpu`: pytest-benchmark suites (`nox -s perf`).
+The scripts run from the repository root as modules (`python -m perf.NAME`, `python -m perf.gpu.NAME`);
+their shared helpers are `perf.common` and, for device timing, `perf.gpu.timing`."""

@@ -1,14 +1,14 @@
 """Run a command beside N busy host processes: how a benchmark holds up when the machine is not idle.
 
     python -m perf.busy_host --busy 8 --seconds 900 -- \\
-        python -m minisgl.bench --config configs/h200-qwen3-0.6b.yaml --single-request --json
+        python -m minisgl bench --config configs/h200-qwen3-0.6b.yaml --single-request --json
 
 Each busy process spins a Python loop on one core (what other Python services on a shared host do)
 until the command ends, and in any case stops by itself after ``--seconds``, also if this process is
 killed. The command's own limit is ``--seconds`` too; its exit code is this script's. Run the same line
 with Mini-SGLang's benchmark as the command to keep both figures from one machine state. On the 16-core
-one-GPU host, 8 busy processes leave half the cores idle (the issue 13 goal); on the 32-core two-GPU
-host, 16.
+one-GPU host, 8 busy processes leave half the cores idle (the busy-host goal's setting,
+docs/performance.md); on the 32-core two-GPU host, 16.
 """
 
 from __future__ import annotations

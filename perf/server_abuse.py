@@ -5,16 +5,15 @@ prints a table and stops the server. Figures in docs/server.md#security."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 
 import httpx2 as httpx
+
+from perf.common import OFFLINE_ENV, ServerProcess, free_port
 
 MODEL = "smollm2-135m-instruct"
 TEXT = "word " * ((8 << 20) // 5)  # 8 MiB
@@ -52,30 +51,12 @@ class Poller(threading.Thread):
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    argparse.ArgumentParser(prog="python -m perf.server_abuse", description=__doc__).parse_args()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "minisgl.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--max-request-bytes",
-        str(16 << 20),
-    ]
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--port", str(port)]
+    cmd += ["--max-request-bytes", str(16 << 20)]
+    with ServerProcess(cmd, None, base + "/health", OFFLINE_ENV, group=False, timeout=120):
         poller = Poller(base)
         poller.start()
         print(f"{'case':20s} {'MB':>5s}  status  {'refused in':>10s}  /health worst")
@@ -94,9 +75,6 @@ def main() -> None:
                 f"{name:20s} {len(raw) / 1e6:5.1f}  {r.status_code:6d}  {elapsed * 1e3:7.1f} ms  {poller.worst * 1e3:7.1f} ms"
             )
         poller.stopped = True
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
 
 
 if __name__ == "__main__":

@@ -4,43 +4,10 @@ processes and gauges are sampled, then checks that nothing leaked or failed.
     python -m perf.soak --minutes 20                      # starts its own server (default model, CPU)
     python -m perf.soak --minutes 5 --url http://127.0.0.1:30000 --log server.log
 
-The mix is `MIX`, a table of rows: a name, a weight, a request builder and the expected outcome (a
-later feature adds its row). It has streamed and non-streamed completions and chats, n > 1, stop
-strings, log probabilities, penalties, structured output (json_schema, json_object), clients that go
-away mid-stream, before a non-streamed answer or before their body is sent, malformed JSON, invalid
-fields, an unknown model, a context overflow and a body over the server's limit (each expecting its
-4xx). The first pass goes through the table once in order (every row runs; caches warm), then rows are
-drawn by weight from `random.Random(seed)`, each request's fields from its own seeded generator. At
-most 16 requests are in flight (`--concurrency`, 16 at most), so a 503 for a valid request is a
-failure. Requests go through `minisgl.bench.client` (its raw HTTP/1.1 protocol, one connection
-per request).
-
-Sampled every `--sample-every` seconds: RSS (`/proc/PID/status` VmRSS) and open descriptors
-(`/proc/PID/fd`) of the front end (`--pid`, or the process listening on the URL's port) and every
-process below it, and the gauges of `/metrics` (`minisgl_kv_cache_usage_ratio`,
-`minisgl_prefix_cache_pages`, `minisgl_requests_running`, `minisgl_requests_waiting`). Counted:
-responses by status and by error kind, per row; printed each minute: latency percentiles of the
-requests served in it.
-
-Checks, at the end (the report's `checks`; the exit code is 1 when one fails, 2 when the soak could
-not run):
-
-- `no_5xx_for_valid`: no 5xx status and no server error event for a valid request;
-- `as_expected`: every request got what its row expects (a 200 whose choices, finish reasons, usage,
-  stop strings, log probabilities and JSON are right; the 4xx of the bad ones);
-- `rss`: each process's RSS at the end of the load within +5% of its value at the baseline, 2 minutes
-  into the load, or 20% into a run shorter than 10 minutes (a 1-minute run: after 12 s);
-- `descriptors`: each process's open descriptors at rest after the load no more than at rest before
-  it (after the first pass through the table);
-- `processes`: the same processes at the start and at the end (none died, none was started again);
-- `kv_at_rest`: after the load, nothing running or waiting and, once `POST /flush_cache` emptied the
-  prefix cache, `minisgl_kv_cache_usage_ratio` and `minisgl_prefix_cache_pages` at 0;
-- `log`: no traceback in the server's log (its own server's, or `--log`; without either, skipped);
-- `server_exit`: its own server exits 0 on SIGTERM.
-
-The JSON report (`--report`, default soak-report.json) holds the settings, the counts per row, status
-and error kind, the minutes' latencies, every sample, the processes' figures, the rest state, the
-first unexpected outcomes and the checks. docs/testing.md#soak.
+The mix is `MIX` (a row per kind of request: a feature adds its row); requests go through
+`minisgl.bench.client`'s raw HTTP/1.1 protocol. The exit code is 1 when a check fails, 2 when the soak
+could not run; the JSON report goes to `--report`. The mix, the samples and the checks:
+docs/testing.md#soak.
 """
 
 from __future__ import annotations
@@ -52,8 +19,6 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -67,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minisgl.bench.client import RequestResult, Server, _JSONResponse, _Measured, run_loop
 from minisgl.bench.serving import first_model, percentile
+from perf.common import OFFLINE_ENV, free_port, stop_process
 
 MAX_IN_FLIGHT = 16
 RSS_GROWTH = 0.05  # the RSS check's bound: +5% over the baseline
@@ -1006,12 +972,6 @@ def scan_log(path: Path | None) -> dict[str, Any]:
 # -- its own server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def wait_healthy(root: Server, proc: subprocess.Popen | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -1030,20 +990,9 @@ def start_server(port: int, max_request_bytes: int, extra: list[str], log: Path)
     """`minisgl-run serve` on 127.0.0.1:`port` (the default model), its output into `log`."""
     command = [sys.executable, "-m", "minisgl.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--max-request-bytes", str(max_request_bytes), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **OFFLINE_ENV}
     with open(log, "wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-    return proc.returncode
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1115,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak: could not run: {e}", file=sys.stderr)
         return 2
     finally:
-        code = None if proc is None else stop_server(proc)
+        code = None if proc is None else stop_process(proc, group=False, grace=90)
     if code is not None:
         report["checks"]["server_exit"] = _check(code == 0, f"its server exited with {code} on SIGTERM")
     report["checks"]["log"] = scan_log(log)

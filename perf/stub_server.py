@@ -1,28 +1,16 @@
 """A stub OpenAI-compatible server that streams as fast as it can, to measure what the benchmark client
-(`minisgl-run bench-serving`) can count when the server does no work.
+(`minisgl-run bench-serving`) can count when the server does no work (docs/bench-serving.md#the-client).
 
     python -m perf.stub_server --port 30000 --tokens-per-chunk 1 [--processes 2] [--max-seconds 300]
     python -m perf.stub_server --measure-client 256 --tokens-per-chunk 3   # stub + client, prints tok/s
 
-Raw asyncio (no web framework, so the stub is not the limit), bound to 127.0.0.1 only:
-`GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions`, each answer on a connection
-that closes after it. A streamed request gets OpenAI-shaped SSE chunks (`text_completion` or
-`chat.completion.chunk`, the chat stream opening with a role chunk), `--tokens-per-chunk` tokens each,
-carrying `token_ids` unless the body says `return_token_ids: false`, `max_tokens` tokens per choice
-(`n` choices), a final chunk per choice, a usage chunk when `stream_options.include_usage`, and
-`data: [DONE]`, framed with `Transfer-Encoding: chunked` (or `--framing close`: no framing, the body
-ends with the connection). A non-streamed request gets the whole response with a Content-Length.
-
-Like an engine's decode loop, one step writes the next chunk of every stream in flight, then lets the
-event loop read and accept; a stream whose socket buffer is full (the client is behind) skips steps
-until it drains. Prompt tokens in usage: the length of a token-id prompt, else the number of
-whitespace-separated words of the text (plus 3 per chat message), so that they differ from a client's
-tokenizer count. With `--processes M`, M processes listen on the same port (SO_REUSEPORT, Linux).
-Each stops by itself after `--max-seconds`, on SIGTERM or SIGINT, or when its parent is gone.
-
-`measure_client(...)` runs the stub in a subprocess and the client against it, and returns the
-client's report (the GPU benchmark scripts call it; perf/cpu/test_bench_client.py runs it under
-pytest-benchmark).
+Raw asyncio on 127.0.0.1 only (`GET /v1/models`, `POST /v1/completions` and `/v1/chat/completions`, one
+request per connection): OpenAI-shaped SSE chunks of `--tokens-per-chunk` tokens (with `token_ids`
+unless `return_token_ids: false`), a usage chunk when asked, `data: [DONE]`; a non-streamed request
+gets the whole response. Like an engine's decode loop, one step writes the next chunk of every stream
+whose client keeps up. `--processes M` listen on one port (SO_REUSEPORT); each stops by itself after
+`--max-seconds`, on SIGTERM or SIGINT, or when its parent is gone. `measure_client(...)` runs the stub
+in a subprocess and the client against it (perf/cpu/test_bench_client.py, perf.gpu.serving).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""The offline throughput benchmark: the workload Mini-SGLang and nano-vllm publish, and the two
-prefix-cache workloads of issue 15 (`minisgl-run bench --workload random|shared-prefix|multi-turn`).
-
-random (the default): 256 requests: `random.seed(seed)`; for each request in turn an input length
-`randint(min_input, max_input)` and that many token ids `randint(0, 10000)`; then for each request
-`max_tokens = randint(min_output, max_output)`. Temperature 0.6, ignore_eos, so every request runs to
-max_tokens. shared-prefix and multi-turn: groups of requests sharing a system prompt, and conversations
-whose turns resend the whole conversation so far; their definitions are in `minisgl.bench.workloads`
-(plain Python that other engines' scripts load by path) and docs/bench-workloads.md.
-
-Throughput = output tokens / wall time of the pass, timed after a short warm-up; the workload runs
-`passes` times in one process and every pass is reported, with time-to-first-token percentiles and the
-prefix cache's hit rate over the pass (prompt tokens found cached / prompt tokens looked up). The prefix
-cache is emptied (`LLM.flush_cache`) before each pass, so every pass starts cold, unless `keep_cache`.
-
-    python -m minisgl bench --config configs/h200-qwen3-0.6b.yaml   (the same as `minisgl-run bench`)
-    python -m minisgl.bench --config configs/h200-qwen3-0.6b.yaml   (the same, through bench/__main__.py)
-    minisgl-run bench --config configs/cpu-smollm2.yaml --workload shared-prefix --cache-type naive
+"""The offline throughput benchmark (`minisgl-run bench`, also `python -m minisgl bench`): a workload run
+on an `LLM` in this process, timed pass by pass. The random workload Mini-SGLang and nano-vllm publish
+(`make_workload`), and the two prefix-cache workloads of `minisgl.bench.workloads` (`--workload
+shared-prefix|multi-turn`; multi-turn driven by `drive_conversations`). Each pass reports its
+throughput (output tokens / wall time), time-to-first-token percentiles and the prefix cache's hit
+rate; the cache is emptied before each pass unless `keep_cache`. The workloads and options:
+docs/performance.md#the-workload and docs/bench-workloads.md.
 """
 
 from __future__ import annotations

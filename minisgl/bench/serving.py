@@ -1,32 +1,12 @@
 """`minisgl-run bench-serving`: an online benchmark client for an OpenAI-compatible server.
 
-It sends a workload to `POST {base_url}/completions` (or `/chat/completions`) with `stream: true` and
-measures each request as it streams, the way SGLang's `bench_serving` and vLLM's serving benchmark do
-(docs/bench-serving.md):
-
-- TTFT: from sending the request to the first chunk that carries text or token ids.
-- ITL (inter-token latency): the gap between a chunk and the previous one that carried tokens (of the
-  same choice). A chunk with k tokens adds k values of gap / k (SGLang's per-token adjustment), so
-  chunking never inflates ITL. The tokens of the first chunk add none. All requests' values are pooled
-  before the statistics.
-- TPOT (time per output token, excluding the first): (E2E - TTFT) / (output tokens - 1), one value per
-  request with more than one output token (per choice: with n choices, output tokens / n).
-- E2E latency: from sending the request to the end of its stream.
-- Output tokens: `usage.completion_tokens` of the usage chunk when the server sends one, else counted
-  (the `token_ids` of the chunks, else one per chunk with text). Input tokens: `usage.prompt_tokens`
-  when the server sends one, else the client's count.
-
-The client is built not to be the bottleneck: no HTTP library, each request on its own connection read
-by an asyncio protocol that times and parses each server-sent event as its bytes arrive
-(`minisgl.bench.client`), uvloop when importable, and the requests spread over several client
-processes (`client_processes`), each with its own event loop, sending its share at the arrival times of
-one shared schedule.
-
-The default workload is the offline benchmark's (`minisgl.bench.offline.make_workload`): seeded random
-token-id prompts, `ignore_eos`, `max_tokens` the drawn output length. Requests arrive as a Poisson
-process of `request_rate` per second (exponential gaps from a seeded generator, drawn once; `inf`: all
-at once), optionally behind `max_concurrency` (split over the client processes). The whole run is
-bounded by `timeout` seconds: requests still running then are cancelled and reported as failed.
+It sends a workload (by default the offline benchmark's, `minisgl.bench.offline.make_workload`) to
+`POST {base_url}/completions` (or `/chat/completions`) as a Poisson process of `request_rate` per
+second, optionally behind `max_concurrency`, and measures each request as it streams: TTFT, ITL, TPOT,
+E2E latency and token counts, the way SGLang's `bench_serving` and vLLM's serving benchmark do. The
+client is built not to be the bottleneck: each request on its own connection read by an asyncio
+protocol (`minisgl.bench.client`), uvloop when importable, the requests spread over several client
+processes. The whole run is bounded by `timeout`. The metrics, options and report: docs/bench-serving.md.
 
     from minisgl.bench.serving import bench_serving, format_report, workload
     report = bench_serving(workload(num_prompts=64), base_url="http://127.0.0.1:30000/v1", request_rate=8)

@@ -1,4 +1,5 @@
-"""The prefix-cache workloads of `minisgl-run bench --workload ...`, as plain data.
+"""The prefix-cache workloads of `minisgl-run bench --workload shared-prefix|multi-turn`, as plain data
+(their definitions, draw order and shapes: docs/bench-workloads.md).
 
 Plain Python (the standard library's `random` and `dataclasses` only): this file imports nothing from
 minisgl or torch, so another engine's benchmark script can load it by its path and run the very same
@@ -8,26 +9,6 @@ requests (`.peer/bench_prefix.py` does so for Mini-SGLang):
     workloads = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(workloads)
     prompts, max_tokens = workloads.shared_prefix_workload(workloads.SharedPrefixShape())
-
-Token ids are `randint(0, 10000)`, wrapped modulo `vocab_size` when one is given (as the random
-workload's `make_workload` does); every request runs at temperature 0.6 with ignore_eos, so it produces
-exactly its max_tokens.
-
-**Shared prefix** (`SharedPrefixShape`, `shared_prefix_workload`): `groups` groups of `per_group`
-requests; the requests of a group share a system prompt of `prefix_len` ids, and each adds
-`randint(min_own, max_own)` ids of its own and asks for `randint(min_output, max_output)` tokens.
-Draws, from `random.Random(seed)`: first the groups' prefixes, group by group; then, group by group and
-within a group request by request, the request's own length, its ids and its max_tokens. The requests
-are returned interleaved round-robin over the groups, as a server sees them arrive mixed: request `i`
-is request `i // groups` of group `i % groups`.
-
-**Multi-turn** (`MultiTurnShape`, `multi_turn_workload`): `conversations` conversations of `turns`
-turns. Turn k's prompt is the whole conversation so far (turn k-1's prompt and the tokens generated
-for it) followed by `randint(min_user, max_user)` new user ids (`next_turn_prompt`); it asks for
-`randint(min_output, max_output)` tokens, and is sent when turn k-1 has finished. The generator gives,
-per conversation, each turn's user ids and max_tokens (drawn conversation by conversation, turn by
-turn: length, ids, max_tokens); the prompts depend on what the model generates, so the driver builds
-them as it goes.
 """
 
 # no `from __future__ import annotations`: with string annotations, @dataclass looks the module up
@@ -55,7 +36,7 @@ def _check(shape: object) -> None:
 
 @dataclass(frozen=True)
 class SharedPrefixShape:
-    """Groups of requests sharing a system prompt (defaults: issue 15's GPU workload)."""
+    """Groups of requests sharing a system prompt (defaults: the GPU shape of docs/bench-workloads.md)."""
 
     groups: int = 16
     per_group: int = 16
@@ -73,7 +54,7 @@ class SharedPrefixShape:
 
 @dataclass(frozen=True)
 class MultiTurnShape:
-    """Conversations whose every turn resends the whole conversation so far (defaults: issue 15's)."""
+    """Conversations whose every turn resends the whole conversation so far (defaults: the GPU shape)."""
 
     conversations: int = 64
     turns: int = 4

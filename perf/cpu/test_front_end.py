@@ -12,22 +12,17 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from perf.common import free_port, wait_ready
+
 STREAMS = 256
 TOKENS = 200  # per stream
 TOKEN = 1000  # the token every step makes (" the"-like in SmolLM2's vocabulary)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fake_client_class() -> type:
@@ -97,8 +92,6 @@ def _serve(port: int, model_path: str | None) -> None:
     settings = EngineSettings.load(None, **explicit)
     state = ServerState(settings, explicit, None)
     state.client_class = _fake_client_class()
-    import os
-
     config = uvicorn.Config(
         server_app.create_app(state),
         host="127.0.0.1",
@@ -130,31 +123,16 @@ async def _read_all(port: int, body: bytes) -> tuple[int, float]:
     return sum(counts), time.perf_counter() - start
 
 
-def _wait_healthy(port: int, timeout: float = 60.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the front end did not start")
-
-
 @pytest.mark.parametrize("detokenize", [True, False], ids=["text", "token-ids"])
 def test_front_end_256_streams(benchmark, detokenize):
     from minisgl.models import default_model_path
 
-    port = _free_port()
+    port = free_port()
     model = str(default_model_path()) if detokenize else None
     proc = mp.get_context("spawn").Process(target=_serve, args=(port, model))
     proc.start()
     try:
-        _wait_healthy(port)
+        wait_ready(f"http://127.0.0.1:{port}/health", 60, interval=0.2)
         body = json.dumps(
             {
                 "model": "fake",

@@ -1,7 +1,8 @@
-"""Speculative decoding on the CPU (issue 45's CPU goal): one request at a time, prompts whose answer
-copies them ("Repeat this text exactly:" + a paragraph, under the chat template), greedy, the default
-model in float32; n-gram speculation against none, alternating, three runs each, medians. The ratio of
-the medians (decode tokens per second, speculation over none) is printed and kept in extra_info.
+"""Speculative decoding on the CPU against its CPU goal (docs/speculative.md): one request at a time,
+prompts whose answer copies them ("Repeat this text exactly:" + a paragraph, under the chat template),
+greedy, the default model in float32; n-gram speculation against none, alternating, three runs each,
+medians. The ratio of the medians (decode tokens per second, speculation over none) is printed and
+kept in extra_info.
 
     python -m pytest perf/cpu/test_speculative.py --benchmark-only -q -s    (or nox -s perf)
 """
@@ -9,10 +10,10 @@ the medians (decode tokens per second, speculation over none) is printed and kep
 from __future__ import annotations
 
 import statistics
-import time
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+from perf.common import decode_rate
 
 PARAGRAPHS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -26,18 +27,6 @@ PARAGRAPHS = [
     "cake until a knife pushed into its middle comes out clean.",
 ]
 RUNS = 3
-
-
-def _decode_rate(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    """Output tokens per second over the prompts, one request at a time (after its first token)."""
-    tokens, seconds, outputs = 0, 0.0, []
-    for ids in prompts:
-        started = time.perf_counter()
-        out = llm.generate([ids], SamplingParams(max_tokens=96))[0]
-        seconds += time.perf_counter() - started - (out.time_to_first_token or 0.0)
-        tokens += len(out.token_ids) - 1
-        outputs.append(out.token_ids)
-    return tokens / seconds, outputs
 
 
 def test_ngram_on_copy_prompts(benchmark):
@@ -58,7 +47,7 @@ def test_ngram_on_copy_prompts(benchmark):
         def run() -> None:
             for _ in range(RUNS):
                 for name, llm in llms.items():
-                    rate, outputs[name] = _decode_rate(llm, prompts)
+                    rate, outputs[name] = decode_rate(llm, prompts, SamplingParams(max_tokens=96))
                     rates[name].append(rate)
 
         benchmark.pedantic(run, rounds=1, iterations=1)

@@ -1,2 +1,2 @@
-"""GPU benchmark scripts (`python -m perf.gpu.NAME` from the repository root; `sampler_ops` runs on the
-CPU): ablation, attention, gemv, moe, prefill, profile, sampler_ops. Shared helpers: `perf.gpu.timing`."""
+"""GPU benchmark scripts (`python -m perf.gpu.NAME` from the repository root; docs/performance.md lists
+them). Shared helpers: `perf.gpu.timing` (device time), `perf.common` (ports, servers, figures)."""

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from perf.common import free_port
+from perf.gpu.timing import graph_us
 
 REPS = 50
 LAYERS = {1024: ("Qwen3-0.6B", 28), 4096: ("Qwen3-8B", 36)}
@@ -29,26 +31,7 @@ MAX_BYTES = 8 << 20
 
 def _time_graph(fn, x: torch.Tensor) -> float:
     """Microseconds per call of `fn(x)`, from a graph of REPS calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn(x)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (20 * REPS)
+    return graph_us(lambda: [fn(x) for _ in range(REPS)]) / REPS
 
 
 def _custom(rank: int, group) -> tuple | None:
@@ -150,9 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     if torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.setdefault("NCCL_DEBUG", "WARN")
     mp.spawn(_worker, args=(args.ranks, port, args.hidden, args.batch, args.ctas), nprocs=args.ranks)
 

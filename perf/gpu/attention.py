@@ -25,7 +25,7 @@ import torch
 from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.kvcache import MHAKVCachePool
-from perf.gpu.timing import gpu_ms
+from perf.gpu.timing import capture, gpu_ms
 
 HEADS, KV_HEADS, DIM, PAGE = 16, 8, 128, 256
 MAX_BS, MAX_CTX = 256, 2048
@@ -75,15 +75,8 @@ def eager(device: torch.device) -> None:
                 wrapper = batch.attn_metadata.wrapper
                 q = torch.randn(bs, HEADS, DIM, dtype=torch.bfloat16, device=device)
                 kv = (pool.k_cache(0), pool.v_cache(0))
-                for _ in range(3):
-                    wrapper.run(q, kv)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(50):
-                    wrapper.run(q, kv)
-                end.record()
-                end.synchronize()
-                cells.append(f"{statistics.median(plans):>13.3f}/{start.elapsed_time(end) / 50:<14.4f}")
+                run_ms = gpu_ms(lambda wrapper=wrapper, q=q, kv=kv: wrapper.run(q, kv))
+                cells.append(f"{statistics.median(plans):>13.3f}/{run_ms:<14.4f}")
             print(f"{bs:>4} {ctx:>5} " + " ".join(cells), flush=True)
 
 
@@ -135,16 +128,7 @@ def graphs(
                     q, *flat, table, meta.rows, meta.lens, block_n=block_n, kv_scales=scales
                 )
 
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                out = run()
-            captured[name] = (graph, out)
+            captured[name] = capture(run)
         for ctx in contexts:
             cells, outs = [], []
             for name, backend in backends.items():

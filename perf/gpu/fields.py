@@ -1,18 +1,14 @@
-"""Issue 29's serving goals on a GPU: the rate-inf workload with none of the new sampling fields, with
-presence, frequency and repetition penalties on every request (goal: at least 0.9x the plain run), and
-with `logprobs: 5` on every request, served with text (goal: at least 0.85x).
+"""The sampling fields' serving goals on a GPU: the rate-inf workload plain, with presence, frequency and
+repetition penalties on every request (goal: at least 0.9x the plain run), and with `logprobs: 5` on
+every request, served with text (goal: at least 0.85x); figures in docs/performance.md.
 
-    python -m perf.gpu.fields MODEL_DIR [--config YAML] [--before SRC] [--reps 3] [--out DIR]
+    python -m perf.gpu.fields MODEL_DIR [--config YAML] [--before SRC] [--reps 3] [--shape cpu] [--out DIR]
 
-MODEL_DIR as `perf.gpu.serving`'s (config.json and a tokenizer; dummy weights from the preset);
-`--shape cpu` runs `perf.gpu.serving`'s scaled-down workload (a dry run on a CPU with a CPU config).
-`--before SRC`: the source tree of an earlier build (e.g. `git archive` of the commit before issue 29),
-served beside the current one, both at `MINISGL_MEMORY_RATIO=0.42` so they fit one GPU together; each
-round then runs the earlier build's plain workload and the current build's plain, penalties and
-logprobs workloads back to back (`--reps` rounds, medians). Servers bind to 127.0.0.1. A run that takes
-longer than `--run-timeout` seconds is stopped and recorded as timed out, after `py-spy dump` of the
-server's processes and of the client (where py-spy is on PATH: perf/gpu/wheels.txt) and a copy of the
-server's /metrics, under --out: where it waits. A plain script, not a test.
+MODEL_DIR as `perf.gpu.serving`'s. `--before SRC`: the source tree of an earlier build, served beside
+the current one (both at `MINISGL_MEMORY_RATIO=0.42`); each round runs its plain workload, then the
+current build's three, back to back (`--reps` rounds, medians). A run past `--run-timeout` is recorded
+as timed out, after `py-spy dump` of the server's and the client's processes and a copy of /metrics
+under --out: where it waits.
 """
 
 from __future__ import annotations
@@ -20,23 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
-import sys
 from pathlib import Path
 
-from perf.gpu.serving import (
+from perf.common import (
     CPU_ARGS,
-    ROOT,
     WARM_UP,
-    Proc,
-    _children,
-    _free_port,
-    _get,
-    _last_json,
-    _line,
+    ServerProcess,
     bench_serving,
+    free_port,
+    http_get,
     model_parser,
+    process_tree,
+    ratio_lines,
+    report_line,
+    serve_command,
     stop_servers_on_sigterm,
 )
 
@@ -48,52 +42,35 @@ VARIANTS = {
 GOALS = {"penalties": 0.9, "logprobs": 0.85}
 
 
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants."""
-    pids = [pid]
-    for child in _children(pid):
-        pids += _tree(child)
-    return pids
-
-
 def bench_or_dump(
-    base: str, server: Proc, out: Path, key: str, extra: list[str], timeout: float
+    base: str, server: ServerProcess, out: Path, key: str, extra: list[str], timeout: float
 ) -> dict | None:
     """`minisgl-run bench-serving --json` against `base` (its report), or None when it runs past
     `timeout`: then the stacks of the server's and the client's processes (py-spy dump) and the server's
     /metrics go to out/KEY-timeout-*.txt first, and the client is stopped."""
-    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", base, "--json", *extra]
-    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        stdout, stderr = client.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        name = key.replace("/", "-")
+    name = key.replace("/", "-")
+
+    def dump(client: int) -> None:
         spy = shutil.which("py-spy")
         if spy is not None:
-            for pid in _tree(server.proc.pid) + _tree(client.pid):
-                dump = subprocess.run(
+            for pid in process_tree(server.proc.pid) + process_tree(client):
+                done = subprocess.run(
                     [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
                 )
-                (out / f"{name}-timeout-spy-{pid}.txt").write_text(dump.stdout + dump.stderr)
-        (out / f"{name}-timeout-metrics.txt").write_text(_get(base.removesuffix("/v1") + "/metrics")[1])
-        client.kill()
-        client.communicate()
+                (out / f"{name}-timeout-spy-{pid}.txt").write_text(done.stdout + done.stderr)
+        (out / f"{name}-timeout-metrics.txt").write_text(http_get(base.removesuffix("/v1") + "/metrics")[1])
+
+    report = bench_serving(base, *extra, timeout=timeout, on_timeout=dump)
+    if report is None:
         print(f"{key}: no answer in {timeout:.0f} s (stacks and metrics under {out})", flush=True)
-        return None
-    if client.returncode != 0:
-        raise RuntimeError(f"bench-serving failed: {stderr[-3000:]}")
-    report = _last_json(stdout)
-    report.pop("requests", None)
     return report
 
 
-def serve(args: argparse.Namespace, out: Path, name: str, tree: Path) -> tuple[Proc, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--config", args.config, "--model", args.model]
+def serve(args: argparse.Namespace, out: Path, name: str, tree: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    cmd = serve_command(args.config, port, model=args.model)
     env = {"MINISGL_MEMORY_RATIO": "0.42", "PYTHONPATH": f"{args.site}:{tree}" if args.site else str(tree)}
-    proc = Proc(
-        [*cmd, "--port", str(port)], out / f"{name}.log", f"http://127.0.0.1:{port}/health", env, tree
-    )
+    proc = ServerProcess(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health", env, tree)
     print(f"{name}: up in {proc.start_s:.0f} s", flush=True)
     base = f"http://127.0.0.1:{port}/v1"
     bench_serving(base, *WARM_UP)
@@ -134,26 +111,15 @@ def main() -> None:
                     if report is None:
                         continue
                     runs.setdefault(key, []).append(report)
-                    print(_line(f"{key} #{i + 1}", report), flush=True)
+                    print(report_line(f"{key} #{i + 1}", report), flush=True)
                     (out / "fields.json").write_text(json.dumps(runs, indent=1))
     finally:
         for _, proc, _ in servers:
             proc.stop()
     tok_s = {key: [r["output_throughput"] for r in reports] for key, reports in runs.items()}
-    plain = statistics.median(tok_s.get("current/plain", [float("nan")]))
     print(f"\n--- sampling fields, rate inf, {args.reps} rounds ---")
-    for key, values in tok_s.items():
-        ratio = statistics.median(values) / plain
-        variant = key.split("/")[1]
-        goal = (
-            f" (goal >= {GOALS[variant]}x: {'met' if ratio >= GOALS[variant] else 'NOT met'})"
-            if variant in GOALS
-            else ""
-        )
-        runs_text = ", ".join(f"{v:,.0f}" for v in values)
-        print(
-            f"{key:>20}: median {statistics.median(values):,.0f} tok/s ({runs_text}), {ratio:.3f}x plain{goal}"
-        )
+    lines = ratio_lines(tok_s, "current/plain", "plain", lambda key: GOALS.get(key.split("/")[1]), 20, 3)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

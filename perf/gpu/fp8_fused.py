@@ -19,11 +19,10 @@ import random
 import statistics
 import time
 
-import torch
-
 from minisgl.core import SamplingParams
 from minisgl.kernels import fp8_gemm
 from minisgl.llm import LLM
+from perf.common import decode_rate
 
 SETTINGS = (("off", False), ("on", True))
 
@@ -49,12 +48,7 @@ def main() -> None:
     for rep in range(args.pairs + 1):  # pair 0 warms up
         for name, flag in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
             fp8_gemm.FUSED_QUANTIZE = flag
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            out = llms[name].generate([prompt], params)[0]
-            rate = (len(out.token_ids) - 1) / (time.perf_counter() - started - out.time_to_first_token)
-            outs[name] = out.token_ids
+            rate, [outs[name]] = decode_rate(llms[name], [prompt], params)
             print(f"pair {rep} {name}: {rate:.1f} tok/s", flush=True)
             if rep:
                 rates[name].append(rate)

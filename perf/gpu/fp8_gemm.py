@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from minisgl.kernels import fp8_gemm as G
 from minisgl.kernels.fp8 import fp8_linear, quantize_blocks
-from perf.gpu.gemv import graph_us
+from perf.gpu.timing import graph_us
 
 # (name, N, K): Qwen3-8B's projections (QKV, O, gate/up, down)
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]

@@ -1,21 +1,15 @@
-"""The FP8 KV cache against bf16 KV on the GPU (issue 31's goals): pages and throughput on a workload whose
-bf16 pool runs out, and what the FA2 prefill (FA3 cannot read FP8 KV) costs. A plain script, not a test.
+"""The FP8 KV cache against bf16 KV on the GPU (its goals and figures: docs/quantization.md): pages and
+throughput on a workload whose bf16 pool runs out, and what the FA2 prefill (FA3 cannot read FP8 KV)
+costs. A plain script, not a test.
 
     python -m perf.gpu.fp8_kv [workload] [prefill] [--rounds N] [--num-seqs N] [--quantization fp8]
 
-`workload` (the goals): 256 requests of 4,096-token prompts and 512 output tokens each (random ids,
-temperature 0.6, ignore_eos) on Qwen3-8B dummy weights in bf16 (`configs/models/qwen3-8b`; the settings of
-the H200 presets: page_size 256, max_running_req 256, graphs up to 256, memory_ratio 0.9,
-attention_backend auto), kv_cache_dtype auto then fp8_e4m3, alternating for `--rounds` rounds, a fresh
-engine per pass with one small warm-up pass first. At the end 256 x 4,608 = 1.18M tokens of KV: the
-bf16 pool of an H200 holds about 0.75M (requests wait, or are preempted), the FP8 pool twice that.
-Prints per pass: KV pages and GiB, the scheduler's preemptions, seconds, output and total tokens/s; then
-the FP8 / bf16 ratios of pages and output throughput (goals: >= 1.95 and >= 1.15). About 3 minutes a
-pass on an H200 (startup included).
-
-`prefill`: 64 prompts of 4,096 tokens, one output token each, on the same model, with `fa,fi` and bf16 KV
-(FA3 prefill, the sm90 default), `fi` and bf16 KV (FA2 prefill), and auto with FP8 KV (FA2 prefill, FP8
-pages): prefill tokens/s of each, the cost of FA2 where FA3 cannot take the FP8 cache.
+`workload` (the goals): 256 requests of 4,096 prompt and 512 output tokens on Qwen3-8B dummy weights
+(`configs/models/qwen3-8b`, the H200 presets' settings), kv_cache_dtype auto then fp8_e4m3, alternating
+for `--rounds` rounds, a fresh engine per pass after a small warm-up pass; per pass the KV pages and
+GiB, preemptions, seconds and tokens/s, then the FP8 / bf16 ratios of pages and output throughput
+(goals: >= 1.95 and >= 1.15). `prefill`: 64 prompts of 4,096 tokens, one output token each, with FA3
+prefill and bf16 KV, FA2 and bf16 KV, and FA2 with FP8 KV: prefill tokens/s of each.
 """
 
 from __future__ import annotations

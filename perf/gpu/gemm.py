@@ -31,7 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from perf.gpu.gemv import LAYERS, LM_HEAD, SHAPES, graph_us
+from perf.gpu.gemv import LAYERS, LM_HEAD, SHAPES
+from perf.gpu.timing import graph_us
 
 try:
     import triton

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from minisgl.kernels import gemv as G
 from minisgl.kernels import linear as L
-from perf.gpu.timing import gpu_ms
+from perf.gpu.timing import graph_us
 
 LAYERS = 28
 # (name, N, K): Qwen3-0.6B's projections (QKV, O, gate/up, down) and the tied LM head
@@ -47,20 +47,6 @@ MODELS = {
         None,
     ),
 }  # fmt: skip
-
-
-def graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per replay of a CUDA graph of `fn`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return gpu_ms(graph.replay, reps) * 1e3
 
 
 def main() -> None:

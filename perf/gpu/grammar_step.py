@@ -6,7 +6,7 @@ are that schema: hermes's format, the grammar the server builds, docs/tools.md; 
     python -m perf.gpu.grammar_step [--model PATH | --config YAML] [--batch 64 [16 1 ...]] [--steps 32]
                                     [--tools]
 
-The issue's setting is the 0.6B preset's dummy weights with the SmolLM2 tokenizer: `--config` a copy of
+The measured setting is the 0.6B preset's dummy weights with the SmolLM2 tokenizer: `--config` a copy of
 configs/h200-qwen3-0.6b.yaml whose model folder holds its config.json beside SmolLM2's tokenizer files.
 
 The model needs a tokenizer (structured output compiles its grammars against it): the embedded
@@ -33,6 +33,8 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.engine.token_mask import apply_token_mask
 from minisgl.llm import LLM
+from perf.common import goal_note
+from perf.gpu.timing import sync
 
 # a long string keeps every request decoding through the timed steps (at least ~100 tokens each)
 SCHEMA = {
@@ -48,11 +50,6 @@ GOAL = 1.25
 TOOLS_GOAL = 1.5
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int) -> float:
     """Seconds a scheduler step once all of `prompts` decode: `steps` steps back to back, the device
     synchronized before the first and after the last (so overlap scheduling keeps its overlap), divided
@@ -64,11 +61,11 @@ def time_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps
         if all(s.prefilled for s in states) and all(len(s.output_ids) >= 4 for s in states):
             break
     assert all(s.prefilled and not s.finished for s in states), "the batch did not reach its decode steps"
-    _sync(device)
+    sync(device)
     started = time.perf_counter()
     for _ in range(steps):
         sched.step()
-    _sync(device)
+    sync(device)
     seconds = (time.perf_counter() - started) / steps
     assert not any(s.finished for s in states), "a request finished during the timed steps: raise minLength"
     for state in states:
@@ -102,11 +99,11 @@ def mask_costs(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tu
     logits = torch.randn(len(states), vocab, device=device)
     for _ in range(3):
         apply_token_mask(logits, mask)
-    _sync(device)
+    sync(device)
     started = time.perf_counter()
     for _ in range(50):
         apply_token_mask(logits, mask)
-    _sync(device)
+    sync(device)
     return statistics.median(fills) * 1e3, (time.perf_counter() - started) / 50 * 1e3
 
 
@@ -153,7 +150,7 @@ def main() -> None:
             print(f"{batch} requests, {llm.model_name}, {args.dtype}, {llm.engine.device}")
             for variant, ms in results.items():
                 print(f"  {variant:>14}: {ms:7.3f} ms a decode step ({args.steps} steps, median of 3 runs)")
-            print(f"  ratio {ratio:.3f}x (goal <= {goal}x: {'met' if ratio <= goal else 'NOT met'})")
+            print(f"  ratio {ratio:.3f}x" + goal_note(ratio, goal, at_most=True))
             print(
                 f"  of which: filling the {batch} masks {fill_ms:.3f} ms (host), applying them {apply_ms:.3f} ms"
             )

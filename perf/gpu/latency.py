@@ -1,50 +1,17 @@
-"""Latency under light load (issue 41): where one request's time to first token goes, and what a
-decode step costs at small batches.
+"""Latency under light load: where one request's time to first token goes, and what a decode step
+costs at small batches (docs/performance.md, "Latency under light load", gives the parts, the stages
+and the figures).
 
     python -m perf.gpu.latency [--shape cpu] [--out FILE.json] [--config YAML] [--model DIR] [--reps N]
                                [--parts engine,steps,server]
 
-On a GPU: `--config configs/h200-qwen3-0.6b.yaml` (the default; Qwen3-0.6B, dummy weights, CUDA).
-`--shape cpu`: a dry run on the CPU with the default model (SmolLM2-135M-Instruct, float32,
-`configs/cpu-smollm2.yaml`, a 0.25 GiB KV pool) at the sizes in brackets, so that CI runs the script
-end to end. `--model DIR` replaces the config's model (the server part sends chat requests when the
-folder has a tokenizer with a chat template, else completions of token ids). `--reps N`: repetitions
-of the engine part (default 20 [3]).
-
-Parts (all by default; `--parts` picks some):
-
-- engine: the engine alone, in this process (`LLM`, warmed up first). A prompt of 128, 512 and 1,024
-  [16, 32, 64] random token ids, max_tokens 1, greedy, is added to the scheduler, which is then stepped
-  (`Scheduler.step`, under the LLM's lock, as `LLM.generate` does) until the request's first token is on
-  the host: alone, and beside 4 requests already decoding (added between two steps). Scheduler and
-  engine methods are wrapped on their instances (minisgl is unchanged) to stamp the stages, each
-  reported as the median of the repetitions in ms since the request was added:
-    admitted       `Scheduler._admit` returned with the request running
-    prepared       `Scheduler._prepare` returned the batch holding it (the last one: its prompt's end)
-    launched       `Engine.forward_batch` returned for that batch (forward and sampler enqueued)
-    forward_start, forward_done, sampled   device time (CUDA events at the start of forward_batch and
-                   around `engine.sampler.sample`, placed on the host clock by an event recorded while
-                   the device was idle; on a CPU the host clock at those points)
-    first_token    the request's `first_token_time` (its token read on the host by the scheduler)
-    step_returned  the `step()` that read it returned
-  Host stamps and device stamps are two chains: on a GPU the device usually ends the forward after
-  `launched`; on a CPU the forward runs inside forward_batch, so `launched` follows `sampled`. Also the
-  forward's mode for the prefill step (`Engine.forward_mode`: cuda_graph, compiled or eager).
-- steps: a decode step at batch 1, 2, 4, 8, 16 [1, 2, 4] with 512, 1,024 and 2,048 [32, 64] tokens of
-  context per row, greedy, sampled (temperature 0.6) and sampled with top_p 0.95 and top_k 50: the
-  requests are prefilled, then 50 [5] steps timed; median ms per step between consecutive `step()`
-  returns, and the scheduler's `StepRecord`s (device_ms on CUDA, launch, wait and processing), with the
-  ratio to batch 1 greedy at the same context. The requests are aborted after each configuration.
-- server: `minisgl-run serve` (127.0.0.1, a free port, `--request-trace`), one request at a time, 5 [3]
-  each of 128, 512 and 1,024 [16, 32, 64] prompt tokens, max_tokens 1, greedy, non-streamed and
-  streamed, after one warm-up request per length: the client's TTFT (streamed: to the chunk with the
-  token; non-streamed: to the whole response) and the trace's stamps (received, tokenized, sent,
-  arrived, admitted, first_token, first_received, first_written, done) as median ms since received,
-  and its stages (`stages_s`). Runs first (the in-process engine then has the device to itself); the
-  server is stopped at the end in every case.
-
-Every figure goes to one JSON file (default latency-out.json; the server's log and trace beside it);
-a plain-text table is printed last. Every loop is bounded in steps and seconds.
+Parts: engine (the engine alone in this process, each request's stages stamped by wrapping scheduler
+and engine methods on their instances: minisgl is unchanged), steps (decode steps at batch 1 to 16,
+greedy and sampled), server (`minisgl-run serve` with a request trace, one request at a time; run
+first and gone before the engine starts). `--shape cpu`: a dry run on the CPU with the default model at
+small sizes (tests/test_latency_script.py). Every figure goes to one JSON file (`--out`, the server's
+log and trace beside it) and a plain-text table is printed last. Every loop is bounded in steps and
+seconds.
 """
 
 from __future__ import annotations
@@ -67,7 +34,7 @@ from typing import Any
 import torch
 
 from minisgl.core import SamplingParams
-from perf.gpu.serving import PRESET, ROOT, Proc, _free_port, _get
+from perf.common import PRESET, ROOT, ServerProcess, free_port, http_get, median, serve_command
 
 CPU_CONFIG = ROOT / "configs" / "cpu-smollm2.yaml"
 MAX_STEPS, MAX_SECONDS = 5000, 300.0  # bounds of every stepping loop
@@ -99,11 +66,6 @@ class Shape:
 
 GPU = Shape((128, 512, 1024), 20, 128, (1, 2, 4, 8, 16), (512, 1024, 2048), 50, 5)
 CPU = Shape((16, 32, 64), 3, 16, (1, 2, 4), (32, 64), 5, 3, {"cpu_kv_budget_gib": 0.25})
-
-
-def _median(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _prompt(seed: int, length: int) -> list[int]:
@@ -272,7 +234,7 @@ def _ttft(llm: Any, watch: Watch, shape: Shape, length: int, reps: int, beside: 
                 _run_until(llm, lambda: not llm.scheduler.has_work(), "draining")
     finally:
         _clear(llm, background)
-    table = {name: _median([r[name] for r in rows]) for name in rows[0]}
+    table = {name: median([r[name] for r in rows]) for name in rows[0]}
     return {"stages_ms": table, "ttft_ms": table["first_token"], "reps": reps, "prefill_mode": dict(modes)}
 
 
@@ -318,9 +280,9 @@ def _decode_steps(llm: Any, context: int, batch: int, params: SamplingParams, n:
         sched.record_steps = kept
         _clear(llm, states)
     row = {"wall_ms": 1e3 * statistics.median(walls), "steps": n, "records": len(records)}
-    row["device_ms"] = _median([r.device_ms for r in records])
+    row["device_ms"] = median([r.device_ms for r in records])
     for name in ("launch", "wait", "process"):
-        row[f"{name}_ms"] = _median([1e3 * getattr(r, f"{name}_s") for r in records])
+        row[f"{name}_ms"] = median([1e3 * getattr(r, f"{name}_s") for r in records])
     return row
 
 
@@ -391,20 +353,19 @@ def part_server(args: argparse.Namespace, shape: Shape, out: Path) -> dict[str, 
     if any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         tokenizer = load_tokenizer(model_dir)
     endpoint = "chat" if getattr(tokenizer, "chat_template", None) else "completions"
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     trace, log = out.with_suffix(".trace.jsonl"), out.with_suffix(".server.log")
     trace.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--config", str(args.config), "--port", str(port)]
-    cmd += ["--request-trace", str(trace), *(["--model", args.model] if args.model else [])]
+    cmd = serve_command(args.config, port, "--request-trace", str(trace), model=args.model)
     for key, value in shape.settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     result: dict[str, Any] = {"endpoint": endpoint, "lengths": {}}
     deadline = time.monotonic() + 1800
-    server = Proc(cmd, log, f"{base}/health")
+    server = ServerProcess(cmd, log, f"{base}/health")
     try:
         result["start_s"] = server.start_s
-        model = json.loads(_get(f"{base}/v1/models")[1])["data"][0]["id"]
+        model = json.loads(http_get(f"{base}/v1/models")[1])["data"][0]["id"]
         url = f"{base}/v1/chat/completions" if endpoint == "chat" else f"{base}/v1/completions"
         for length in shape.prompts:
             # a prompt of its own for each request (a repeated one would hit the prefix cache)
@@ -429,7 +390,7 @@ def part_server(args: argparse.Namespace, shape: Shape, out: Path) -> dict[str, 
             )
     finally:  # stopped in every case, and gone before the engine part takes the device
         server.stop()
-        _wait_gone(server.proc.pid)
+        server.wait_gone()
     return result
 
 
@@ -445,24 +406,12 @@ def _summary(measured: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
         "client_ttft_ms": 1e3 * statistics.median(t for t, _ in measured),
         "prompt_tokens": statistics.median(r["prompt_tokens"] for r in records),
         "stamps_ms": {
-            name: _median([ms(r["stamps"][name], r["stamps"]["received"]) for r in records])
+            name: median([ms(r["stamps"][name], r["stamps"]["received"]) for r in records])
             for name in TRACE_STAMPS
         },
-        "stages_ms": {s: _median([ms(r["stages_s"][s]) for r in records]) for s in records[0]["stages_s"]},
+        "stages_ms": {s: median([ms(r["stages_s"][s]) for r in records]) for s in records[0]["stages_s"]},
         "requests": len(records),
     }
-
-
-def _wait_gone(group: int, timeout: float = 60.0) -> None:
-    """Waits (bounded) for the stopped server's process group to be gone: its scheduler process holds
-    the device's memory until it exits, and the in-process engine sizes its KV pool from what is free."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------------------------------- table

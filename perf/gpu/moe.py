@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 
 import torch
@@ -24,40 +23,11 @@ from minisgl.kernels.linear import gemv_rows
 from minisgl.kernels.moe_gemm import moe_gemm
 from minisgl.kernels.moe_gemv import moe_gemv
 from minisgl.moe import fused_moe, grouped_moe, select_experts, torch_moe
+from perf.gpu.timing import capture, median_ms
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 HBM_BYTES_PER_S = 4.8e12  # H200
 LAYERS = 8
-
-
-def time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` on the current stream, each call between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graphed(fn):
-    """`fn` captured in a CUDA graph (warmed up on a side stream); returns the replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main() -> None:
@@ -109,13 +79,12 @@ def main() -> None:
         touched = torch.topk(router_logits.float(), TOP_K, dim=-1).indices.unique().numel()
         ref = torch_moe(*moe_args).float()
         err = ((fused_moe(*moe_args).float() - ref).norm() / ref.norm()).item()
-        t_ref = time_ms(functools.partial(torch_moe, *moe_args), args.iters) * 1e3
+        t_ref = median_ms(functools.partial(torch_moe, *moe_args), args.iters) * 1e3
 
         def per_layer(fn, x=x, router_logits=router_logits) -> float:
             """One layer's microseconds, from a CUDA graph of LAYERS layers."""
-            return (
-                time_ms(graphed(functools.partial(layers, fn, x, router_logits)), args.iters) * 1e3 / LAYERS
-            )
+            graph, _ = capture(functools.partial(layers, fn, x, router_logits))
+            return median_ms(graph.replay, args.iters) * 1e3 / LAYERS
 
         t_grouped = per_layer(grouped_moe)
         t_gemv = per_layer(moe_gemv) if tokens <= 64 else float("nan")

@@ -27,7 +27,7 @@ import torch
 from minisgl.kernels import moe_gemm as G
 from minisgl.kernels import moe_gemv as K
 from minisgl.moe import select_experts
-from perf.gpu.moe import graphed, time_ms
+from perf.gpu.timing import capture, median_ms
 
 LAYERS = 8
 # the few-token kernels' sweep: [block_n, block_k, warps]
@@ -88,7 +88,8 @@ def main() -> None:
 
     def us(x, logits, config) -> float:
         try:
-            return time_ms(graphed(functools.partial(run, x, logits, config)), args.iters) * 1e3 / LAYERS
+            graph, _ = capture(functools.partial(run, x, logits, config))
+            return median_ms(graph.replay, args.iters) * 1e3 / LAYERS
         except Exception as exc:  # a configuration the compiler refuses (e.g. out of shared memory)
             print(f"  {config}: {type(exc).__name__}")
             return float("inf")

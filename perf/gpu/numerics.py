@@ -1,29 +1,14 @@
-"""How far each GPU path's logits are from the exact ones: tiny random models, teacher-forced through
-transformers in float32 (the reference), transformers in bf16 with eager attention (the yardstick) and
-minisgl in bf16 with its defaults and with one switch changed at a time.
+"""How far each GPU path's logits are from the exact ones: tiny random models with peaked weights,
+teacher-forced through transformers in float32 (the reference), transformers in bf16 (the yardstick)
+and minisgl in bf16 with its defaults and with one switch changed at a time; then greedy agreement, the
+prefix cache and preemption on the first shape (the method, the bounds and the figures:
+docs/gpu.md#numerics).
 
     python -m perf.gpu.numerics [--shapes llama3 qwen2 qwen3 qwen3_moe] [--paths default fi ...]
         [--json FILE] [--device cpu]
 
-The error of one logit is |logit - float32 logit| / (the standard deviation of that position's float32
-logits over the vocabulary); each row gives its mean and 99th percentile over every logit of every
-position: the positions predicted by a prefill (each prompt's last token) and by `STEPS` teacher-forced
-decode steps after it, batch 1 (`BATCH1_LENS`, each request alone) and a batch of 64 sequences of
-mixed lengths (1 to 2,000 tokens). A path passes when its mean is at most `MEAN_BOUND` x transformers'
-bf16 mean on the same positions and its p99 at most `P99_BOUND` x transformers' bf16 p99. On the MoE
-shape, a position whose token was routed to other experts than in float32 (in any sparse layer) is a
-routing flip: counted apart and left out of that row's figures (a flip is not a kernel's error, and
-changes that position's logits by far more than bf16 rounding does).
-
-The models' weights are scaled so that their attention and logits are peaked as a trained model's are
-(`peak_weights`): otherwise transformers' init (std 0.02) gives nearly uniform attention, where an error
-in the softmax scale or in RoPE would not show, and flat logits.
-
-Then, on the first shape: greedy tokens of the default path against float32's argmax (a token whose
-float32 logit is more than `NEAR_TIE` standard deviations below the best is a real disagreement), and
-greedy outputs with the radix prefix cache (two passes, the second hitting the cache) and under
-constant preemption (a small KV pool) against a naive run with room to spare: how many tokens differ,
-and whether each run's first differing token was a near-tie in float32.
+A path passes when its mean error is at most `MEAN_BOUND` x the yardstick's and its p99 at most
+`P99_BOUND` x; a position routed to other experts than in float32 (MoE) is a routing flip, counted apart.
 """
 
 from __future__ import annotations
@@ -93,7 +78,7 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     s.name: s
     for s in (
-        # the shape of the issue's suspect token: llama3 RoPE scaling, head_dim 64, 4 query heads per KV head
+        # a Llama-3-like shape: llama3 RoPE scaling, head_dim 64, 4 query heads per KV head
         Shape(
             "llama3",
             "llama",

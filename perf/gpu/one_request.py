@@ -6,7 +6,7 @@ one GPU call.
 
 One engine with a CUDA graph for batch 1 only (what one request replays; a full preset captures up to
 256), a warm-up request, then `--reps` requests of 128 random prompt tokens and `--new-tokens` greedy
-ones, one after another (`minisgl.bench.offline.run_single`, what `python -m minisgl.bench
+ones, one after another (`minisgl.bench.offline.run_single`, what `minisgl-run bench
 --single-request` times): each one's tokens/s and their median. Then the batch-1 decode step's CUDA
 graph replayed back to back (its device time), and with `--profile` its kernels by device time
 (torch.profiler over 20 replays; with PDL on, a kernel's span includes its wait for the one before, so

@@ -27,12 +27,7 @@ from minisgl.bench.offline import CPU_SHAPE, WorkloadShape, make_workload, run_p
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler import Scheduler
-from perf.gpu.timing import gpu_ms, timed_pass
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from perf.gpu.timing import gpu_ms, sync, timed_pass
 
 
 def _profile_steps(sched: Scheduler, out_dir: str, tag: str) -> None:
@@ -41,7 +36,7 @@ def _profile_steps(sched: Scheduler, out_dir: str, tag: str) -> None:
     with profile(activities=activities) as prof:
         for _ in range(10):
             sched.step()
-        _sync()
+        sync()
     with open(os.path.join(out_dir, f"profile_{tag}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         f.write("\n\n")
@@ -59,12 +54,12 @@ def _step_ms(sched: Scheduler, bs: int, prompt_len: int, out_dir: str, tag: str)
         sched.step()
     for _ in range(5):
         sched.step()
-    _sync()
+    sync()
     n = 100 if torch.cuda.is_available() else 5
     started = time.perf_counter()
     for _ in range(n):
         sched.step()
-    _sync()
+    sync()
     seconds = (time.perf_counter() - started) / n
     if tag:
         _profile_steps(sched, out_dir, tag)

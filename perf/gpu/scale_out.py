@@ -1,27 +1,16 @@
-"""Issue 32's replica goals: the serving workload over HTTP against one server, against `minisgl-run
-serve --dp N`, and against SGLang's router in front of N single-GPU servers (goals at N = 2: `--dp 2` at
-least 1.9x one server, the router at least 1.8x).
+"""The replica goals: the serving workload over HTTP against one server, against `minisgl-run serve --dp N`
+and against SGLang's router in front of N single-GPU servers (at N = 2: `--dp 2` at least 1.9x one
+server, the router at least 1.8x; docs/scale-out.md).
 
-    python -m perf.gpu.scale_out MODEL_DIR [--config YAML] [--parts one,dp,router] [--replicas 2]
-        [--prompts-per-replica 256] [--concurrency-per-replica 256] [--reps 3] [--shape cpu] [--out DIR]
+    python -m perf.gpu.scale_out MODEL_DIR [--config YAML] [--parts one,dp,router,router-cache]
+        [--replicas 2] [--prompts-per-replica 256] [--concurrency-per-replica 256] [--reps 3]
+        [--shape cpu] [--out DIR]
 
-MODEL_DIR as `perf.gpu.serving`'s (config.json and a tokenizer; the preset's dummy weights). Every part
-runs the same workload scaled by its replica count: `--prompts-per-replica` x N requests at rate inf,
-at most `--concurrency-per-replica` x N in flight (`minisgl-run bench-serving`), `--reps` runs on one
-start of its servers, after a warm-up; one server is the 1x. The prompts are sent as text (decoded once
-with MODEL_DIR's tokenizer) in every part: the router refuses token-id prompts on /v1/completions. Parts:
-
-- one: `minisgl-run serve` (one GPU).
-- dp: `minisgl-run serve --dp N` (replica i on GPU i).
-- router: N servers, server i alone on GPU i (`CUDA_VISIBLE_DEVICES`), behind
-  `python -m sglang_router.launch_router` (sglang-router 0.3.2; its wheel and those it needs:
-  perf/gpu/wheels.txt), round-robin and cache-aware policies, the workers' API key on the router.
-
-The parts cannot share the GPUs, so they run one after the other (their runs alternate only within a
-part); the table gives each part's median, its spread and its ratio to `one`. Every server binds to
-127.0.0.1 on a free port and is stopped at the end of its part; every run is bounded (`--run-timeout`).
-`--shape cpu` is a dry run on a CPU (`perf.gpu.serving`'s scaled-down workload, `--device cpu`). A plain
-script, not a test.
+MODEL_DIR as `perf.gpu.serving`'s. Each part runs the workload scaled by its replica count (prompts and
+concurrency per replica x N, rate inf, `--reps` runs on one start of its servers, prompts sent as text:
+the router refuses token ids); `one` is the 1x. The router parts need sglang-router (its wheels:
+perf/gpu/wheels.txt). `--shape cpu`: a dry run on a CPU. Servers bind to 127.0.0.1 and are stopped at
+the end of their part; every run is bounded (`--run-timeout`).
 """
 
 from __future__ import annotations
@@ -30,7 +19,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 import urllib.request
@@ -38,17 +26,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from perf.gpu.serving import CPU_ARGS, WARM_UP, Proc, _free_port, _line, bench_serving, model_parser
+from perf.common import (
+    CPU_ARGS,
+    WARM_UP,
+    ServerProcess,
+    bench_serving,
+    free_port,
+    model_parser,
+    ratio_lines,
+    report_line,
+    serve_command,
+)
 
 KEY = "scale-out-bench-key"
 GOALS = {"dp": 1.9, "router": 1.8, "router-cache": 1.8}
 
 
-def _serve(args: argparse.Namespace, out: Path, name: str, *extra: str, env: dict | None = None) -> Proc:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--config", args.config, "--model", args.model]
-    cmd += ["--port", str(port), *args.device_args, *extra]
-    proc = Proc(
+def _serve(
+    args: argparse.Namespace, out: Path, name: str, *extra: str, env: dict | None = None
+) -> ServerProcess:
+    port = free_port()
+    cmd = serve_command(args.config, port, *args.device_args, *extra, model=args.model)
+    proc = ServerProcess(
         cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health", {"MINISGL_API_KEY": KEY, **(env or {})}
     )
     proc.base = f"http://127.0.0.1:{port}"
@@ -56,13 +55,13 @@ def _serve(args: argparse.Namespace, out: Path, name: str, *extra: str, env: dic
     return proc
 
 
-def _router(out: Path, name: str, workers: list[Proc], policy: str) -> Proc:
-    port = _free_port()
+def _router(out: Path, name: str, workers: list[ServerProcess], policy: str) -> ServerProcess:
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += ["--worker-urls", *[w.base for w in workers], "--api-key", KEY, "--policy", policy]
     cmd += ["--log-level", "warn", "--shutdown-grace-period-secs", "5"]
-    proc = Proc(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health")
+    proc = ServerProcess(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health")
     proc.base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120  # the router lists the model once it has read a worker's info
     while time.monotonic() < deadline and not _models(proc.base):
@@ -85,7 +84,7 @@ def _models(base: str) -> list[str]:
 def _part(args: argparse.Namespace, out: Path, part: str) -> Iterator[str]:
     """The servers of `part`, up; yields the base URL the client talks to."""
     n = args.replicas
-    procs: list[Proc] = []
+    procs: list[ServerProcess] = []
     try:
         if part == "one":
             procs.append(_serve(args, out, "one"))
@@ -114,7 +113,7 @@ def run_part(args: argparse.Namespace, out: Path, part: str) -> list[dict[str, A
         for i in range(args.reps):
             report = bench_serving(base + "/v1", *workload, timeout=args.run_timeout)
             reports.append(report)
-            print(_line(f"{part} #{i + 1}", report), flush=True)
+            print(report_line(f"{part} #{i + 1}", report), flush=True)
             (out / f"{part}.json").write_text(json.dumps(reports, indent=1))
     return reports
 
@@ -140,17 +139,8 @@ def main() -> None:
     results = {part: run_part(args, out, part) for part in args.parts.split(",")}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     tok_s = {part: [r["output_throughput"] for r in reports] for part, reports in results.items()}
-    base = statistics.median(tok_s["one"]) if tok_s.get("one") else float("nan")
     print(f"\n--- scale-out, {args.replicas} replicas, {os.cpu_count()} CPUs ---")
-    for part, values in tok_s.items():
-        ratio = statistics.median(values) / base
-        goal = (
-            f" (goal >= {GOALS[part]}x: {'met' if ratio >= GOALS[part] else 'NOT met'})"
-            if part in GOALS
-            else ""
-        )
-        runs = ", ".join(f"{v:,.0f}" for v in values)
-        print(f"{part:>13}: median {statistics.median(values):,.0f} tok/s ({runs}), {ratio:.2f}x one{goal}")
+    print("\n".join(ratio_lines(tok_s, "one", "one", GOALS.get)))
 
 
 if __name__ == "__main__":

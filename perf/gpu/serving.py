@@ -1,28 +1,17 @@
-"""The serving benchmark on a GPU: the server against the engine offline, and against Mini-SGLang's.
+"""The serving benchmark on a GPU: `minisgl-run serve` against the engine offline, and against
+Mini-SGLang's server (figures: docs/performance.md#serving).
 
-    python -m perf.gpu.serving MODEL_DIR [--parts stub,offline,http,low,peer] [--reps 3] [--out DIR]
+    python -m perf.gpu.serving MODEL_DIR [--parts stub,peer,offline,http,chat,single,low,simple,light]
+        [--reps 3] [--out DIR] [--peer DIR --peer-offline FILE] [--profile] [--shape cpu]
 
-MODEL_DIR holds `config.json` and a tokenizer (the H200 preset's Qwen3-0.6B config beside the default
-model's tokenizer files); weights are dummy (the preset, `--config`). Parts, run in this order:
-
-- stub: `bench-serving` against `perf.stub_server` streaming as fast as it can, 256 streams of 1,024
-  tokens, 1 and 3 tokens per chunk: the rate the client can count.
-- offline: the offline workload in a child process (`minisgl.bench.offline.run_pass`, `--reps`
-  passes), then each prompt of the low-load run alone with one new token: the engine's own TTFT for it.
-- http: `minisgl-run serve` with a request trace; `bench-serving` at rate inf (`--reps` runs) on the
-  same workload, then in chat mode (the workload decoded to text once); each run's trace gives where
-  the time went (stage means and percentiles).
-- low: the same server at 4 requests/s (128 requests): TTFT, TPOT, and the delay from a step's end to
-  its tokens on the socket (`minisgl_token_delivery_seconds`, from /metrics before and after).
-- light: issue 41's light-load goal: minisgl's and Mini-SGLang's servers side by side (`memory_ratio`
-  0.4 each; `--peer DIR`), the fast client in chat mode at 4 requests/s (128 requests) against each in
-  turn, `--low-reps` alternating runs (minisgl first): TTFT, TPOT and ITL, medians and ratios.
-- peer: Mini-SGLang (`--peer DIR`: its source tree's `python/` folder and `bench_offline.py`): its
-  offline pass, its server driven by the fast client in chat mode and by its own `bench_simple.py`,
-  and `bench_simple.py` against minisgl's server.
-
-Every run's JSON goes under --out (default ./serving-out); a table of the figures and their ratios is
-printed last. Servers bind to 127.0.0.1 and are stopped at the end of their part; every wait is bounded.
+MODEL_DIR holds `config.json` and a tokenizer; the weights are dummy (the preset, `--config`). Parts:
+stub (the client against `perf.stub_server`: what it can count), offline (the workload on the engine in
+a child process, then each low-load prompt alone), http / chat / single / low (one `minisgl-run serve`
+with a request trace: rate inf over completions and chat, one request alone, 4 requests/s with the
+step-to-socket delay), simple (Mini-SGLang's `bench_simple.py` against it), peer (Mini-SGLang's offline
+pass and server, `--peer`), light (the light-load goal: both servers side by side at 4 requests/s in
+chat mode). Every run's JSON goes under --out and a table of the figures is printed last. Servers bind
+to 127.0.0.1 and are stopped at the end of their part; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -33,120 +22,30 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-PRESET = ROOT / "configs" / "h200-qwen3-0.6b.yaml"
-START_TIMEOUT_S = 480
+from perf.common import (
+    CPU_ARGS,
+    WARM_UP,
+    ServerProcess,
+    bench_serving,
+    children,
+    free_port,
+    http_get,
+    last_json,
+    median,
+    model_parser,
+    report_line,
+    serve_command,
+    stop_servers_on_sigterm,
+)
+
 LOW_RATE, LOW_PROMPTS = 4.0, 128
-WARM_UP = ["--num-prompts", "16", "--min-output", "16", "--max-output", "64"]  # before a server's runs
-# --shape cpu: the workload scaled down as `minisgl-run bench` does on a CPU (a dry run of this script)
-CPU_ARGS = [
-    "--num-prompts",
-    "32",
-    "--min-input",
-    "16",
-    "--max-input",
-    "128",
-    "--min-output",
-    "16",
-    "--max-output",
-    "128",
-]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except OSError:
-        return 0, ""
-
-
-class Proc:
-    """A server in a subprocess (its own process group), logged to a file; stopped on exit."""
-
-    def __init__(
-        self, cmd: list[str], log: Path, ready_url: str, env: dict[str, str] | None = None, cwd: Path = ROOT
-    ) -> None:
-        self.log = open(log, "w")  # noqa: SIM115
-        started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            cwd=cwd,
-            start_new_session=True,
-        )
-        deadline = started + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{cmd[:4]} exited early (see {log})")
-            if _get(ready_url, 2)[0] == 200:
-                self.start_s = time.monotonic() - started
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{cmd[:4]} did not become ready in {START_TIMEOUT_S} s (see {log})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-
-    def __enter__(self) -> Proc:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def _last_json(text: str) -> Any:
-    """The last line of `text` that parses as a JSON object (or the whole text if it does)."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                continue
-    raise ValueError(f"no JSON in the output: {text[-2000:]}")
-
-
-def bench_serving(base_url: str, *args: str, timeout: float = 900) -> dict[str, Any]:
-    """`minisgl-run bench-serving --json` against `base_url` (its report, minus the per-request list)."""
-    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", base_url, "--json", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench-serving failed: {out.stderr[-3000:]}")
-    report = _last_json(out.stdout)
-    report.pop("requests", None)
-    return report
 
 
 # -------------------------------------------------------------------------------------------- the parts
@@ -234,10 +133,9 @@ def part_offline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _serve(args: argparse.Namespace, out: Path, name: str, port: int, *extra: str) -> Proc:
-    cmd = [sys.executable, "-m", "minisgl.cli", "serve", "--config", args.config, "--model", args.model]
-    cmd += ["--port", str(port), *extra]
-    proc = Proc(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health")
+def _serve(args: argparse.Namespace, out: Path, name: str, port: int, *extra: str) -> ServerProcess:
+    cmd = serve_command(args.config, port, *extra, model=args.model)
+    proc = ServerProcess(cmd, out / f"{name}.log", f"http://127.0.0.1:{port}/health")
     print(f"{name}: up in {proc.start_s:.0f} s", flush=True)
     return proc
 
@@ -247,14 +145,9 @@ def _trace_slice(path: Path, start: int) -> tuple[list[dict[str, Any]], int]:
     return [json.loads(line) for line in lines[start:]], len(lines)
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def start_profiles(server: Proc, out: Path, name: str, delay: float, seconds: int) -> list[subprocess.Popen]:
+def start_profiles(
+    server: ServerProcess, out: Path, name: str, delay: float, seconds: int
+) -> list[subprocess.Popen]:
     """py-spy (if on PATH), idle samples included, on the front end and the scheduler process: from
     `delay` seconds on, for `seconds`; raw stacks to out/spy-NAME-{frontend,scheduler}.txt."""
     spy = shutil.which("py-spy")
@@ -263,9 +156,7 @@ def start_profiles(server: Proc, out: Path, name: str, delay: float, seconds: in
     front = server.proc.pid
     # the scheduler: the front end's child that runs minisgl (not multiprocessing's resource tracker)
     kids = [
-        pid
-        for pid in _children(front)
-        if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        pid for pid in children(front) if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
     targets = {"frontend": front, **{f"scheduler{i}": pid for i, pid in enumerate(kids)}}
     return [
@@ -382,7 +273,7 @@ def histogram_quantile(
 def part_http(args: argparse.Namespace, out: Path, parts: set[str]) -> dict[str, Any]:
     """One server, the runs `parts` names: http (rate inf), chat (rate inf, chat mode), single (one
     request alone, greedy: the server's own per-token cost) and low (4 requests/s)."""
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     trace = out / "trace.jsonl"
     result: dict[str, Any] = {}
@@ -420,9 +311,9 @@ def part_http(args: argparse.Namespace, out: Path, parts: set[str]) -> dict[str,
                     if i == 0 and args.profile
                     else []
                 )
-                before = histogram(_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
+                before = histogram(http_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
                 report = bench_serving(base + "/v1", *extra)
-                after = histogram(_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
+                after = histogram(http_get(base + "/metrics")[1], "minisgl_token_delivery_seconds")
                 for spy in spies:
                     spy.wait(60)
                 records, seen = _trace_slice(trace, seen)
@@ -432,7 +323,8 @@ def part_http(args: argparse.Namespace, out: Path, parts: set[str]) -> dict[str,
                 }
                 result[key].append(report)
                 print(
-                    _line(f"{key} #{i + 1}", report) + f", step-to-socket {report['delivery_ms']}", flush=True
+                    report_line(f"{key} #{i + 1}", report) + f", step-to-socket {report['delivery_ms']}",
+                    flush=True,
                 )
                 (out / "http.json").write_text(json.dumps(result, indent=1))
         if "simple" in parts and args.peer:
@@ -448,12 +340,9 @@ def part_http(args: argparse.Namespace, out: Path, parts: set[str]) -> dict[str,
     return result
 
 
-def _line(name: str, report: dict[str, Any]) -> str:
-    return (
-        f"{name}: {report['output_throughput']:,.0f} tok/s, TTFT p50 {report['ttft_ms']['p50']:.0f} ms "
-        f"p99 {report['ttft_ms']['p99']:.0f} ms, ITL p99 {report['itl_ms']['p99']:.1f} ms, "
-        f"TPOT p50 {report['tpot_ms']['p50']:.2f} ms, failed {report['failed']}"
-    )
+def _peer_env(peer: Path) -> dict[str, str]:
+    """Mini-SGLang's processes import its package from `peer` (its python/ folder), after $SITE."""
+    return {"PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
 
 
 def _bench_simple(peer: Path, port: int, out: Path, name: str) -> float:
@@ -462,7 +351,7 @@ def _bench_simple(peer: Path, port: int, out: Path, name: str) -> float:
     src = (peer / ".." / "benchmark" / "online" / "bench_simple.py").read_text()
     script = out / "bench_simple_patched.py"
     script.write_text(src.replace("PORT = 1919", f"PORT = {port}").replace('api_key=""', 'api_key="EMPTY"'))
-    env = {**os.environ, "PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
+    env = {**os.environ, **_peer_env(peer)}
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env, cwd=out
     )
@@ -478,7 +367,6 @@ def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Mini-SGLang: its offline benchmark, then its server under the fast client (chat) and its own
     online client."""
     peer = Path(args.peer).resolve()
-    env = {"PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
     model = str(Path(args.model).resolve())
     result: dict[str, Any] = {}
 
@@ -490,29 +378,16 @@ def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=1200,
-        env={**os.environ, **env},
+        env={**os.environ, **_peer_env(peer)},
         cwd=out,  # not the repository: both projects' packages are called minisgl
     )
     (out / "peer-offline.log").write_text(done.stdout + done.stderr)
-    result["offline"] = _last_json(done.stdout)
+    result["offline"] = last_json(done.stdout)
     save()
     print(f"Mini-SGLang offline: {result['offline']}", flush=True)
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "minisgl",
-        "--model",
-        model,
-        "--dummy-weight",
-        "--port",
-        str(port),
-        "--attn",
-        "fi",
-    ]
-    with Proc(cmd, out / "peer-serve.log", f"http://127.0.0.1:{port}/v1/models", env=env, cwd=out) as server:
+    port = free_port()
+    with _peer_server(args, out, port) as server:
         result["start_s"] = server.start_s
-        print(f"Mini-SGLang server: up in {server.start_s:.0f} s", flush=True)
         base = f"http://127.0.0.1:{port}/v1"
         bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP)
         result["chat_rate_inf"] = []
@@ -520,7 +395,7 @@ def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             report = bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *args.workload)
             result["chat_rate_inf"].append(report)
             save()
-            print(_line(f"Mini-SGLang server, chat #{i + 1}", report), flush=True)
+            print(report_line(f"Mini-SGLang server, chat #{i + 1}", report), flush=True)
         result["bench_simple_s"] = []
         for i in range(args.simple_reps):
             result["bench_simple_s"].append(_bench_simple(peer, port, out, f"peer-bench-simple-{i}"))
@@ -531,13 +406,12 @@ def part_peer(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return result
 
 
-def _peer_server(args: argparse.Namespace, out: Path, port: int, *extra: str) -> Proc:
+def _peer_server(args: argparse.Namespace, out: Path, port: int, *extra: str) -> ServerProcess:
     """Mini-SGLang's server (`--peer`), FlashInfer attention, dummy weights, on 127.0.0.1:port."""
-    peer = Path(args.peer).resolve()
     cmd = [sys.executable, "-m", "minisgl", "--model", str(Path(args.model).resolve()), "--dummy-weight"]
     cmd += ["--port", str(port), "--attn", "fi", *extra]
-    env = {"PYTHONPATH": f"{os.environ.get('SITE', '/tmp/site')}:{peer}"}
-    proc = Proc(cmd, out / "peer-serve.log", f"http://127.0.0.1:{port}/v1/models", env=env, cwd=out)
+    env = _peer_env(Path(args.peer).resolve())
+    proc = ServerProcess(cmd, out / "peer-serve.log", f"http://127.0.0.1:{port}/v1/models", env, out)
     print(f"Mini-SGLang server: up in {proc.start_s:.0f} s", flush=True)
     return proc
 
@@ -548,7 +422,7 @@ def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     low = ["--endpoint", "chat", "--tokenizer", model, "--num-prompts", str(args.low_prompts)]
     low += [*args.workload[2:], "--request-rate", str(LOW_RATE)]
     result: dict[str, Any] = {"minisgl": [], "peer": []}
-    peer_port, port = _free_port(), _free_port()
+    peer_port, port = free_port(), free_port()
     with (
         _peer_server(args, out, peer_port, "--memory-ratio", "0.4") as peer,
         _serve(
@@ -563,7 +437,7 @@ def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             for name, base in bases.items():
                 report = bench_serving(base, *low)
                 result[name].append(report)
-                print(_line(f"light {name} #{i + 1}", report), flush=True)
+                print(report_line(f"light {name} #{i + 1}", report), flush=True)
                 (out / "light.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -576,18 +450,17 @@ def _requested_rate(report: dict[str, Any]) -> float:
     return report["requested_output_tokens"] / report["duration_s"]
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else math.nan
-
-
 def table(results: dict[str, Any]) -> str:
+    def med(values: list[float]) -> float:
+        return median(values, math.nan)
+
     rows = []
     stub = results.get("stub") or {}
     for key, report in stub.items():
         rows.append((f"client vs stub, {key}", f"{report['output_throughput']:,.0f} tok/s"))
     offline = results.get("offline") or {}
-    off_tok = _median([p["tok_s"] for p in offline.get("passes", [])])
-    off_ttft = _median([p["ttft_p50_ms"] for p in offline.get("passes", [])])
+    off_tok = med([p["tok_s"] for p in offline.get("passes", [])])
+    off_ttft = med([p["ttft_p50_ms"] for p in offline.get("passes", [])])
     if offline:
         rows.append(("offline tok/s (median)", f"{off_tok:,.0f}"))
         rows.append(("offline TTFT p50 ms (median)", f"{off_ttft:.0f}"))
@@ -595,8 +468,8 @@ def table(results: dict[str, Any]) -> str:
     for key, name in (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p99")):
         q = "p99" if key == "itl_ms" else "p50"
         if light.get("minisgl") and light.get("peer"):
-            ours = _median([r[key][q] for r in light["minisgl"]])
-            theirs = _median([r[key][q] for r in light["peer"]])
+            ours = med([r[key][q] for r in light["minisgl"]])
+            theirs = med([r[key][q] for r in light["peer"]])
             rows.append(
                 (
                     f"4 req/s chat {name} ms: minisgl / Mini-SGLang",
@@ -606,12 +479,12 @@ def table(results: dict[str, Any]) -> str:
     http = results.get("http") or {}
     if http.get("rate_inf"):
         runs = http["rate_inf"]
-        tok = _median([r["output_throughput"] for r in runs])
+        tok = med([r["output_throughput"] for r in runs])
         rows.append(("HTTP rate inf tok/s (median)", f"{tok:,.0f} = {tok / off_tok:.3f}x offline"))
-        rows.append(("HTTP rate inf TTFT p50 ms", f"{_median([r['ttft_ms']['p50'] for r in runs]):.0f}"))
-        rows.append(("HTTP rate inf ITL p99 ms", f"{_median([r['itl_ms']['p99'] for r in runs]):.1f}"))
+        rows.append(("HTTP rate inf TTFT p50 ms", f"{med([r['ttft_ms']['p50'] for r in runs]):.0f}"))
+        rows.append(("HTTP rate inf ITL p99 ms", f"{med([r['itl_ms']['p99'] for r in runs]):.1f}"))
     if http.get("chat_rate_inf"):
-        tok = _median([r["output_throughput"] for r in http["chat_rate_inf"]])
+        tok = med([r["output_throughput"] for r in http["chat_rate_inf"]])
         rows.append(("HTTP chat rate inf tok/s", f"{tok:,.0f}"))
     if offline.get("decode_ms"):
         rows.append(
@@ -626,27 +499,25 @@ def table(results: dict[str, Any]) -> str:
         rows.append(
             (
                 "4 req/s scheduler ms/token p50",
-                f"{_median([r['breakdown']['decode_per_token']['p50'] for r in runs]):.3f}",
+                f"{med([r['breakdown']['decode_per_token']['p50'] for r in runs]):.3f}",
             )
         )
-        rows.append(("4 req/s TTFT p50 ms", f"{_median([r['ttft_ms']['p50'] for r in runs]):.1f}"))
+        rows.append(("4 req/s TTFT p50 ms", f"{med([r['ttft_ms']['p50'] for r in runs]):.1f}"))
         if offline.get("alone_ttft_ms"):
-            rows.append(("engine alone TTFT p50 ms", f"{_median(offline['alone_ttft_ms']):.1f}"))
-        rows.append(("4 req/s TPOT p50 ms", f"{_median([r['tpot_ms']['p50'] for r in runs]):.3f}"))
+            rows.append(("engine alone TTFT p50 ms", f"{med(offline['alone_ttft_ms']):.1f}"))
+        rows.append(("4 req/s TPOT p50 ms", f"{med([r['tpot_ms']['p50'] for r in runs]):.3f}"))
         for q in ("p50", "p99"):
-            rows.append(
-                (f"4 req/s step-to-socket {q} ms", f"{_median([r['delivery_ms'][q] for r in runs]):.3f}")
-            )
+            rows.append((f"4 req/s step-to-socket {q} ms", f"{med([r['delivery_ms'][q] for r in runs]):.3f}"))
     peer = results.get("peer") or {}
     if peer:
-        p_off = _median(peer["offline"]["passes"])
+        p_off = med(peer["offline"]["passes"])
         rows.append(("Mini-SGLang offline tok/s", f"{p_off:,.0f}"))
         # the requested tokens over the duration: Mini-SGLang's stream carries neither usage nor token
         # ids and several tokens per chunk, so the client's own count of its tokens is low
-        p_chat = _median([_requested_rate(r) for r in peer["chat_rate_inf"]])
+        p_chat = med([_requested_rate(r) for r in peer["chat_rate_inf"]])
         rows.append(("Mini-SGLang server chat tok/s (requested / duration)", f"{p_chat:,.0f}"))
         if http.get("chat_rate_inf") and offline:
-            m_chat = _median([_requested_rate(r) for r in http["chat_rate_inf"]])
+            m_chat = med([_requested_rate(r) for r in http["chat_rate_inf"]])
             server_ratio, engine_ratio = m_chat / p_chat, off_tok / p_off
             rows.append(
                 (
@@ -655,26 +526,12 @@ def table(results: dict[str, Any]) -> str:
                 )
             )
         if peer.get("bench_simple_s") and http.get("bench_simple_s"):
-            a, b = _median(peer["bench_simple_s"]), _median(http["bench_simple_s"])
+            a, b = med(peer["bench_simple_s"]), med(http["bench_simple_s"])
             rows.append(
                 ("bench_simple Duration s: Mini-SGLang / minisgl", f"{a:.2f} / {b:.2f} = {a / b:.3f}x")
             )
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def model_parser(doc: str) -> argparse.ArgumentParser:
-    """The serving scripts' command line: `doc` as its help, a model folder and `--config`."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="model folder: config.json and a tokenizer")
-    parser.add_argument("--config", default=str(PRESET))
-    return parser
-
-
-def stop_servers_on_sigterm() -> None:
-    """SIGTERM (`timeout`'s signal) exits through the `with` blocks, so the servers are stopped: killed
-    by default, the script left them running and holding GPU memory for the next command."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def main() -> None:

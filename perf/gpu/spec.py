@@ -1,28 +1,18 @@
-"""Speculative decoding on the GPU (issue 45's goals; docs/speculative.md).
+"""Speculative decoding on the GPU against its goals (docs/speculative.md gives them and the figures).
 
     python -m perf.gpu.spec [--config YAML] [--model DIR] [--k 4] [--tokens 256] [--reps 3]
-                            [--verify-graph] [--offline] [--check] [--profile N [--trace-dir DIR]]
+                            [--single [--verify-graph]] [--offline] [--check] [--profile N [--trace-dir DIR]]
                             [--out FILE]
 
-- One request alone (128 random prompt tokens, `--tokens` greedy tokens, ignore_eos) without
-  speculation and with 'ngram', every draft accepted: the ceiling of the mechanics. Dummy weights
-  accept nothing a real proposer offers, and their nearly flat logits let a verify row's bf16 kernels
-  flip near-ties a decode step's do not (so even replaying a run without speculation soon leaves it),
-  so both runs put a logit bias of 100 on one token (`BIAS_TOKEN`): the output repeats it, n-gram
-  proposes it, every draft is accepted and the outputs are identical (checked). Alternating, `--reps`
-  runs each, medians: the decode tokens per second (after the first token), their ratio, and the
-  verify step's wall time over a plain decode step's (`StepTimes`: each scheduler step timed, a verify
-  step's parts too).
-- `--verify-graph` (with `--single`): each rep also runs the 'ngram' request on the verify graph
-  (16-row prefill blocks, `GraphRunner.verify_as_decode` off) instead of the decode graph of its rows.
-- `--offline`: the offline random workload (rate inf) with 'ngram' against without, alternating
-  passes: speculation must switch itself off there (goal: at least 0.97x).
-- `--profile N`: one request's 64 tokens with 'ngram' and without under torch.profiler, the top N
-  rows by device time (chrome traces in `--trace-dir`).
-- `--check`: greedy outputs without speculation, with 'ngram' and with 'draft' (`--draft-model`, by
-  default the preset's own folder: dummy weights drafting for themselves): how many tokens agree (on a
-  GPU in bfloat16 a verify position's kernel differs from a decode step's, so a near-tie may flip),
-  and the acceptance.
+- `--single`: one request alone, without speculation and with 'ngram', every draft accepted (a logit
+  bias on `BIAS_TOKEN`: the ceiling of the mechanics on dummy weights), alternating, `--reps` runs each:
+  decode tokens/s, their ratio and the verify step's time over a plain decode step's (`StepTimes`);
+  `--verify-graph` also runs 'ngram' on the verify graph (16-row blocks) instead of the decode graph
+  of its rows.
+- `--offline`: the offline random workload (rate inf), 'ngram' against none: speculation must switch
+  itself off there (goal: at least 0.97x).
+- `--profile N`: one request's 64 tokens with 'ngram' and without under torch.profiler, the top N rows.
+- `--check`: greedy outputs without speculation, with 'ngram' and with 'draft': how many tokens agree.
 
 Both engines live in one process (memory_ratio 0.4 each), so the runs alternate without restarts.
 """
@@ -31,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
 
-import torch
-
 from minisgl.bench.offline import WorkloadShape, run_bench
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+from perf.common import decode_rate, median
 
 PRESET = "configs/h200-qwen3-0.6b.yaml"
 
@@ -107,18 +97,15 @@ class StepTimes:
 
 
 def _ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1e3 if seconds else float("nan")
+    return 1e3 * median(seconds, math.nan)
 
 
 def _decode_rate(llm: LLM, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    """Decode tokens per second of one greedy request (after its first token), and its output."""
+    """Decode tokens per second of one greedy request biased to `BIAS_TOKEN` (after its first token),
+    and its output."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, logit_bias={BIAS_TOKEN: BIAS})
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
-    seconds = time.perf_counter() - started - out.time_to_first_token
-    return (len(out.token_ids) - 1) / seconds, out.token_ids
+    rate, [out] = decode_rate(llm, [prompt], params)
+    return rate, out
 
 
 STARTS: list[dict] = []  # each LLM's start: seconds and the compiles (dynamo graphs) it added

@@ -1,20 +1,24 @@
-"""Timing helpers shared by the GPU scripts: device time of a call, and a workload pass split by step.
+"""Timing helpers shared by the GPU scripts: device time of a call or of a CUDA graph of it, and a
+workload pass split by step (host-side helpers: `perf.common`).
 
 `timed_pass` reads the scheduler's public step records (`Scheduler.record_steps` and `step_records`,
 one `minisgl.scheduler.StepRecord` per forward): nothing here wraps or replaces scheduler methods.
+Only torch is imported at load (the kernel scripts start no engine).
 """
 
 from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.bench.offline import PassResult, run_pass
-from minisgl.llm import LLM
+if TYPE_CHECKING:
+    from minisgl.bench.offline import PassResult
+    from minisgl.llm import LLM
 
 # decode batch sizes a step is grouped under (the largest one <= its size)
 DECODE_BUCKETS = (256, 192, 128, 64, 32, 16, 8, 4, 2, 1, 0)
@@ -34,6 +38,50 @@ def gpu_ms(fn: Callable[[], Any], iters: int = 50) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def median_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` on the current stream, each call between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def capture(fn: Callable[[], Any], warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`fn` captured in a CUDA graph, after `warmup` calls on a side stream: the graph, and what `fn`
+    returned while captured (its output buffers, which each replay writes)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    return graph, out
+
+
+def graph_us(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Microseconds per replay of a CUDA graph of `fn` (`gpu_ms` of the replays)."""
+    return gpu_ms(capture(fn)[0].replay, reps) * 1e3
+
+
+def sync(device: torch.device | str | None = None) -> None:
+    """Waits for the work queued on `device` (None: the current CUDA device, if any); a CPU runs its
+    work as it is called."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
 
 
 def step_group(phase: str, batch_size: int) -> str:
@@ -85,6 +133,8 @@ def timed_pass(
     """One workload pass (`minisgl.bench.offline.run_pass`) with every step recorded: returns the pass and the
     `step_table` of its steps. With `host_profile` (a file name), the pass also runs under cProfile and
     the 30 functions of most own host time are written there."""
+    from minisgl.bench.offline import run_pass
+
     sched = llm.scheduler
     kept = sched.record_steps
     sched.record_steps = MAX_RECORDS
