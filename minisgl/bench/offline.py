@@ -341,7 +341,7 @@ def run_bench(
     extra: dict = {"single_request": run_single(llm)} if single else {}
     if engine.device.type == "cuda":
         extra["peak_memory_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-    cache_type = llm.scheduler.cache_type
+    cache_type = llm.scheduler.config.cache_type
     return {
         **extra,
         "model": llm.model_name,

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine, EngineConfig
+from minisgl.engine import Engine, EngineConfig
 from minisgl.models import default_model_path
+from minisgl.scheduler import BatchPreparer
 
 CONTEXT = 128  # tokens already in the cache when a decode step runs
 

@@ -76,7 +76,14 @@ def _states(grammars: Grammars, kind: str) -> list[RequestState]:
         state.grammar = grammars.new_state(params)
         cut = (i * 7) % (len(document) - 1)
         assert state.grammar.matcher.accept_string(document[:cut])
-        state.req = Req([1] * 16, i, 16, params.max_tokens, i, params)  # a decode step's request
+        state.req = Req(
+            input_ids=[1] * 16,
+            table_idx=i,
+            cached_len=16,
+            output_len=params.max_tokens,
+            uid=i,
+            sampling_params=params,
+        )  # a decode step's request
         state.req.device_len = 17
         states.append(state)
     return states

@@ -16,7 +16,7 @@ from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
 from minisgl.engine.engine import ForwardOutput, _CompletedEvent
 from minisgl.models import default_model_path
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, SchedulerConfig
 
 BATCH = 256
 ROUNDS = 60
@@ -56,7 +56,7 @@ def test_host_step_batch_256(benchmark, temperature, logprobs, page_size):
         )
     )
     try:
-        sched = Scheduler(engine, eos_token_ids=[2], overlap=True)
+        sched = Scheduler(engine, SchedulerConfig(overlap_scheduling=True), eos_token_ids=[2])
         params = SamplingParams(
             max_tokens=MAX_LEN - 16, temperature=temperature, ignore_eos=True, logprobs=logprobs
         )

@@ -17,8 +17,9 @@ import torch
 
 from minisgl.bench.offline import WorkloadShape, make_workload, run_pass
 from minisgl.core import SamplingParams
-from minisgl.engine import Engine, EngineConfig, generate
+from minisgl.engine import Engine, EngineConfig
 from minisgl.llm import LLM
+from minisgl.scheduler import generate
 from perf.gpu.timing import timed_pass
 
 TINY_QWEN3 = Path(__file__).resolve().parent / "tiny-qwen3"

@@ -46,7 +46,12 @@ def _pool_and_table(
 
 
 def _batch(bs: int, ctx: int) -> Batch:
-    return Batch(reqs=[Req([0] * ctx, i, ctx - 1, 1, i) for i in range(bs)], phase="decode")
+    return Batch(
+        reqs=[
+            Req(input_ids=[0] * ctx, table_idx=i, cached_len=ctx - 1, output_len=1, uid=i) for i in range(bs)
+        ],
+        phase="decode",
+    )
 
 
 def eager(device: torch.device) -> None:

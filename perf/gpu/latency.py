@@ -108,7 +108,7 @@ def _clear(llm: Any, states: list[Any]) -> None:
 
 
 class Watch:
-    """Stamps the stages of one watched request by wrapping `Scheduler._admit`, `Scheduler._prepare`,
+    """Stamps the stages of one watched request by wrapping `Admission.admit`, `Pipeline.prepare`,
     `Engine.forward_batch` and `engine.sampler.sample` on the instances; `close` removes the wrappers."""
 
     def __init__(self, llm: Any) -> None:
@@ -120,7 +120,7 @@ class Watch:
         self.stamps: dict[str, Any] = {}  # host seconds, or CUDA events (device stages)
         self.mode: str | None = None
         self.anchor: tuple[float, Any] | None = None
-        self.patched = [(self.sched, "_admit"), (self.sched, "_prepare")]
+        self.patched = [(self.sched.admission, "admit"), (self.sched.pipeline, "prepare")]
         self.patched += [(self.engine, "forward_batch"), (self.engine.sampler, "sample")]
         for obj, name in self.patched:
             setattr(obj, name, getattr(self, "_" + name.lstrip("_"))(getattr(obj, name)))

@@ -38,7 +38,7 @@ from conftest import make_tiny_model, teacher_forced_logits  # noqa: E402
 from minisgl.core import SamplingParams  # noqa: E402
 from minisgl.engine import Engine, EngineConfig, generate  # noqa: E402
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, select_experts  # noqa: E402
-from minisgl.scheduler import Scheduler  # noqa: E402
+from minisgl.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 MEAN_BOUND = 1.5
 P99_BOUND = 2.0
@@ -550,8 +550,8 @@ def cache_and_preemption(run: ShapeRun, requests: int = 32, max_tokens: int = 64
     lens = [len(p) + max_tokens for p in prompts]
     engine = make_engine(run.folder, run.device, lens, 0)
     try:
-        naive = greedy_outputs(Scheduler(engine, cache_type="naive"), prompts, max_tokens)
-        sched = Scheduler(engine, cache_type="radix")
+        naive = greedy_outputs(Scheduler(engine, SchedulerConfig(cache_type="naive")), prompts, max_tokens)
+        sched = Scheduler(engine, SchedulerConfig(cache_type="radix"))
         radix1 = greedy_outputs(sched, prompts, max_tokens)
         radix2 = greedy_outputs(sched, prompts, max_tokens)  # the prompts are in the tree now
         hit = sched.prefix_cached_tokens
@@ -561,7 +561,7 @@ def cache_and_preemption(run: ShapeRun, requests: int = 32, max_tokens: int = 64
     # preempted as they grow
     small = make_engine(run.folder, run.device, [max(lens)], 0, page_size=4)
     try:
-        psched = Scheduler(small, cache_type="naive")
+        psched = Scheduler(small, SchedulerConfig(cache_type="naive"))
         preempted = greedy_outputs(psched, prompts, max_tokens)
         preemptions = psched.preemptions
     finally:

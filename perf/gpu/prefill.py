@@ -14,7 +14,8 @@ import argparse
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.engine import BatchPreparer, Engine
+from minisgl.engine import Engine
+from minisgl.scheduler import BatchPreparer
 from minisgl.settings import EngineSettings
 from perf.gpu.timing import gpu_ms
 

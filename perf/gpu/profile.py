@@ -72,7 +72,13 @@ def _step_ms(sched: Scheduler, bs: int, prompt_len: int, out_dir: str, tag: str)
 
 def _sampling_batch(bs: int, temperature: float) -> Batch:
     params = SamplingParams(temperature=temperature)
-    return Batch(reqs=[Req([1], 0, 0, 1, i, params) for i in range(bs)], phase="decode")
+    return Batch(
+        reqs=[
+            Req(input_ids=[1], table_idx=0, cached_len=0, output_len=1, uid=i, sampling_params=params)
+            for i in range(bs)
+        ],
+        phase="decode",
+    )
 
 
 def _device_alone(llm: LLM, bs: int) -> dict:

@@ -32,7 +32,17 @@ def main() -> None:
     sampler = Sampler(CPU, 64)
     print(f"{'batch':>5} {'prepare ops':>11} {'sample ops':>10} {'prepare+sample ms':>17}")
     for bs in (1, 64, 256):
-        reqs = [Req([1] * 9, i, 0, 4, i, SamplingParams(temperature=0.6, seed=i)) for i in range(bs)]
+        reqs = [
+            Req(
+                input_ids=[1] * 9,
+                table_idx=i,
+                cached_len=0,
+                output_len=4,
+                uid=i,
+                sampling_params=SamplingParams(temperature=0.6, seed=i),
+            )
+            for i in range(bs)
+        ]
         logits = torch.randn(bs, 64)
         args = BatchSamplingArgs.from_reqs(reqs, CPU)
         prepare_ops = _top_level_ops(partial(BatchSamplingArgs.from_reqs, reqs, CPU))
