@@ -1,28 +1,8 @@
 """The scheduler side's batch preparation, small enough to drive an Engine without a scheduler.
 
-`BatchPreparer` owns a table_idx allocator and a page allocator for one engine. It turns token
-lists into `Req`s (a table_idx each: their row of the page table), allocates KV pages as sequences
-grow, writes the page table, and fills a `Batch`'s `input_ids`, `positions` and `out_loc`. Everything
-is checked before anything is allocated, so a refused request or batch leaves the engine and the pools
-as they were.
-
-    prep = BatchPreparer(engine)
-    reqs = [prep.add_request(ids, SamplingParams(max_tokens=16)) for ids in prompts]
-    batch = prep.prefill(reqs)
-    out = engine.forward_batch(batch, prep.sampling_args(batch))
-    out.copy_done_event.synchronize()
-    prep.append_tokens(batch, out.next_tokens_cpu)
-    batch = prep.decode(reqs)
-    ...
-    prep.release(reqs)
-
-With a prefix cache (`BatchPreparer(engine, cache=RadixCache(page_size))`, the scheduler's
-`cache_type: radix`), a request can start from the longest cached prefix of its prompt
-(`match_prefix`, then `add_request(..., prefix=...)`): its page table then begins with the tree's pages
-and only the rest is computed. `cache_prefix` hands the whole pages a launched prefill chunk computed
-to the tree, and `release` hands over every whole page of the request's computed tokens instead of
-returning them to the pool; the tree references the pages a running request uses, and its unreferenced
-pages are evicted (least recently used first) when an allocation needs them. docs/prefix-cache.md.
+`BatchPreparer` allocates table_idxs and KV pages, writes the page table and fills a `Batch`'s tensors,
+checking everything before it allocates anything; with a `RadixCache` it also keeps the prefix cache's
+books. Usage: docs/architecture.md#the-engine-api; the prefix cache: docs/prefix-cache.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
 """Ranks in lockstep: every tensor-parallel rank runs its own `Scheduler` over the same request stream.
 
-Rank 0, the *leader*, is the only rank that sees the outside world: new requests, aborts, and
-everything its tokenizer decides (stop strings, text). Each of its scheduler steps sends one message to
-every other rank, a *follower*, over a ZeroMQ socket: what happened since the previous message, in
-order, and the step's plan. A follower's step receives it first, applies it, then runs the same code as
-the leader's step over the same state, so both schedule the same batch and sample the same tokens
-(logits are all-gathered identically and the sampler is a function of logits, seed and position), and
-their forwards meet in the same collectives. Nothing about a batch travels, only what arrived from
-outside; a decode step's message holds a few dozen bytes.
-
-What the leader sends (`Leader`), one message per step:
-- ``add``: a new request, with its uid, its prompt ids (raw int64 in a second frame) and its sampling
-  parameters. An unseeded sampled request already carries the seed the leader drew for it
-  (`Scheduler.add_request`), so every rank draws the same tokens.
-- ``finish``: a request the leader finished, with the reason and error: a stop (EOS, stop token or
-  string, max_tokens), an abort, a failure. Followers never finish a request by themselves: they do it
-  when told, at the same point of the same step as the leader (finishes made while the leader collected
-  step k's tokens reach the followers before step k+1's admission, where the leader's took effect).
-- ``clear``: the leader cleared its prefix cache (`Scheduler.clear_prefix_cache`). Nothing else about
-  the prefix cache travels: each rank's radix tree sees the same calls in the same order, its recency
-  is a logical clock, so the ranks match, insert and evict alike (the plan's page count checks it).
-- The *plan* of the step: phase, number of requests and tokens, and the sum of the uids. A follower
-  whose own schedule differs stops with an error naming the step: a lockstep bug is never silent.
-- A *verdict*: if preparing the step's batch failed on the leader, every rank fails the step's
-  requests in the same way, and no rank runs the forward.
-
-A follower that fails reports its error to the leader over a second socket before it exits; the leader
-raises it, naming the rank, at its next step (`FatalEngineError`). Messages are JSON headers and raw
-integer arrays: nothing is unpickled from a socket. Sockets bind to loopback unless the group spans
-machines (then to the interface that reaches the group's master address); their ephemeral ports are
-exchanged once, at start, over the process group.
+Rank 0 (`Leader`) alone sees the outside world; each of its steps sends every follower (`Follower`) the
+events since the last step (add, finish, clear) and the step's plan, which the follower checks against
+its own, so nothing about a batch travels. docs/tensor-parallel-and-moe.md, "Ranks in lockstep".
 """
 
 from __future__ import annotations

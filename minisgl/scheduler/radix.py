@@ -1,51 +1,7 @@
-"""A radix tree over KV-cache pages: the prefix cache behind `cache_type: radix`.
+"""A radix tree over KV-cache pages, in whole pages: the prefix cache behind `cache_type: radix`.
 
-Structure
----------
-The tree maps token ids to the KV pages that hold their keys and values, at page granularity: every
-node holds a run of whole pages, that is `k * page_size` token ids (`RadixNode.tokens`) and the `k`
-page ids that hold them (`RadixNode.pages`, one per `page_size` tokens). The path from the root to a
-node spells a cached prefix; a node's children are keyed by the first page of their tokens (a tuple of
-`page_size` ids), so descending costs one dict lookup per node plus a comparison of the tokens. Nodes
-are split at a page boundary when a match or an insert ends inside one, never merged back. A partial
-last page is never cached nor matched: a prompt shorter than one page matches nothing.
-
-Ownership of pages
-------------------
-A page id is owned either by the tree or by the caller (the KV pool's free list, a running request),
-never by both. `insert` hands the caller's new pages to the tree: after
-`result = tree.insert(tokens, pages)`, with `k = result.num_cached_pages`,
-
-- `pages[k:]` belong to the tree (they were not cached before);
-- `pages[:k]` covered tokens the tree already held, and the tree keeps its own pages for them. Those of
-  them that are the tree's own page ids (typically because the caller got them from an earlier `match`)
-  stay the tree's; the others, listed in `result.duplicate_pages`, remain the caller's, to free.
-
-Pages come back to the caller only through `evict` and `clear`, which return the page ids they
-removed from the tree.
-
-Reference counting
-------------------
-A running request that uses a cached prefix locks it: `lock(handle)` increments the reference count of
-the handle's node and of every node above it, up to (not including) the root; `unlock(handle)`
-decrements them. A node's count is therefore never below any of its descendants' counts. A node with a
-count above zero is referenced: it is never evicted, nor is anything above it. Handles are the nodes
-returned by `match` and `insert` (`Match.handle`, `InsertResult.handle`); a split keeps a handle's node
-as the lower part, so a handle stays valid across splits and always ends at the same token. A handle
-whose node was evicted (possible only while it is unlocked) is stale: locking it raises ValueError.
-
-Eviction and recency
---------------------
-Every `match` and `insert` advances an integer logical clock (`clock`) and stamps the nodes on its path
-with it; nothing else changes recency, and no wall-clock time is read, so the same sequence of calls
-makes the same choices on every machine (as the ranks of a tensor-parallel group must). `evict(n)`
-removes unreferenced leaves, least recently stamped first (ties, which the path-wise stamping makes
-impossible among leaves, would go to the node created first), a whole node at a time, until at least
-`n` pages are freed or nothing unreferenced is left; a parent becomes a candidate once its last child
-is gone. Candidates sit in a heap with lazy deletion: an entry that no longer describes an unreferenced
-leaf with that stamp is skipped when popped, and the heap is rebuilt when stale entries pile up.
-
-The module is pure Python (no torch): page ids and token ids are ints.
+Pure Python (page ids and token ids are ints). Which pages `insert` hands to the tree, locking and the
+deterministic (logical-clock) eviction: docs/prefix-cache.md#the-tree.
 """
 
 from __future__ import annotations
@@ -112,7 +68,7 @@ class InsertResult:
 
 
 class RadixCache:
-    """A radix tree of token ids over KV pages of `page_size` tokens (see the module docstring)."""
+    """A radix tree of token ids over KV pages of `page_size` tokens (docs/prefix-cache.md)."""
 
     def __init__(self, page_size: int) -> None:
         if not isinstance(page_size, int) or page_size < 1:
@@ -178,7 +134,7 @@ class RadixCache:
     def insert(self, tokens: Sequence[int], pages: Sequence[int], *, lock: bool = False) -> InsertResult:
         """Caches the whole pages of `tokens`, held in `pages` (one page id per `page_size` tokens; a
         tail shorter than a page is ignored). Stamps the path and, with `lock=True`, locks the
-        returned handle. Which pages the tree now owns: see the module docstring."""
+        returned handle. Which pages the tree now owns: `InsertResult`, docs/prefix-cache.md."""
         num = len(tokens) // self._page_size
         if len(pages) != num:
             raise ValueError(

@@ -1,11 +1,7 @@
-"""Stop strings found in a growing text at a cost per new character that does not grow with their
-number: they are compiled once into an Aho-Corasick automaton (a trie of the strings with failure
-links) that reads each new character once (about 0.4 us a character in CPython, one string or a
-hundred; `str.find` per string costs more from two strings on).
-
-The answer does not depend on how the text was cut into pieces: the stop string completed first (the
-one that ends earliest; of those ending at the same place, the longest), among those that end after a
-given point (text handed out already is never taken back).
+"""Stop strings found in a growing text, at a cost per new character that does not grow with their
+number (an Aho-Corasick automaton: docs/scheduler.md#finishing). The answer does not depend on how the
+text was cut: the stop string that ends earliest (of those, the longest) among those ending after a
+given point (text already handed out is never taken back).
 """
 
 from __future__ import annotations
