@@ -83,16 +83,13 @@ class Engine:
         companion: object | None = None,
         page_table: torch.Tensor | None = None,
     ) -> None:
-        """Builds the engine in the documented order (after setting this process's host threads):
-        communication, model, KV cache, page table, attention and MoE backends, sampler, CUDA graphs;
-        then the sampler's and the prefill's warm-ups.
+        """Builds the engine in the documented order (docs/architecture.md#the-engines-init-steps).
 
-        Speculative decoding's draft model (`minisgl.scheduler.draft`) keeps its KV at this engine's page
-        ids. `companion`: its footprint (an object with int attributes `weight_bytes` and `page_bytes`,
-        its KV bytes per page: `minisgl.scheduler.draft.DraftFootprint`, which this layer cannot name);
-        the pool is sized so that both models' weights and as many pages of each fit the budget.
-        `page_table`: the target engine's page table, which the draft's engine uses instead of its own
-        (same shape; `last_tokens` stays its own)."""
+        For speculative decoding's draft model, which keeps its KV at this engine's page ids:
+        `companion`, its footprint (int attributes `weight_bytes` and `page_bytes`, as
+        `minisgl.scheduler.draft.DraftFootprint`), sizes the pool so both models' weights and as many
+        pages of each fit; `page_table`, the target's, replaces the draft engine's own (same shape;
+        `last_tokens` stays its own)."""
         self.companion = companion
         self._shared_page_table = page_table
         self.config = config
@@ -405,19 +402,11 @@ class Engine:
 
     @torch.inference_mode()
     def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:
-        """Speculative decoding's verify step: `batch` (a prefill-phase batch) computes for each request
-        its newest token and the draft tokens that follow it, and every row is sampled: `args` has one
-        entry per token row (for row j of a request, the arguments of the token at its position + 1),
-        so row j's token is the one a decode step at that position would draw. Returns a token per row
-        (the scheduler accepts a request's drafts while they equal them, and does the same on the
-        host). On the device it accepts them too: each request's token after its accepted drafts goes
-        to `last_tokens`, and accepted minus proposed drafts to `verify_shift`.
-
-        `pending`: the batch was built before the previous verify step of its requests was read, as if
-        that step had accepted every draft: each request's first token is read from `last_tokens`, and
-        its positions, KV slots, attention lengths and sampling positions move by its `verify_shift`
-        (<= 0), all on the device (needs a verify CUDA graph or the torch attention backend:
-        `can_shift`)."""
+        """Speculative decoding's verify step (docs/speculative.md): `batch`, prefill-phase, holds each
+        request's newest token and its drafts; `args` has one entry per token row (row j: the token at
+        its position + 1). Returns a token per row, and on the device accepts the drafts into
+        `last_tokens` and `verify_shift`. `pending`: the batch was built before the previous verify step
+        was read; it is moved by `verify_shift` on the device (needs `can_shift`)."""
         ext = [req.extend_len for req in batch.reqs]  # before the forward marks the tokens cached
         host = torch.tensor([*ext, *(sum(ext[:i]) for i in range(len(ext)))], dtype=torch.int64)
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host

@@ -1,29 +1,9 @@
-"""CUDA graphs of the compiled decode forward, one per batch size.
+"""CUDA graphs of the compiled forward: one per decode batch size, and one per prefill token-count bucket.
 
-The model's forward is compiled once with torch.compile (fullgraph; attention and the kernels that
-depend on the row count are opaque custom ops), for every token count: the token dimension of its
-inputs is unbacked (`mark_unbacked`), so dynamo neither specializes a graph on one token nor guards on
-the count, and decode always passes `last_indices` (every row), as prefill does. The one compiled graph
-is captured into one CUDA graph per batch size in `batch_sizes`, all in one memory pool, from the
-largest down. A decode batch is padded with the dummy request (page-table row `max_running_req`, one
-token on the dummy page) up to the next captured size and replayed; larger batches and prefill run the
-same compiled forward without a graph (`run_compiled`; faster than eager prefill, see
-docs/performance.md and `python -m perf.gpu.prefill`), as the documentation allows, unless
-`compile_prefill` is off (ablation) or the engine is batch-invariant.
-
-Prefill graphs: a prefill of few tokens is bound by the launches of the compiled forward (about 10 ms
-for 128 tokens of Qwen3-0.6B against well under a millisecond of GPU work), so prefill batches of up to
-`prefill_graph_max_tokens` tokens replay graphs too, one per token-count bucket (16, 32, ... doubling).
-The batch is laid out in blocks of `ALIGN` (16) tokens: each request's tokens start a block, and the
-rest of its last block and the blocks after the last request are padding (whatever token and position
-the buffers hold, its KV written to the dummy page, attending to its row's first token; its outputs are
-never read). A graph of T tokens computes the logits
-of T / ALIGN rows (`prefill_last`: each request's last token, then padding rows). Attention runs the
-attention backend's graph plan (`prepare_prefill_graph`: the Triton prefill kernel of
-`minisgl.kernels.prefill_attention`, planned on the device). Needed: the fi/fa backends (they have the
-plan), a dense model (the MoE backends are captured at decode sizes only) and `compile_prefill`; a prefill
-that asks for prompt log probabilities (more rows than the last ones) or reaches past
-`prefill_graph_max_context` tokens runs the compiled forward.
+The forward is compiled once for every token count (the token dimension is unbacked); decode batches
+are padded with the dummy request to the next captured size, small prefills are laid out in blocks of
+`ALIGN` tokens and replay a bucket's graph, and the rest run compiled without a graph. Why and when:
+docs/gpu.md#compiled-forward-and-cuda-graphs and docs/gpu.md#prefill-graphs.
 """
 
 from __future__ import annotations
@@ -80,7 +60,7 @@ def default_max_bs(device: torch.device) -> int:
 
 
 class GraphRunner:
-    """CUDA graphs of the decode forward and the compiled forward they share (see the module docstring).
+    """CUDA graphs of the decode forward and the compiled forward they share (docs/gpu.md).
 
     ``compile_prefill``: prefill and batches above the largest graph run the compiled forward (False:
     eagerly, for ablation; the ``compile_prefill`` setting). A batch-invariant engine runs them eagerly
@@ -166,7 +146,7 @@ class GraphRunner:
             self.prefill_sizes = prefill_sizes
 
     def _prefill_sizes(self, max_tokens: int, ctx: Context) -> list[int]:
-        """The prefill graphs' token counts, or none where they cannot run (see the module docstring)."""
+        """The prefill graphs' token counts, or none where they cannot run (docs/gpu.md#prefill-graphs)."""
         why = None
         if not self.compile_prefill:
             why = "compile_prefill is off or the engine is batch-invariant"
@@ -323,13 +303,9 @@ class GraphRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The model's forward, compiled; logits of every row when `last_indices` is None (it is then
-        the slice of `rows`, so the compiled graph always gets a tensor).
-
-        Every call marks the token dimension of the inputs unbacked, so the one graph compiled at the
-        first call serves every later one (any token count, decode or prefill), and a recompile (a new
-        engine in the process) is just as general. An input made in inference mode (a prefill's
-        `last_indices`, planned inside the engine's forward) is copied to a normal tensor first, as the
-        graph's static buffers are: dynamo guards on the dispatch keys, which differ between the two."""
+        the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
+        unbacked and copies an inference-mode input to a normal tensor, so one graph serves every call
+        and engine (docs/gpu.md#compiled-forward-and-cuda-graphs)."""
         if last_indices is None:
             if input_ids.shape[0] > self.rows.shape[0]:
                 raise ValueError(
@@ -415,7 +391,7 @@ class GraphRunner:
         return logits[:bs]
 
     def replay_prefill(self, batch: Batch) -> torch.Tensor:
-        """Lays the prefill batch out in the smallest bucket that holds it (see the module docstring),
+        """Lays the prefill batch out in the smallest bucket that holds it (docs/gpu.md#prefill-graphs),
         plans its attention on the device, replays; the logits of each request's last token."""
         starts, span = prefill_layout(batch)
         tokens = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, span)]

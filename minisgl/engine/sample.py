@@ -58,17 +58,11 @@ class Sampler:
         return BatchSamplingArgs.from_reqs(batch.reqs, self.device, self._rng)
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs, graph_bs: int = 0) -> torch.Tensor:
-        """Next token ids, int32 of shape (B,), on the device of ``logits``.
+        """Next token ids, int32 of shape (B,), on the device of ``logits``, without a host sync.
 
-        ``graph_bs``: the logits are the first B rows of the static output of the decode graph of that
-        size (its sampler graph, if captured, then runs the sampled path; see the module docstring).
-
-        ``logits`` is (B, V) with V >= ``vocab_size``; columns past ``vocab_size`` (padding) are
-        ignored. The transforms, in order: the structured-output mask (`token_mask`), logit_bias, the
-        penalties, the suppressed tokens (min_tokens); then rows with temperature 0 take the argmax of
-        the logits and the other rows draw from ``softmax(logits / T)`` restricted to the tokens that
-        every active filter keeps, each filter judged on the unfiltered weights (`keep_mask`). Nothing
-        here syncs with the host.
+        ``logits``: (B, V), V >= ``vocab_size`` (columns past it are padding, ignored). ``graph_bs``: the
+        logits are the first B rows of that decode graph's static output (its sampler graph, if
+        captured, then runs the sampled path). The transforms and draws, in order: docs/gpu.md#the-sampler.
         """
         if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(

@@ -32,14 +32,13 @@ def _packed_row(field: str, row: int) -> property:
 
 @dataclass
 class BatchSamplingArgs:
-    """Per-request sampling parameters of one batch, as tensors on the device.
+    """Per-request sampling parameters of one batch, as tensors on the device (two copies a step).
 
-    ``floats`` is (3, B) float32: temperature (0 = greedy), top_p, min_p; ``ints`` is (3, B) int64: top_k
-    (``TOP_K_ALL`` when unlimited), seed (a fresh random seed for requests without one) and offset (the
-    position of the token being sampled, ``req.device_len``). Two copies to the device per step; the
-    named fields are views of them. All are None when every request is greedy. ``all_greedy`` and
-    ``need_filter`` (some sampled request uses top-k, top-p or min-p) are host booleans, so
-    ``Sampler.sample`` can pick its path without a device sync.
+    ``floats`` (3, B) float32: temperature (0 = greedy), top_p, min_p; ``ints`` (3, B) int64: top_k
+    (``TOP_K_ALL``: unlimited), seed (fresh when the request has none), offset (``req.device_len``, the
+    position sampled); the named fields are views of them, all None when every request is greedy.
+    ``all_greedy`` and ``need_filter`` (some sampled request uses top-k, top-p or min-p) are host
+    booleans, so ``Sampler.sample`` picks its path without a device sync.
     """
 
     all_greedy: bool

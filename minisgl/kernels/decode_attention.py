@@ -214,16 +214,13 @@ def decode_attention(
     kv_scales: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per request over its first `lens[i]` tokens, or with `window` (a
-    sliding window of that many tokens, None: none) over the last `window` of them.
-
-    q: (B, H, D); k, v: (locations, KVH, D), H a multiple of KVH, each head's D dense; table: (rows,
-    positions) int32 KV locations (the engine's page table); rows, lens: (B,) integer tensors (each
-    request's table row, and its token count, at least 1). Returns (B, H, D) in q's dtype. `splits`
-    (a power of two) overrides `num_splits`; `pdl`: programmatic dependent launch
-    (`minisgl.kernels.pdl`; None: `pdl_enabled`). k and v may be float8_e4m3fn (an FP8 cache): then
-    `kv_scales`, the layer's contiguous (2,) float32 K and V scales on q's device, is required, and the
-    keys and values attended are e4m3 * scale."""
+    """Attention of one query token per request over its first `lens[i]` tokens, or only the last
+    `window` of them (a sliding window; None: none). q: (B, H, D); k, v: (locations, KVH, D), H a
+    multiple of KVH, each head's D dense; table: (rows, positions) int32 KV locations (the page table);
+    rows, lens: (B,) integers (each request's table row and token count, >= 1). Returns (B, H, D) in q's
+    dtype. `splits` (a power of two) overrides `num_splits`; `pdl`: programmatic dependent launch (None:
+    `pdl_enabled`). FP8 (float8_e4m3fn) k and v need `kv_scales`, the layer's contiguous (2,) float32 K
+    and V scales on q's device, and attend e4m3 * scale."""
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_heads % num_kv_heads or q.stride(2) != 1 or k.stride(2) != 1 or k.stride() != v.stride():

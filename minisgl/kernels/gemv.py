@@ -236,19 +236,9 @@ def gemv_launch(
 
 
 def _config(m: int, n: int, k: int, prologue: int = PLAIN) -> tuple[int, int, int]:
-    """(block_n, block_k, warps) for m rows of x, an (n, k) weight and the kernel's prologue. Chosen on
-    an H200 (`python -m perf.gpu.gemv --rows 1 --sweep --model 8b|30b|survey`: projections of Qwen3-0.6B
-    to 14B, docs/performance.md):
-
-    - one row after the SiLU-and-multiply (down): four output rows a program, two (eight warps) below
-      2,048. Each program computes silu(gate) * up of the whole row again, reading twice the row from
-      L2, so fewer programs are faster: 1.2 to 1.6x over `_block_n` on 1.7B to 14B's down (8B: 45.9 ->
-      28.4 us);
-    - one row, plain, at least 4,096 columns and at most 16,384 output rows (O): a row a program, eight
-      warps (5 to 13% faster than four);
-    - other single rows: `_block_n`, four warps (within 7% of the best everywhere surveyed);
-    - several rows: four output rows a program (the fastest at 2 to 8 rows on Qwen3-0.6B's shapes and
-      its LM head, `python -m perf.gpu.gemv --rows 2 4 8 --sweep`)."""
+    """(block_n, block_k, warps) for m rows of x, an (n, k) weight and the kernel's prologue, chosen by
+    sweeps on an H200 (`python -m perf.gpu.gemv --sweep`); the rules and why: docs/gpu.md#one-row-gemv,
+    the measurements: docs/performance.md#one-row-gemv-at-17b-to-30b-shapes-issue-44."""
     block_k = min(1024, triton.next_power_of_2(k))
     if m > 1:
         return 4, block_k, 4

@@ -1,14 +1,6 @@
-"""The FP8 KV cache's quantization inside Triton kernels: e4m3 bits of value / scale.
-
-The KV-store and the fused q/k-norm + RoPE + KV-store kernels call `e4m3_bits` to write an FP8 page
-(`minisgl.kernels.fp8.quantize_kv` is the definition: value / scale in float32, clamped to [-448, 448],
-rounded to the nearest e4m3 value, ties to even). The rounding is written out on the float32 bits
-instead of casting to `tl.float8e4nv`, so that the kernels give torch's bytes on every device and under
-Triton's interpreter (whose float8 cast truncates and mishandles subnormals, so the CPU tests could not
-check the cast itself). It costs a dozen integer operations per value, in kernels bound by memory.
-
-A kernel receives the layer's two scales as a pointer to two float32 values (K's, then V's: a row of
-`MHAKVCachePool.scales`), read on the device: nothing is synchronised with the host.
+"""The FP8 KV cache's quantization inside Triton kernels: e4m3 bits of value / scale, as
+`minisgl.kernels.fp8.quantize_kv` defines them, rounded on the float32 bits rather than cast, so the
+kernels give torch's bytes on every device and under Triton's interpreter. docs/quantization.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The KV store as one Triton kernel: token t's K and V rows go to slot `out_loc[t]` of one layer's
-K and V caches in a single launch (two `index_copy_` kernels otherwise).
-
-One program per token copies both rows (kv_heads * head_dim elements each). K and V may be strided
-views (V is a slice of the fused QKV projection); each row's heads and dims must be dense. The KV pool
-uses it where it applies unless built with `use_kernel=False` (the `use_kv_store_kernel` setting).
-
-An FP8 cache (float8_e4m3fn, the setting `kv_cache_dtype: fp8_e4m3`) gets e4m3 of k / k_scale and
-v / v_scale, the bytes of `minisgl.kernels.fp8.quantize_kv` (`minisgl.kernels.kv_fp8`), with the layer's
-scales read on the device. It runs on CUDA tensors, and on CPU tensors under Triton's interpreter (the
-CPU tests).
+K and V caches in a single launch (two `index_copy_` kernels otherwise). K and V may be strided views
+(V is a slice of the fused QKV output); each row's heads and dims must be dense. An FP8 cache gets
+`quantize_kv`'s bytes (`minisgl.kernels.kv_fp8`). docs/gpu.md#attention-backends, docs/quantization.md.
 """
 
 from __future__ import annotations

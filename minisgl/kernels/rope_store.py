@@ -131,16 +131,13 @@ def qk_norm_rope_store(
     head_dim: int,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The queries (T, num_heads, head_dim), normed and rotated; the keys, normed and rotated, and the
-    values go to `k_cache[out_loc[t]]` and `v_cache[out_loc[t]]`.
-
-    qkv: (T, (num_heads + 2 num_kv_heads) head_dim), contiguous, q then k then v heads; positions and
-    out_loc: (T,) integers; cos_sin: (positions, head_dim) float32, cos in the first half and sin in the
-    second (`minisgl.layers.build_rope_cache`); q_norm and k_norm: (head_dim,) weights, both or neither;
-    k_cache, v_cache: (slots, num_kv_heads, head_dim), contiguous, in qkv's dtype or float8_e4m3fn: an
-    FP8 cache stores `quantize_kv(k, kv_scales[0])` and `quantize_kv(v, kv_scales[1])` (k rounded to
-    qkv's dtype first), `kv_scales` being the layer's contiguous (2,) float32 scales, on qkv's device.
-    """
+    """The queries (T, num_heads, head_dim), normed and rotated; the keys (normed, rotated) and the values
+    go to `k_cache[out_loc[t]]` and `v_cache[out_loc[t]]`. qkv: (T, (num_heads + 2 num_kv_heads) head_dim),
+    contiguous, q, k then v heads; positions, out_loc: (T,) integers; cos_sin: (positions, head_dim)
+    float32, cos then sin (`minisgl.layers.build_rope_cache`); q_norm, k_norm: (head_dim,) weights, both
+    or neither; k_cache, v_cache: (slots, num_kv_heads, head_dim), contiguous, qkv's dtype or
+    float8_e4m3fn, which stores `quantize_kv(k, kv_scales[0])` (k rounded to qkv's dtype first) and
+    `quantize_kv(v, kv_scales[1])`; kv_scales: the layer's contiguous (2,) float32 scales, on qkv's device."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: give both or neither")
     fp8, k_cache, v_cache = cache_views("qk_norm_rope_store", "kv_scales", k_cache, v_cache, kv_scales)

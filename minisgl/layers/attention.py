@@ -1,12 +1,9 @@
 """Attention as one opaque op: the KV store and the attention kernel of the current backend.
 
-Under torch.compile the call goes through the `minisgl::attention` custom op, so the compiler sees
-one opaque node (with a fake implementation for shapes) and `fullgraph=True` holds; the op reads the
-running batch from the engine's context. In eager mode the backend is called directly.
-
-`rope_attention` starts one step earlier, from the QKV projection's output: the fused Triton kernel of
-`minisgl.kernels.rope_store` applies the q/k norms and RoPE and stores K and V, then the backend attends
-(the custom op `minisgl::rope_attention`, in eager mode too).
+Under torch.compile it is the `minisgl::attention` custom op (one opaque node, `fullgraph=True` holds);
+in eager mode the backend is called directly. `rope_attention` starts from the QKV projection's output
+(the fused kernel of `minisgl.kernels.rope_store`; the op `minisgl::rope_attention`, in eager mode
+too). docs/gpu.md.
 """
 
 from __future__ import annotations
