@@ -1,15 +1,7 @@
 """`minisgl-run chat`: an interactive chat in the terminal, in-process over `LLM`.
 
-A line of input is a user message; the reply streams token by token under the model's chat template,
-and both turns join the conversation the next message is answered in. `/reset` clears the
-conversation (the system prompt stays), `/exit`, `/quit` or end of input (Ctrl-D) ends the session.
-Ctrl-C during a reply stops it (the request is aborted): what was shown stays in the conversation as
-the assistant's turn. Ctrl-C at the prompt drops the line, as in Python's shell.
-
-    from minisgl.chat import ChatSession
-    session = ChatSession(llm, SamplingParams(max_tokens=64), system="Answer briefly.")
-    session.reply("What is 2+2?", write=print)
-    session.history  # [{"role": "user", ...}, {"role": "assistant", ...}]
+`ChatSession(llm, params, system=...)` keeps the conversation (`history`) and streams each `reply`;
+the commands (`/reset`, `/exit`) and Ctrl-C's effects: docs/bench-serving.md#chat.
 """
 
 from __future__ import annotations

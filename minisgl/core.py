@@ -92,22 +92,21 @@ class KVCachePool(Protocol):
 class SamplingParams:
     """How one request picks its next tokens.
 
-    ``temperature`` 0 means greedy (argmax). With a positive temperature the logits are divided by it and
-    the softmax is filtered: ``top_k`` keeps the k most likely tokens (-1 or 0: all), ``top_p`` keeps the
-    smallest set of most likely tokens whose probability reaches ``top_p``, ``min_p`` drops tokens whose
-    probability is below ``min_p`` times the largest one. A token survives only if every filter keeps it
-    (each filter looks at the unfiltered softmax). ``seed`` makes the draws a function of (seed, position):
-    the same request gives the same tokens alone or inside any batch.
+    ``temperature`` 0 is greedy (argmax); above 0 the softmax of logits / temperature is filtered:
+    ``top_k`` keeps the k most likely tokens (-1 or 0: all), ``top_p`` the smallest most-likely set whose
+    probability reaches ``top_p``, ``min_p`` drops tokens below ``min_p`` times the largest probability.
+    A token survives only if every filter, judging the unfiltered softmax, keeps it. ``seed`` makes the
+    draws a function of (seed, position): the same tokens alone or inside any batch.
 
-    Generation stops after ``max_tokens`` tokens, or earlier at the model's EOS token (unless
-    ``ignore_eos``), at a token of ``stop_token_ids`` or when the text contains a string of ``stop``
-    (the text is cut before it); none of those stop it before ``min_tokens`` tokens.
+    Generation stops after ``max_tokens`` tokens, or earlier at the model's EOS (unless ``ignore_eos``),
+    a token of ``stop_token_ids`` or a string of ``stop`` in the text (cut before it); none of those
+    before ``min_tokens`` tokens.
 
-    Structured output (docs/structured-output.md), at most one of: ``json_schema`` (a JSON schema, as a
-    dict or its JSON text; kept as compact JSON text), ``json_object`` (any JSON object), ``regex`` (a
-    regular expression the whole output matches), ``ebnf`` (a grammar in xgrammar's EBNF, from its rule
-    ``root``). The scheduler (`LLM`, the server) compiles it and masks the logits with it; EOS is then
-    allowed only where the grammar may end, so ``ignore_eos`` cannot be combined with one.
+    Structured output (docs/structured-output.md), at most one of: ``json_schema`` (a dict or JSON text;
+    kept as compact JSON text), ``json_object`` (any JSON object), ``regex`` (matched by the whole
+    output), ``ebnf`` (xgrammar's EBNF, from rule ``root``). The scheduler (`LLM`, the server) compiles
+    it and masks the logits with it; EOS is allowed only where the grammar may end, so ``ignore_eos``
+    cannot be combined with one.
     """
 
     temperature: float = 0.0

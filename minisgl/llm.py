@@ -1,14 +1,6 @@
 """The offline `LLM` API: prompts in, text out, over one Engine and the scheduler.
 
-from minisgl.llm import LLM
-from minisgl.core import SamplingParams
-
-llm = LLM()  # the embedded SmolLM2-135M-Instruct
-[out] = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
-print(out.text, out.finish_reason, out.time_to_first_token)
-for delta in llm.stream("Tell me a story.", SamplingParams(max_tokens=64)):
-    print(delta, end="", flush=True)
-llm.shutdown()
+`LLM().generate(prompts, SamplingParams(...))`, `stream`, `chat`: docs/usage.md#the-llm-api.
 """
 
 from __future__ import annotations

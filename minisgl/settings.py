@@ -1,23 +1,8 @@
 """EngineSettings: the user-facing, layered settings that build the frozen configs.
 
-The settings are the fields declared with ``setting(...)`` in :class:`EngineConfig`,
-:class:`~minisgl.scheduler.config.SchedulerConfig` and :class:`LaunchConfig` (below), one flat set of
-keys: ``key:`` in YAML, ``MINISGL_KEY``, ``minisgl-run --key``, ``LLM(key=...)``. Nothing here lists them
-again: the pydantic model is generated from those fields, parses what users give (env and CLI strings,
-YAML and Python values) into the fields' plain types and checks each value with the field's own
-declaration; :meth:`EngineSettings.build` makes each config from its own fields. To add a setting, add a
-field to the config that reads it (see minisgl.config_fields), then regenerate docs/settings.md with
-``python -m minisgl.settings --markdown > docs/settings.md``.
-
-Values come from four layers; the first layer that sets a key wins:
-
-1. explicit values: keyword arguments of ``EngineSettings(...)`` / ``EngineSettings.load(...)``
-2. ``MINISGL_*`` environment variables, e.g. ``MINISGL_PAGE_SIZE=32``
-3. a YAML file, given to ``load(config=...)`` or named by ``MINISGL_CONFIG``
-4. the defaults, the fields' defaults
-
-Every effective value remembers which layer it came from (:meth:`EngineSettings.sources`), and every
-error names the key, the bad value and, where known, the layer it came from.
+The settings are the ``setting(...)`` fields of EngineConfig, SchedulerConfig and LaunchConfig, one flat
+set of keys layered explicit > ``MINISGL_*`` env > YAML file > defaults; nothing here lists them again.
+Adding a setting, layers and errors: docs/architecture.md#settings-and-configs; the keys: docs/settings.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The errors of the server's HTTP API, in OpenAI's shape: `APIError` (an HTTP status and OpenAI's
-error fields: message, type, param, code) and its body, ``{"error": {...}}`` (`error_body`). An
-APIError becomes the HTTP status `error.status` with the body `error_body(error)`, or, once a stream
-has begun, the event `sse(error_body(error))` followed by `SSE_DONE` (`minisgl.server.responses`).
-A message never echoes a large value back (`short` quotes the client's values), nor a lone surrogate,
-which UTF-8 cannot encode.
-
-Also the errors raised in several places: a SamplingParams refusal as a 400 naming the parameter
-(`invalid_request`), a prompt the context cannot hold (`context_exceeded`), an engine whose process
-died (`engine_unavailable`). Pure functions, no HTTP and no engine.
+error fields) and its body `{"error": {...}}` (`error_body`), an error event once a stream has begun;
+plus the errors raised in several places (`invalid_request`, `context_exceeded`,
+`engine_unavailable`). A message never echoes a large value (`short`) nor a lone surrogate. Pure
+functions, no HTTP and no engine; docs/server.md#security.
 """
 
 from __future__ import annotations

@@ -60,15 +60,9 @@ def _host_name(value: bytes) -> str:
 
 class Guard:
     """What every request passes before the app (a plain ASGI middleware: responses, streams included,
-    pass through untouched). In order:
-
-    - `Host` among the allowed names (`allowed_hosts`; bound to loopback, by default the loopback
-      names: a DNS-rebinding page on another name gets 403);
-    - no `Origin` but the allowed ones (`cors_allow_origins`; none by default): a page of another site
-      gets 403, and an allowed one gets CORS headers and its preflight answered;
-    - with an API key, `Authorization: Bearer KEY` on /v1/* and KEYED_PATHS (scheme in any case; 401);
-    - a POST body declared `Content-Type: application/json` (415), which a browser cannot send to
-      another site without a preflight."""
+    pass through untouched), in order: `Host` (403), `Origin` and CORS (403), with an API key the
+    `Authorization` header on /v1/* and KEYED_PATHS (401), a POST's JSON content type (415). Each rule
+    and why: docs/server.md#security."""
 
     def __init__(self, app: Any, server: Any) -> None:
         self.app = app

@@ -1,13 +1,9 @@
 """The OpenAI API's routes (`add_routes`): `GET /v1/models` and `/v1/models/{model}`, `POST
 /v1/completions` and `/v1/chat/completions`, answered whole or streamed as server-sent events.
 
-A request goes through the steps every generation route shares (`minisgl.server.generation`); its
-body is parsed by `minisgl.server.protocol`, its choices become SamplingParams in
-`minisgl.server.sampling`, and the answer is shaped by `minisgl.server.responses`. Here: the choices'
-text as OpenAI's `text` or `message` (with separate_reasoning split into reasoning and content, with
-echo the prompt first, with tools read for calls: `minisgl.server.tools`, planned by `_ToolRequest`),
-their log probabilities (`minisgl.server.logprobs`), and the stream: one write per scheduler step with
-news, each write's delay since that step recorded (`minisgl_token_delivery_seconds`).
+Here: the choices' text as `text` or `message` (reasoning, echo, tool calls), their log probabilities
+and the stream (one write per scheduler step with news); the shared steps live in the modules that
+docs/server.md lists.
 """
 
 from __future__ import annotations

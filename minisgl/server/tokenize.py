@@ -1,13 +1,8 @@
 """Prompt tokenization for the server's front end, off its event loop: one thread, or a pool of
-processes (`tokenizer_workers`) that tokenize in parallel (the chat template is Python, and a thread
-of this process would share the GIL with the event loop). Each worker loads the model's tokenizer once;
-requests travel as their messages or text, prompts come back as lists of token ids.
-
-Large prompts (over LARGE_PROMPT_CHARS) go to a lane of their own, one more thread (the Rust
-tokenizer lets go of the GIL), so that a small request never waits behind one. And a prompt too long
-for the context is refused before it is tokenized, by its size in bytes: a token stands for at most
-`bytes_per_token` bytes of text (`token_bytes_bound`), so a text of more than `max_context *
-bytes_per_token` bytes cannot fit (no prompt that fits is refused)."""
+`tokenizer_workers` processes (the chat template is Python: a thread would share the GIL with the event
+loop). Large prompts (over LARGE_PROMPT_CHARS) get a lane of their own, and a prompt whose bytes cannot
+fit the context (`token_bytes_bound`) is refused untokenized: docs/server.md#security.
+"""
 
 from __future__ import annotations
 
