@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
@@ -141,12 +140,10 @@ def _wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server("--max-running-req", "16", "--max-request-bytes", "65536")
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
+def server(smollm2_server: Server) -> Server:
+    """The session's server of the default model (conftest.py; 16 requests at a time, bodies up to
+    64 KiB): the tests below measure what they change (metric deltas), not absolute counts."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
@@ -402,9 +399,10 @@ def test_api_key_full_queue_and_graceful_shutdown() -> None:
         srv.stop()
 
 
-def test_a_killed_front_end_leaves_no_scheduler_process() -> None:
-    # with two tokenizer processes besides the scheduler process
-    srv = Server("--max-running-req", "4", "--tokenizer-workers", "2")
+def test_a_killed_front_end_leaves_no_scheduler_process(tiny_server_args: list[str]) -> None:
+    # with two tokenizer processes besides the scheduler process; a tiny model served as the default one
+    # (conftest.py): only the processes matter
+    srv = Server(*tiny_server_args, "--max-running-req", "4", "--tokenizer-workers", "2")
     try:
         children = srv.children()
         assert len(children) >= 3

@@ -4,8 +4,11 @@ with a 503 `engine_restarting` (an error event in a begun stream), `/health` ans
 cause and then 200 again, and the next greedy request gives the usual tokens from a new process. Also:
 the crash-loop limit leaves the server up and answering 503; `--no-engine-restart` keeps the exit;
 `--tp 2` on the CPU (a tiny model): the dead leader's follower rank goes with it and the pair comes
-back; SIGKILL of the front end leaves no child process. Every request loop is bounded in count and
-time; every server is stopped at the end."""
+back; SIGKILL of the front end leaves no child process. The killed-engine test needs requests long
+enough to be in flight at the kill (the default model); the others only start, kill and restart
+engines, on a tiny model with the default model's tokenizer served under its name (conftest.py's
+`tiny_server_args`). Every request loop
+is bounded in count and time; every server is stopped at the end."""
 
 from __future__ import annotations
 
@@ -127,8 +130,8 @@ def test_a_killed_engine_fails_its_requests_with_503_and_comes_back(server: Serv
     assert server.metrics()["minisgl_dp_replica_restarts_total,dp_rank=0"] == 1
 
 
-def test_a_crash_loop_leaves_the_server_up_answering_503() -> None:
-    srv = Server("--engine-restart-limit", "2")
+def test_a_crash_loop_leaves_the_server_up_answering_503(tiny_server_args: list[str]) -> None:
+    srv = Server(*tiny_server_args, "--engine-restart-limit", "2")
     try:
         first = engine_pid(srv)
         os.kill(first, signal.SIGKILL)
@@ -147,8 +150,8 @@ def test_a_crash_loop_leaves_the_server_up_answering_503() -> None:
         assert srv.stop() == 1  # SIGTERM ends it, with the engine failed: status 1
 
 
-def test_without_engine_restart_a_dead_engine_ends_the_server() -> None:
-    srv = Server("--no-engine-restart")
+def test_without_engine_restart_a_dead_engine_ends_the_server(tiny_server_args: list[str]) -> None:
+    srv = Server(*tiny_server_args, "--no-engine-restart")
     try:
         [scheduler] = [pid for pid in srv.children() if os.getpgid(pid) == pid]  # leads its group
         os.kill(scheduler, signal.SIGKILL)
@@ -184,8 +187,8 @@ def test_tensor_parallel_ranks_of_a_dead_leader_are_killed_and_the_pair_comes_ba
         assert srv.stop() == 0
 
 
-def test_a_killed_front_end_leaves_no_child_process() -> None:
-    srv = Server()
+def test_a_killed_front_end_leaves_no_child_process(tiny_server_args: list[str]) -> None:
+    srv = Server(*tiny_server_args)
     children = srv.children()
     assert engine_pid(srv) in children
     srv.proc.kill()
