@@ -342,7 +342,10 @@ def _serve_tiny(folder, *options: str):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_folder):
-    yield from _serve_tiny(tiny_folder)
+    """The tiny model's one server, with the tool template and parser the tool fields' test needs
+    (TEMPLATE, below): a request without tools reads neither but the template, so the structured-output
+    fields' test shares it (a server start and stop is most of a minute on a loaded 2-core machine)."""
+    yield from _serve_tiny(tiny_folder, "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes")
 
 
 def _http_normal(srv) -> str:
@@ -490,8 +493,8 @@ def tool_fields(draw: st.DrawFn) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tools_server(tiny_folder):
-    yield from _serve_tiny(tiny_folder, "--chat-template", str(TEMPLATE), "--tool-call-parser", "hermes")
+def tools_server(tiny_server):
+    return tiny_server
 
 
 @settings(FUZZ, max_examples=80)
