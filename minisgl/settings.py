@@ -336,7 +336,15 @@ class _Settings(BaseSettings):
 
     def to_scheduler_config(self) -> SchedulerConfig:
         """The frozen :class:`SchedulerConfig`."""
-        return self.build(SchedulerConfig, tp_size=self.tp_size)
+        config = self.build(SchedulerConfig)
+        if config.speculative_method != "none" and self.tp_size > 1:  # the one setting it depends on
+            origins = self.sources()
+            raise ValueError(
+                f"speculative_method={config.speculative_method!r} is not supported under tensor parallelism "
+                f"yet (tp_size={self.tp_size}): leave speculative_method at 'none' or use tp_size 1 "
+                f"(speculative_method from {origins['speculative_method']}; tp_size from {origins['tp_size']})"
+            )
+        return config
 
     def to_server_config(self) -> ServerConfig:
         """The frozen :class:`ServerConfig`."""

@@ -372,7 +372,9 @@ def test_the_policy_backs_off_and_skips_large_batches():
     from minisgl.scheduler import SchedulerConfig
     from minisgl.scheduler.speculative import MAX_BACKOFF, Speculator, max_verify_batch
 
-    spec = Speculator(SchedulerConfig(speculative_method="ngram", speculative_num_tokens=K), device_type="cpu")
+    spec = Speculator(
+        SchedulerConfig(speculative_method="ngram", speculative_num_tokens=K), device_type="cpu"
+    )
     assert spec.max_batch == max_verify_batch("cpu", K) == 32 // (K + 1)
 
     def request(**params):

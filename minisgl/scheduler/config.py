@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minisgl.config_fields import check_fields, internal, setting
+from minisgl.config_fields import check_fields, setting
 
 # prompt tokens per prefill step when max_prefill_tokens is unset, by device type
 AUTO_MAX_PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
@@ -61,16 +61,8 @@ class SchedulerConfig:
         4, "Longest n-gram (of the request's last tokens) that 'ngram' looks up, longest first.", ge=1, le=32
     )
 
-    # not a setting of its own: the engine's tp_size, which speculative decoding needs to be 1
-    tp_size: int = internal(lambda: 1, "EngineSettings.tp_size")
-
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.speculative_method != "none" and self.tp_size > 1:
-            raise ValueError(
-                f"speculative_method={self.speculative_method!r} is not supported under tensor parallelism "
-                f"yet (tp_size={self.tp_size}): leave speculative_method at 'none' or use tp_size 1"
-            )
         if self.speculative_method == "draft" and not self.speculative_draft_model:
             raise ValueError(
                 "speculative_method='draft' needs speculative_draft_model: the draft model's folder "
