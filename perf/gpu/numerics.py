@@ -36,9 +36,9 @@ if str(ROOT / "tests") not in sys.path:
 from conftest import make_tiny_model, teacher_forced_logits  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
-from minisgl.engine import Engine, EngineConfig, generate  # noqa: E402
+from minisgl.engine import Engine, EngineConfig  # noqa: E402
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, select_experts  # noqa: E402
-from minisgl.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from minisgl.scheduler import Scheduler, SchedulerConfig, generate  # noqa: E402
 
 MEAN_BOUND = 1.5
 P99_BOUND = 2.0
