@@ -28,9 +28,7 @@ def tests(session: nox.Session) -> None:
     """The test suite (CPU; CUDA tests skip without a GPU)."""
     _install(session)
     # exit code 5 is pytest's "no tests collected" (e.g. a -k filter that matches nothing)
-    # two workers, a test file on one worker (its module fixtures start once); `-- -p no:xdist` runs one
-    args = session.posargs or ["-q", "-n", "2", "--dist", "loadfile"]
-    session.run("python", "-m", "pytest", *args, env=OFFLINE, success_codes=[0, 5])
+    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env=OFFLINE, success_codes=[0, 5])
 
 
 @nox.session
