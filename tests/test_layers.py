@@ -10,6 +10,7 @@ Bottom to top (a module may import from its own layer and the layers below it, n
     settings     settings (YAML, MINISGL_*, --key and LLM(key=...) -> the engine's config)
     scheduler    scheduler
     engine       engine (Engine, its config, batching, sampler, CUDA graphs)
+    lora         lora (PEFT adapters read and sharded, the device slot pool)
     models       models
     ops          attention, moe (the backends behind the layers' custom ops)
     layers       layers (pure functions: norms, projections, RoPE, the attention op)
@@ -52,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("minisgl.layers",)),
     ("ops", ("minisgl.attention", "minisgl.moe")),
     ("models", ("minisgl.models",)),
+    ("lora", ("minisgl.lora",)),
     ("engine", ("minisgl.engine",)),
     ("scheduler", ("minisgl.scheduler",)),
     ("settings", ("minisgl.settings",)),

@@ -1,0 +1,204 @@
+"""The LoRA kernels of a batch that mixes adapters: shrink (x A^T) and expand (+= y B^T) over blocks of
+rows that share one adapter slot, Punica's SGMV (a prefill's requests) and BGMV (one row per request).
+
+    y = lora_shrink(x, a, tiles)           x (T, K), a (slots, n_seg * R, K) -> y (T, n_seg * R) float32
+    lora_expand(y, out, b, tiles, sizes)   out (T, N) += per segment i: y[:, iR:(i+1)R] @ b[slot, rows_i]^T
+    torch.ops.minisgl.lora_add(x, out, a, b, tiles, sizes)   both; out updated in place
+
+`b` is (slots, N, R) and `sizes` the rows of each output segment (N = sum). `tiles` (n, 3) int32 holds
+(first row, end row, slot) of each block of at most `TILE_ROWS` rows of one adapter
+(`minisgl.layers.lora.LoraBatch` builds it); slot -1 pads, and its programs exit at once. Rows outside
+every tile (no adapter) are neither read nor written. The grid is tiles x column blocks, a function of
+the shapes only: nothing is read on the host, so CUDA graphs capture the kernels. Products accumulate
+in float32; y stays in float32 and is rounded to the weights' dtype for the expand's product (as PEFT
+rounds lora_A's output), the sum with `out` is rounded once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: minisgl.layers.lora takes its torch path
+    triton = None
+
+# the most rows of a tile (one adapter's rows per program); the row dimension of the kernels' products
+TILE_ROWS = 32
+BLOCK_K = 64
+BLOCK_N = 64
+# up to this many rows the shrink splits its product along K (atomically summed): a decode batch has few
+# tiles and n_seg * R columns, too few programs to stream the adapters' A from every multiprocessor
+SPLIT_K_ROWS = 256
+SPLIT_K_MAX = 16
+# Triton's interpreter (CPU tests) computes `tl.dot` of bfloat16 operands wrongly: there they go to
+# float32 first (as in minisgl.kernels.decode_attention)
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_rows(tiles_ptr, BLOCK_M: tl.constexpr):
+        """(slot, rows, row mask) of this program's tile; slot -1: a padding tile, nothing to do."""
+        tile = tl.program_id(0)
+        slot = tl.load(tiles_ptr + tile * 3 + 2)
+        rows = tl.load(tiles_ptr + tile * 3) + tl.arange(0, BLOCK_M)
+        return slot, rows, rows < tl.load(tiles_ptr + tile * 3 + 1)
+
+    @triton.jit
+    def _shrink_kernel(
+        x_ptr,
+        a_ptr,
+        y_ptr,
+        tiles_ptr,
+        x_stride,
+        a_slot_stride,
+        K,
+        N,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """y[rows, cols] = x[rows] @ a[slot, cols]^T for one tile's rows, a block of the n_seg * R
+        columns and part program_id(2) of SPLITS of K (the parts added atomically into a zeroed y)."""
+        slot, rows, row_mask = _tile_rows(tiles_ptr, BLOCK_M)
+        if slot >= 0:
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            x_at = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+            a_at = a_ptr + slot.to(tl.int64) * a_slot_stride + cols.to(tl.int64)[None, :] * K
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            k_part = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
+            k_start = tl.program_id(2) * k_part
+            for k0 in range(k_start, tl.minimum(k_start + k_part, K), BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                x = tl.load(x_at + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(a_at + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if DOT_F32:
+                    x, a = x.to(tl.float32), a.to(tl.float32)
+                acc = tl.dot(x, a, acc, input_precision=DOT_PRECISION)
+            y_at = y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+            if SPLITS == 1:
+                tl.store(y_at, acc, mask=row_mask[:, None] & col_mask[None, :])
+            else:
+                tl.atomic_add(y_at, acc, mask=row_mask[:, None] & col_mask[None, :], sem="relaxed")
+
+    @triton.jit
+    def _expand_kernel(
+        y_ptr,
+        b_ptr,
+        out_ptr,
+        tiles_ptr,
+        out_stride,
+        b_slot_stride,
+        N,
+        R,
+        SEG1,
+        SEG2,
+        N_SEG: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """out[rows, cols] += sum over segments i of y[rows, iR:(i+1)R] @ b[slot, cols, :]^T, each column
+        taking its own segment's (segment i: columns [SEG_i, SEG_i+1), SEG_0 = 0, SEG_N_SEG = N)."""
+        slot, rows, row_mask = _tile_rows(tiles_ptr, BLOCK_M)
+        if slot >= 0:
+            col0 = tl.program_id(1) * BLOCK_N
+            cols = col0 + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            segment = (cols >= SEG1).to(tl.int32) + (cols >= SEG2).to(tl.int32)
+            ranks = tl.arange(0, BLOCK_R)
+            rank_mask = ranks < R
+            b_at = b_ptr + slot.to(tl.int64) * b_slot_stride + cols.to(tl.int64)[None, :] * R + ranks[:, None]
+            y_at = y_ptr + rows.to(tl.int64)[:, None] * (N_SEG * R) + ranks[None, :]
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(N_SEG):
+                lo = 0 if i == 0 else (SEG1 if i == 1 else SEG2)
+                hi = SEG1 if i == 0 else (SEG2 if i == 1 else N)
+                if (col0 < hi) & (col0 + BLOCK_N > lo):  # this block holds columns of segment i
+                    y = tl.load(y_at + i * R, mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+                    b_mask = rank_mask[:, None] & (col_mask & (segment == i))[None, :]
+                    b = tl.load(b_at, mask=b_mask, other=0.0)
+                    y = y.to(b.dtype)
+                    if DOT_F32:
+                        y, b = y.to(tl.float32), b.to(tl.float32)
+                    acc = tl.dot(y, b, acc, input_precision=DOT_PRECISION)
+            out_at = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+            mask = row_mask[:, None] & col_mask[None, :]
+            total = tl.load(out_at, mask=mask, other=0.0).to(tl.float32) + acc
+            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 products in full precision (TF32 would not match the float32 reference)."""
+    return "ieee" if dtype == torch.float32 or _DOT_F32 else "tf32"
+
+
+def shrink_splits(rows: int, k: int) -> int:
+    """The parts the shrink cuts K into for `rows` rows (see SPLIT_K_ROWS), each at least 4 blocks."""
+    return 1 if rows > SPLIT_K_ROWS else max(1, min(SPLIT_K_MAX, k // (4 * BLOCK_K)))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """y (T, n_seg * R) float32 of the tiles' rows (other rows are left unwritten, or zero); see the
+    module docstring."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n, k = a.shape[1], a.shape[2]
+    splits = shrink_splits(x.shape[0], k)
+    y = (torch.zeros if splits > 1 else torch.empty)(x.shape[0], n, dtype=torch.float32, device=x.device)
+    if x.shape[0] and tiles.shape[0]:
+        grid = (tiles.shape[0], triton.cdiv(n, BLOCK_N), splits)
+        _shrink_kernel[grid](
+            x, a, y, tiles, x.stride(0), a.stride(0), k, n,
+            BLOCK_M=TILE_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=splits, DOT_F32=_DOT_F32,
+            DOT_PRECISION=_precision(x.dtype),
+        )  # fmt: skip
+    return y
+
+
+def lora_expand(
+    y: torch.Tensor, out: torch.Tensor, b: torch.Tensor, tiles: torch.Tensor, sizes: list[int]
+) -> None:
+    """out (T, N) += the tiles' rows of y times their slot's b (slots, N, R), segment by segment."""
+    assert out.stride(-1) == 1 and 1 <= len(sizes) <= 3 and sum(sizes) == out.shape[1] == b.shape[1]
+    rank, n = b.shape[2], out.shape[1]
+    assert y.shape[1] == len(sizes) * rank
+    seg1, seg2 = ([sum(sizes[: i + 1]) for i in range(len(sizes) - 1)] + [n, n])[:2]
+    if out.shape[0] and tiles.shape[0]:
+        grid = (tiles.shape[0], triton.cdiv(n, BLOCK_N))
+        _expand_kernel[grid](
+            y, b, out, tiles, out.stride(0), b.stride(0), n, rank, seg1, seg2,
+            N_SEG=len(sizes), BLOCK_M=TILE_ROWS, BLOCK_N=BLOCK_N,
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), DOT_F32=_DOT_F32,
+            DOT_PRECISION=_precision(b.dtype),
+        )  # fmt: skip
+
+
+@torch.library.custom_op("minisgl::lora_add", mutates_args=("out",))
+def lora_add_op(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: torch.Tensor,
+    sizes: list[int],
+) -> None:
+    """out += each tiled row's LoRA delta (`lora_shrink`, then `lora_expand`), in place."""
+    lora_expand(lora_shrink(x, a, tiles), out, b, tiles, sizes)
+
+
+@lora_add_op.register_fake
+def _(x, out, a, b, tiles, sizes):
+    return None
