@@ -204,7 +204,7 @@ def test_other_families_match_peft(tmp_path, arch):
 def test_kernels_match_the_torch_path_in_bfloat16(monkeypatch, splits):
     """Random bf16 slots, a rank below 16 (the products' padded width), three unequal segments, the
     shrink's K whole or cut in parts."""
-    monkeypatch.setattr(K, "shrink_splits", lambda rows, k: splits)
+    monkeypatch.setattr(K, "shrink_splits", lambda rows, n, k: splits)
     g = torch.Generator().manual_seed(0)
     sizes, rank, k = [40, 8, 8], 8, 200
     a = (torch.randn(3, 3 * rank, k, generator=g) * 0.2).bfloat16()
@@ -245,17 +245,21 @@ def test_torch_compile_traces_the_op_once_for_every_mix(kernel, monkeypatch):
     assert counter.frame_count == 1
 
 
-def test_the_batch_tiles_runs_of_one_slot():
-    batch = LoraBatch.build([1, 1, 2, 0, 40, 3], [0, 0, -1, 1, 1, 2], "cpu")
-    assert batch.seg_starts.tolist() == [0, 1, 2, 4, 4, 44, 47]
-    assert batch.seg_slots.tolist() == [0, 0, -1, 1, 1, 2]
-    assert batch.row_slots.tolist() == [0, 0, -1, -1] + [1] * 40 + [2] * 3
-    tiles = batch.tiles.tolist()
-    assert len(tiles) == -(-47 // K.TILE_ROWS) + 6  # a function of T and S only
-    assert tiles[:4] == [[0, 2, 0], [4, 4 + K.TILE_ROWS, 1], [4 + K.TILE_ROWS, 44, 1], [44, 47, 2]]
-    assert all(t[2] == -1 for t in tiles[4:])
+def test_the_batch_groups_the_rows_of_each_slot():
+    rows, slots = [1, 1, 2, 0, 40, 3, 1], [0, 2, -1, 1, 1, 0, 2]
+    batch = LoraBatch.build(rows, slots, "cpu", max_loras=3)
+    assert batch.seg_starts.tolist() == [0, 1, 2, 4, 4, 44, 47, 48]
+    assert batch.seg_slots.tolist() == slots
+    assert batch.row_slots.tolist() == [0, 2, -1, -1] + [1] * 40 + [0] * 3 + [2]
+    assert batch.order.tolist() == [0, 44, 45, 46, *range(4, 44), 1, 47, 2, 3]
+    tile = K.TILE_ROWS  # (first, end, slot) of entries of `order`, one slot a tile
+    assert batch.tiles.tolist() == [[0, 4, 0], [4, 4 + tile, 1], [4 + tile, 44, 1], [44, 46, 2], [0, 0, -1]]
+    # the tiles are a function of T and S (and the pool's slots) only
+    assert len(LoraBatch.build(rows, slots, "cpu").tiles) == -(-48 // tile) + 7
     with pytest.raises(ValueError, match="slot"):
         LoraBatch.build([1], [-2], "cpu")
+    with pytest.raises(ValueError, match=r"\[-1, 3\)"):
+        LoraBatch.build([1], [3], "cpu", max_loras=3)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

@@ -1,14 +1,17 @@
 """The LoRA kernels of a batch that mixes adapters: shrink (x A^T) and expand (+= y B^T) over blocks of
 rows that share one adapter slot, Punica's SGMV (a prefill's requests) and BGMV (one row per request).
 
-    y = lora_shrink(x, a, tiles)           x (T, K), a (slots, n_seg * R, K) -> y (T, n_seg * R) float32
-    lora_expand(y, out, b, tiles, sizes)   out (T, N) += per segment i: y[:, iR:(i+1)R] @ b[slot, rows_i]^T
-    torch.ops.minisgl.lora_add(x, out, a, b, tiles, sizes)   both; out updated in place
+    y = lora_shrink(x, a, tiles, order)    x (T, K), a (slots, n_seg * R, K) -> y (T, n_seg * R) float32
+    lora_expand(y, out, b, tiles, order, sizes)
+                                 out (T, N) += per segment i: y[:, iR:(i+1)R] @ b[slot, rows_i]^T
+    torch.ops.minisgl.lora_add(x, out, a, b, tiles, order, sizes)   both; out updated in place
 
-`b` is (slots, N, R) and `sizes` the rows of each output segment (N = sum). `tiles` (n, 3) int32 holds
-(first row, end row, slot) of each block of at most `TILE_ROWS` rows of one adapter
-(`minisgl.layers.lora.LoraBatch` builds it); slot -1 pads, and its programs exit at once. Rows outside
-every tile (no adapter) are neither read nor written. The grid is tiles x column blocks, a function of
+`b` is (slots, N, R) and `sizes` the rows of each output segment (N = sum). `order` (T,) int32 lists
+the rows grouped by slot, and `tiles` (n, 3) int32 holds (first, end, slot) of each block of at most
+`TILE_ROWS` entries of `order` of one slot (`minisgl.layers.lora.LoraBatch` builds both): a program
+reads its rows through `order`, so the rows of one adapter share its weights wherever they sit in the
+batch. Slot -1 pads, and its programs exit at once; rows of no adapter are in no tile, neither read nor
+written. The grid is tiles x column blocks, a function of
 the shapes only: nothing is read on the host, so CUDA graphs capture the kernels. Products accumulate
 in float32; y stays in float32 and is rounded to the weights' dtype for the expand's product (as PEFT
 rounds lora_A's output), the sum with `out` is rounded once.
@@ -30,9 +33,10 @@ except ImportError:  # CPU-only installs: minisgl.layers.lora takes its torch pa
 TILE_ROWS = 32
 BLOCK_K = 64
 BLOCK_N = 64
-# up to this many rows the shrink splits its product along K (atomically summed): a decode batch has few
-# tiles and n_seg * R columns, too few programs to stream the adapters' A from every multiprocessor
-SPLIT_K_ROWS = 256
+# the shrink splits its product along K (the parts summed atomically) until it has about this many
+# programs: a decode batch has few tiles and n_seg * R columns, too few programs to stream the adapters'
+# A from every multiprocessor (about 2 programs per multiprocessor of an H100 / H200)
+SPLIT_K_PROGRAMS = 256
 SPLIT_K_MAX = 16
 # Triton's interpreter (CPU tests) computes `tl.dot` of bfloat16 operands wrongly: there they go to
 # float32 first (as in minisgl.kernels.decode_attention)
@@ -42,12 +46,13 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
 
     @triton.jit
-    def _tile_rows(tiles_ptr, BLOCK_M: tl.constexpr):
+    def _tile_rows(tiles_ptr, order_ptr, BLOCK_M: tl.constexpr):
         """(slot, rows, row mask) of this program's tile; slot -1: a padding tile, nothing to do."""
         tile = tl.program_id(0)
         slot = tl.load(tiles_ptr + tile * 3 + 2)
-        rows = tl.load(tiles_ptr + tile * 3) + tl.arange(0, BLOCK_M)
-        return slot, rows, rows < tl.load(tiles_ptr + tile * 3 + 1)
+        entries = tl.load(tiles_ptr + tile * 3) + tl.arange(0, BLOCK_M)
+        mask = entries < tl.load(tiles_ptr + tile * 3 + 1)
+        return slot, tl.load(order_ptr + entries, mask=mask, other=0), mask
 
     @triton.jit
     def _shrink_kernel(
@@ -55,6 +60,7 @@ if triton is not None:
         a_ptr,
         y_ptr,
         tiles_ptr,
+        order_ptr,
         x_stride,
         a_slot_stride,
         K,
@@ -68,7 +74,7 @@ if triton is not None:
     ):
         """y[rows, cols] = x[rows] @ a[slot, cols]^T for one tile's rows, a block of the n_seg * R
         columns and part program_id(2) of SPLITS of K (the parts added atomically into a zeroed y)."""
-        slot, rows, row_mask = _tile_rows(tiles_ptr, BLOCK_M)
+        slot, rows, row_mask = _tile_rows(tiles_ptr, order_ptr, BLOCK_M)
         if slot >= 0:
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
@@ -97,6 +103,7 @@ if triton is not None:
         b_ptr,
         out_ptr,
         tiles_ptr,
+        order_ptr,
         out_stride,
         b_slot_stride,
         N,
@@ -112,7 +119,7 @@ if triton is not None:
     ):
         """out[rows, cols] += sum over segments i of y[rows, iR:(i+1)R] @ b[slot, cols, :]^T, each column
         taking its own segment's (segment i: columns [SEG_i, SEG_i+1), SEG_0 = 0, SEG_N_SEG = N)."""
-        slot, rows, row_mask = _tile_rows(tiles_ptr, BLOCK_M)
+        slot, rows, row_mask = _tile_rows(tiles_ptr, order_ptr, BLOCK_M)
         if slot >= 0:
             col0 = tl.program_id(1) * BLOCK_N
             cols = col0 + tl.arange(0, BLOCK_N)
@@ -145,23 +152,25 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or _DOT_F32 else "tf32"
 
 
-def shrink_splits(rows: int, k: int) -> int:
-    """The parts the shrink cuts K into for `rows` rows (see SPLIT_K_ROWS), each at least 4 blocks."""
-    return 1 if rows > SPLIT_K_ROWS else max(1, min(SPLIT_K_MAX, k // (4 * BLOCK_K)))
+def shrink_splits(rows: int, n: int, k: int) -> int:
+    """The parts the shrink cuts K into for `rows` rows (see SPLIT_K_PROGRAMS), counting the tiles of
+    one adapter's rows, each part at least 4 blocks of K."""
+    programs = triton.cdiv(rows, TILE_ROWS) * triton.cdiv(n, BLOCK_N)
+    return max(1, min(SPLIT_K_MAX, SPLIT_K_PROGRAMS // max(programs, 1), k // (4 * BLOCK_K)))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """y (T, n_seg * R) float32 of the tiles' rows (other rows are left unwritten, or zero); see the
     module docstring."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, k = a.shape[1], a.shape[2]
-    splits = shrink_splits(x.shape[0], k)
+    splits = shrink_splits(x.shape[0], n, k)
     y = (torch.zeros if splits > 1 else torch.empty)(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0] and tiles.shape[0]:
         grid = (tiles.shape[0], triton.cdiv(n, BLOCK_N), splits)
         _shrink_kernel[grid](
-            x, a, y, tiles, x.stride(0), a.stride(0), k, n,
+            x, a, y, tiles, order, x.stride(0), a.stride(0), k, n,
             BLOCK_M=TILE_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=splits, DOT_F32=_DOT_F32,
             DOT_PRECISION=_precision(x.dtype),
         )  # fmt: skip
@@ -169,7 +178,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: torch.Tensor) -> torch.
 
 
 def lora_expand(
-    y: torch.Tensor, out: torch.Tensor, b: torch.Tensor, tiles: torch.Tensor, sizes: list[int]
+    y: torch.Tensor,
+    out: torch.Tensor,
+    b: torch.Tensor,
+    tiles: torch.Tensor,
+    order: torch.Tensor,
+    sizes: list[int],
 ) -> None:
     """out (T, N) += the tiles' rows of y times their slot's b (slots, N, R), segment by segment."""
     assert out.stride(-1) == 1 and 1 <= len(sizes) <= 3 and sum(sizes) == out.shape[1] == b.shape[1]
@@ -179,11 +193,24 @@ def lora_expand(
     if out.shape[0] and tiles.shape[0]:
         grid = (tiles.shape[0], triton.cdiv(n, BLOCK_N))
         _expand_kernel[grid](
-            y, b, out, tiles, out.stride(0), b.stride(0), n, rank, seg1, seg2,
+            y, b, out, tiles, order, out.stride(0), b.stride(0), n, rank, seg1, seg2,
             N_SEG=len(sizes), BLOCK_M=TILE_ROWS, BLOCK_N=BLOCK_N,
             BLOCK_R=max(16, triton.next_power_of_2(rank)), DOT_F32=_DOT_F32,
             DOT_PRECISION=_precision(b.dtype),
         )  # fmt: skip
+
+
+def lora_add_kernels(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    tiles: torch.Tensor,
+    order: torch.Tensor,
+    sizes: list[int],
+) -> None:
+    """out += each tiled row's LoRA delta (`lora_shrink`, then `lora_expand`), in place."""
+    lora_expand(lora_shrink(x, a, tiles, order), out, b, tiles, order, sizes)
 
 
 @torch.library.custom_op("minisgl::lora_add", mutates_args=("out",))
@@ -193,12 +220,13 @@ def lora_add_op(
     a: torch.Tensor,
     b: torch.Tensor,
     tiles: torch.Tensor,
+    order: torch.Tensor,
     sizes: list[int],
 ) -> None:
-    """out += each tiled row's LoRA delta (`lora_shrink`, then `lora_expand`), in place."""
-    lora_expand(lora_shrink(x, a, tiles), out, b, tiles, sizes)
+    """`lora_add_kernels` as an op torch.compile sees whole (its fake: nothing to return)."""
+    lora_add_kernels(x, out, a, b, tiles, order, sizes)
 
 
 @lora_add_op.register_fake
-def _(x, out, a, b, tiles, sizes):
+def _(x, out, a, b, tiles, order, sizes):
     return None

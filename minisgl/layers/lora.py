@@ -3,10 +3,11 @@
 `lora_add(x, out, a, b, batch, sizes)` adds, for every row t of slot s >= 0 and output segment i,
 (x[t] @ a[s, iR:(i+1)R]^T) @ b[s, rows_i]^T to out[t, rows_i], with a (slots, n_seg * R, K) and b
 (slots, N, R) one layer's buffers of `minisgl.lora.LoraPool` and `sizes` its segments' rows. On CUDA it
-runs the Triton kernels of `minisgl.kernels.lora` (the op `minisgl::lora_add`); elsewhere a torch path
-that loops over the slots with a row mask. Neither reads anything on the host, and the shapes depend on
-the batch's rows T and segments S only, so the op runs inside CUDA graphs and torch.compile (the slot
-indices are tensors). A row-parallel projection (o, down) adds its delta before the all-reduce.
+runs the Triton kernels of `minisgl.kernels.lora` (under torch.compile as the op `minisgl::lora_add`);
+elsewhere a torch path that loops over the slots with a row mask. Neither reads anything on the host,
+and the shapes depend on the batch's rows T and segments S (and the pool's dims) only, so the op runs
+inside CUDA graphs and torch.compile (the slot indices are tensors). A row-parallel projection (o,
+down) adds its delta before the all-reduce.
 """
 
 from __future__ import annotations
@@ -25,58 +26,55 @@ NO_ADAPTER = -1  # the slot of rows that get nothing added
 class LoraBatch:
     """The adapter slots of a batch's rows, as int32 device tensors: segments of consecutive rows of one
     slot, `seg_starts` (S + 1) and `seg_slots` (S) (`NO_ADAPTER`: base model only); each row's slot,
-    `row_slots` (T), for the torch path; and the kernels' `tiles` (cdiv(T, TILE_ROWS) + S, 3), (first
-    row, end row, slot) of each block of up to `TILE_ROWS` rows of one slot (neighbouring segments of
-    one slot merged, base-only rows left out), padded with slot -1."""
+    `row_slots` (T), for the torch path; and for the kernels the rows grouped by slot, `order` (T,)
+    (stable; base-only rows last), and `tiles` (cdiv(T, TILE_ROWS) + min(S, max_loras), 3), (first,
+    end, slot) of each block of up to `TILE_ROWS` entries of `order` of one slot, padded with slot -1."""
 
     seg_starts: torch.Tensor
     seg_slots: torch.Tensor
     row_slots: torch.Tensor
+    order: torch.Tensor
     tiles: torch.Tensor
 
     @classmethod
-    def build(cls, rows: Sequence[int], slots: Sequence[int], device: torch.device | str) -> LoraBatch:
+    def build(
+        cls,
+        rows: Sequence[int],
+        slots: Sequence[int],
+        device: torch.device | str,
+        max_loras: int | None = None,
+    ) -> LoraBatch:
         """From each request's row count and slot, in batch order (prefill: its tokens; decode: 1), with
-        one copy to the device."""
-        if len(rows) != len(slots) or any(n < 0 for n in rows) or any(s < NO_ADAPTER for s in slots):
-            raise ValueError(f"rows {list(rows)} and slots {list(slots)}: one count >= 0 and slot >= -1 each")
-        starts = [0]
-        for n in rows:
-            starts.append(starts[-1] + n)
-        runs: list[list[int]] = []  # [first row, end row, slot] of each run of rows of one slot
-        for first, n, slot in zip(starts, rows, slots):
-            if runs and runs[-1][2] == slot:
-                runs[-1][1] += n
-            elif n:
-                runs.append([first, first + n, slot])
-        total, tile_rows = starts[-1], kernels.TILE_ROWS
-        tiles = [
-            [row, min(row + tile_rows, end), slot]
-            for first, end, slot in runs
-            if slot != NO_ADAPTER
-            for row in range(first, end, tile_rows)
-        ]
-        max_tiles = -(-total // tile_rows) + len(rows)
-        tiles += [[0, 0, NO_ADAPTER]] * (max_tiles - len(tiles))
+        one copy to the device. `max_loras`, the pool's slots where given, bounds the slots and the tiles
+        (so that a CUDA graph's batch of S requests has few padding tiles)."""
+        top = max_loras if max_loras is not None else float("inf")
+        if len(rows) != len(slots) or any(n < 0 for n in rows) or not all(-1 <= s < top for s in slots):
+            raise ValueError(
+                f"rows {list(rows)} and slots {list(slots)}: one count >= 0 and one slot in [-1, "
+                f"{max_loras}) each"
+            )
         slots_t = torch.tensor(slots, dtype=torch.int32)
         row_slots = torch.repeat_interleave(slots_t, torch.tensor(rows, dtype=torch.int64))
-        parts = (
-            torch.tensor(starts, dtype=torch.int32),
-            slots_t,
-            row_slots,
-            torch.tensor(tiles, dtype=torch.int32),
-        )
+        total, tile_rows = row_slots.numel(), kernels.TILE_ROWS
+        last = torch.iinfo(torch.int32).max  # base-only rows sort after every slot
+        order = torch.argsort(row_slots.masked_fill(row_slots == NO_ADAPTER, last), stable=True)
+        counts: dict[int, int] = {}
+        for n, slot in zip(rows, slots):
+            counts[slot] = counts.get(slot, 0) + n
+        tiles, first = [], 0
+        for slot in sorted(s for s in counts if s != NO_ADAPTER):
+            end = first + counts[slot]
+            tiles += [[row, min(row + tile_rows, end), slot] for row in range(first, end, tile_rows)]
+            first = end
+        max_tiles = -(-total // tile_rows) + min(len(rows), max_loras or len(rows))
+        tiles += [[0, 0, NO_ADAPTER]] * (max_tiles - len(tiles))
+        starts = torch.tensor([0, *rows], dtype=torch.int64).cumsum(0).to(torch.int32)
+        parts = (starts, slots_t, row_slots, order.to(torch.int32), torch.tensor(tiles, dtype=torch.int32))
         host = torch.cat([part.flatten() for part in parts])
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        s = len(rows)
-        return cls(
-            seg_starts=flat[: s + 1],
-            seg_slots=flat[s + 1 : 2 * s + 1],
-            row_slots=flat[2 * s + 1 : 2 * s + 1 + total],
-            tiles=flat[2 * s + 1 + total :].view(max_tiles, 3),
-        )
+        fields = host.to(device, non_blocking=True).split([p.numel() for p in parts])
+        return cls(*fields[:4], tiles=fields[4].view(max_tiles, 3))
 
 
 def kernel_applies(x: torch.Tensor) -> bool:
@@ -95,7 +93,9 @@ def lora_add(
     """out (T, N) plus each row's LoRA delta of x (T, K) (see the module docstring), added in place into
     `out` (the projection's fresh output), which is returned."""
     if kernel_applies(x):
-        torch.ops.minisgl.lora_add(x, out, a, b, batch.tiles, list(sizes))
+        # torch.compile sees the op; eager calls skip the dispatcher's tens of microseconds per call
+        add = torch.ops.minisgl.lora_add if torch.compiler.is_compiling() else kernels.lora_add_kernels
+        add(x, out, a, b, batch.tiles, batch.order, list(sizes))
         return out
     return lora_add_reference(x, out, a, b, batch.row_slots, sizes)
 

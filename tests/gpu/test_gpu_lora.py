@@ -2,6 +2,8 @@
 widths: prefill segments and one-row decode segments, captured in a CUDA graph and replayed on other
 adapter mixes, and under torch.compile. Skips without CUDA."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,7 +57,7 @@ def test_a_cuda_graph_serves_every_adapter_mix():
     a, b = _weights(16, torch.bfloat16)
     x = torch.randn(len(rows), HIDDEN, device="cuda", dtype=torch.bfloat16)
     base = torch.randn(len(rows), sum(SIZES), device="cuda", dtype=torch.bfloat16)
-    static = LoraBatch.build(rows, _mix(rows, 0), "cuda")
+    static = LoraBatch.build(rows, _mix(rows, 0), "cuda", max_loras=SLOTS)
     out = base.clone()
     lora_add(x, out, a, b, static, SIZES)  # warm up (compiles the kernels)
     graph = torch.cuda.CUDAGraph()
@@ -63,9 +65,9 @@ def test_a_cuda_graph_serves_every_adapter_mix():
         out.copy_(base)
         lora_add(x, out, a, b, static, SIZES)
     for seed in (1, 2, 3):
-        batch = LoraBatch.build(rows, _mix(rows, seed), "cuda")
-        for field in ("seg_starts", "seg_slots", "row_slots", "tiles"):
-            getattr(static, field).copy_(getattr(batch, field))
+        batch = LoraBatch.build(rows, _mix(rows, seed), "cuda", max_loras=SLOTS)
+        for field in dataclasses.fields(static):
+            getattr(static, field.name).copy_(getattr(batch, field.name))
         graph.replay()
         assert torch.equal(out, lora_add(x, base.clone(), a, b, batch, SIZES))
 
@@ -81,5 +83,5 @@ def test_torch_compile_traces_the_op_once_for_every_mix():
     compiled = torch.compile(qkv, fullgraph=True, dynamic=False)
     x = torch.randn(sum(rows), HIDDEN, device="cuda", dtype=torch.bfloat16)
     for seed in range(3):
-        batch = LoraBatch.build(rows, _mix(rows, seed), "cuda")
+        batch = LoraBatch.build(rows, _mix(rows, seed), "cuda", max_loras=SLOTS)
         torch.testing.assert_close(compiled(x, batch), qkv(x, batch), rtol=2e-2, atol=1e-1)
