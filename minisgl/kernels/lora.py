@@ -4,7 +4,8 @@ rows that share one adapter slot, Punica's SGMV (a prefill's requests) and BGMV 
     y = lora_shrink(x, a, tiles, order)    x (T, K), a (slots, n_seg * R, K) -> y (T, n_seg * R) float32
     lora_expand(y, out, b, tiles, order, sizes)
                                  out (T, N) += per segment i: y[:, iR:(i+1)R] @ b[slot, rows_i]^T
-    torch.ops.minisgl.lora_add(x, out, a, b, tiles, order, sizes)   both; out updated in place
+    lora_add_kernels(x, out, a, b, tiles, order, sizes)   both; out updated in place
+    torch.ops.minisgl.lora_add(...)                          the same, as an op for torch.compile
 
 `b` is (slots, N, R) and `sizes` the rows of each output segment (N = sum). `order` (T,) int32 lists
 the rows grouped by slot, and `tiles` (n, 3) int32 holds (first, end, slot) of each block of at most
@@ -213,18 +214,9 @@ def lora_add_kernels(
     lora_expand(lora_shrink(x, a, tiles, order), out, b, tiles, order, sizes)
 
 
-@torch.library.custom_op("minisgl::lora_add", mutates_args=("out",))
-def lora_add_op(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    tiles: torch.Tensor,
-    order: torch.Tensor,
-    sizes: list[int],
-) -> None:
-    """`lora_add_kernels` as an op torch.compile sees whole (its fake: nothing to return)."""
-    lora_add_kernels(x, out, a, b, tiles, order, sizes)
+# `lora_add_kernels` as an op torch.compile sees whole (its fake returns nothing); the function itself
+# stays a plain function for eager calls
+lora_add_op = torch.library.custom_op("minisgl::lora_add", lora_add_kernels, mutates_args=("out",))
 
 
 @lora_add_op.register_fake
