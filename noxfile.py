@@ -27,8 +27,13 @@ def _install(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite (CPU; CUDA tests skip without a GPU)."""
     _install(session)
-    # exit code 5 is pytest's "no tests collected" (e.g. a -k filter that matches nothing)
-    session.run("python", "-m", "pytest", *(session.posargs or ["-q"]), env=OFFLINE, success_codes=[0, 5])
+    # Two workers, each test file on one (its module fixtures start once), each process on one thread
+    # (OMP_NUM_THREADS=1, inherited by the servers and ranks the tests start): on CI's two cores the
+    # suite keeps both busy without oversubscribing them (docs/testing.md). `nox -s tests -- -q` runs
+    # it in one process. Exit code 5 is pytest's "no tests collected" (a -k filter matching nothing).
+    args = session.posargs or ["-q", "-n", "2", "--dist", "loadfile"]
+    env = {**OFFLINE, "OMP_NUM_THREADS": "1"} if "-n" in args else OFFLINE
+    session.run("python", "-m", "pytest", *args, env=env, success_codes=[0, 5])
 
 
 @nox.session

@@ -206,8 +206,9 @@ def test_metric_names_and_labels(llm, generation) -> None:
     for family in families:
         assert family.name.startswith("minisgl_"), family.name
         assert family.samples, f"{family.name} has no samples after a generation"
-        # the registry is process-wide: other tests' models may have samples too, all labelled
-        assert all(s.labels.get("model_name") for s in family.samples), family.name
+        # the registry is process-wide: other tests' models (and schedulers built without a model name,
+        # whose label is "") may have samples too, all labelled
+        assert all("model_name" in s.labels for s in family.samples), family.name
         assert any(s.labels["model_name"] == llm.model_name for s in family.samples), family.name
         if family.type == "counter":
             names = {s.name for s in family.samples}
