@@ -12,9 +12,9 @@ the rows grouped by slot, and `tiles` (n, 3) int32 holds (first, end, slot) of e
 `TILE_ROWS` entries of `order` of one slot (`minisgl.layers.lora.LoraBatch` builds both): a program
 reads its rows through `order`, so the rows of one adapter share its weights wherever they sit in the
 batch. Slot -1 pads, and its programs exit at once; rows of no adapter are in no tile, neither read nor
-written. The grid is tiles x column blocks, a function of
-the shapes only: nothing is read on the host, so CUDA graphs capture the kernels. Products accumulate
-in float32; y stays in float32 and is rounded to the weights' dtype for the expand's product (as PEFT
+written. The grid is tiles x column blocks (x parts of K for a shrink of few rows), a function of the
+shapes only: nothing is read on the host, so CUDA graphs capture the kernels. Products accumulate in
+float32; y stays in float32 and is rounded to the weights' dtype for the expand's product (as PEFT
 rounds lora_A's output), the sum with `out` is rounded once.
 """
 
