@@ -269,6 +269,30 @@ def make_tiny_model_with_tokenizer(tmp_path: Path, arch: str = "llama", **overri
     return folder
 
 
+def make_peft_adapter(model_folder: Path | str, out: Path, seed: int, scale: float = 0.3, **lora: Any) -> str:
+    """A PEFT LoRA adapter of the model in `model_folder`, `LoraConfig(**lora)`, its A and B drawn at
+    random (N(0, scale**2); PEFT starts B at zero, which would add nothing), saved in `out` as
+    `save_pretrained` writes it; returns `out` as a string (`make_peft_model`: the PEFT model too)."""
+    return str(make_peft_model(model_folder, out, seed, scale, **lora)[1])
+
+
+def make_peft_model(model_folder: Path | str, out: Path, seed: int, scale: float = 0.3, **lora: Any):
+    """`make_peft_adapter`'s (PEFT model, folder)."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora)).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * scale)
+    peft_model.save_pretrained(out)
+    return peft_model, out
+
+
 def check_clean(sched) -> None:
     """Nothing queued or running on the scheduler, no KV page held by a request (the prefix cache may
     hold pages, unreferenced), every slot free."""

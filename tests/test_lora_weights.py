@@ -12,9 +12,7 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from conftest import make_tiny_model
-from peft import LoraConfig, get_peft_model
+from conftest import make_peft_model, make_tiny_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 
@@ -54,15 +52,7 @@ MAX_RANK = 8
 
 def _peft_adapter(model_folder, out, seed, **lora):
     """A PEFT model of `model_folder` with one adapter (A and B random), saved in `out`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    peft_model.save_pretrained(out)
-    return peft_model
+    return make_peft_model(model_folder, out, seed, **lora)[0]
 
 
 def _peft_delta(peft_model, layer, projection, x):
