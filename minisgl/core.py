@@ -398,6 +398,11 @@ class Req:
     # prompt and the output so far as this request's "prompt"; the penalties count only the output)
     output_start: int = -1
     penalties_ready: bool = False  # the sampler's per-slot counts hold this request's tokens
+    # its LoRA adapter (docs/lora.md): the engine's pool slot (-1: the base model), set by the scheduler
+    # at admission and read by each forward; and the adapter's identity for the prefix cache (0: the
+    # base model), which the engine ignores
+    lora_slot: int = -1
+    lora_id: int = 0
 
     def __post_init__(self) -> None:
         if self.device_len < 0:
@@ -433,6 +438,8 @@ class Req:
             device_len=pos + 1,
             output_start=self.output_start,
             penalties_ready=self.penalties_ready,
+            lora_slot=self.lora_slot,
+            lora_id=self.lora_id,
         )
 
     def complete_one(self) -> None:

@@ -266,6 +266,24 @@ class EngineConfig:
         "TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and FLASHINFER_WORKSPACE_BASE for this process); "
         "unset = each tool's own default or environment variable.",
     )
+    max_loras: int = setting(
+        4,
+        "LoRA adapters resident on the device at once (the pool's slots, sized in the KV cache's memory "
+        "budget); more adapters wait in host memory and are swapped in when a batch needs them. "
+        "docs/lora.md.",
+        ge=1,
+        le=1024,
+    )
+    max_lora_rank: int = setting(
+        64,
+        "The largest LoRA rank accepted: every device slot holds this rank (smaller ones are zero-padded). "
+        "docs/lora.md.",
+        ge=1,
+        le=4096,
+    )
+    enable_lora: bool = internal(
+        lambda: False, "the settings: true with lora_modules or allow_runtime_lora (a LoRA pool of slots)"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)  # each field against its declaration above; `dtype` 'auto' becomes None

@@ -28,10 +28,12 @@ from minisgl.distributed import (
 )
 from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.lora import EngineLora, pool_bytes
 from minisgl.engine.sample import Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kernels import verify as verify_kernels
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
+from minisgl.lora import LoraAdapter, LoraPool
 from minisgl.models import build_model
 from minisgl.models.llama import check_tensor_parallel_fp8
 from minisgl.moe import create_moe_backend
@@ -104,6 +106,9 @@ class Engine:
         self._init_cache_dir()
         available_before = self._phase("communication", self._init_communication)
         model_bytes = self._phase("model", self._load_model)
+        self.lora: EngineLora | None = None
+        if config.enable_lora:
+            self._phase("lora pool", self._init_lora)
         self._phase("kv cache", lambda: self._init_kv_cache(available_before, model_bytes))
         self._phase("page table", self._init_page_table)
         self._phase("backends", self._init_backends)
@@ -185,6 +190,47 @@ class Engine:
             dummy=cfg.use_dummy_weight,
         )
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def lora_pool(self) -> LoraPool | None:
+        """The device slots of LoRA adapters (`enable_lora`), or None."""
+        return None if self.lora is None else self.lora.pool
+
+    def _init_lora(self) -> None:
+        """The LoRA pool of `max_loras` slots at `max_lora_rank`, given to the model (its bytes come off
+        the KV cache's budget, `_num_pages`)."""
+        cfg = self.config
+        self.lora = EngineLora(
+            cfg.model_config, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, cfg.tp_info.rank,
+            cfg.tp_info.size,
+        )  # fmt: skip
+        self.model.lora_pool = self.lora.pool
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """The PEFT adapter at `path` read (on the host) for this engine's model, dtype, `max_lora_rank`
+        and tensor-parallel rank; raises `minisgl.lora.LoraError`."""
+        if self.lora is None:
+            raise ValueError("this engine has no LoRA pool (enable_lora is off)")
+        return self.lora.read(name, path)
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Puts `adapter` in device slot `slot` (requests with `lora_slot` = slot then use it). Ordered
+        on the device after the forwards already queued and before any later one; no sync."""
+        if self.lora is None:
+            raise ValueError("this engine has no LoRA pool (enable_lora is off)")
+        self.lora.load(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        """Empties device slot `slot` (ordered as `load_lora`)."""
+        if self.lora is None:
+            raise ValueError("this engine has no LoRA pool (enable_lora is off)")
+        self.lora.clear(slot)
+
+    def _lora_bytes(self) -> int:
+        cfg = self.config
+        if not cfg.enable_lora:
+            return 0
+        return pool_bytes(cfg.model_config, cfg.max_loras, cfg.max_lora_rank, self.dtype, cfg.tp_info.size)
 
     def _init_kv_cache(self, available_before: int, model_bytes: int) -> None:
         """Sizes and allocates the KV pool; `max_seq_len` becomes the configured limit capped by the pool."""
@@ -287,7 +333,12 @@ class Engine:
         sizes = (cfg.max_running_req, self.max_seq_len, cfg.cuda_graph_bs, cfg.cuda_graph_max_bs)
         prefill = ("compile_prefill", "prefill_graph_max_tokens", "prefill_graph_max_context")
         self.graph_runner = GraphRunner(
-            self.model, self.ctx, self.device, *sizes, **{name: getattr(cfg, name) for name in prefill}
+            self.model,
+            self.ctx,
+            self.device,
+            *sizes,
+            **{name: getattr(cfg, name) for name in prefill},
+            lora=self.lora,
         )
 
     def _log_ready(self, seconds: float, model_bytes: int) -> None:
@@ -302,6 +353,12 @@ class Engine:
             )
         if self._shared_page_table is not None:
             speculative = "; a draft model: its KV at the target's page ids (the target's page table)"
+        if self.lora is not None:
+            pool = self.lora.pool
+            speculative += (
+                f"; LoRA: {pool.max_loras} adapter slots of rank up to {pool.max_rank} "
+                f"({self._lora_bytes() / GIB:.2f} GiB, from the KV cache's budget)"
+            )
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %.2f GiB of weights%s), %d KV pages of %d tokens "
             "(%.2f GiB%s), max_seq_len %d%s",
@@ -328,7 +385,10 @@ class Engine:
         companion = self.companion
         draft_weights = 0 if companion is None else companion.weight_bytes  # type: ignore[attr-defined]
         draft_page = 0 if companion is None else companion.page_bytes  # type: ignore[attr-defined]
-        free = available_before - model_bytes - draft_weights
+        # the LoRA pool's slots come out of the same memory, before the pages are counted
+        lora_bytes = self._lora_bytes()
+        lora = f" - {lora_bytes / GIB:.2f} GiB of LoRA slots" if lora_bytes else ""
+        free = available_before - model_bytes - draft_weights - lora_bytes
         if cfg.num_page_override is not None:
             _check_fits(
                 cfg.num_page_override * (page_bytes + draft_page),
@@ -338,20 +398,21 @@ class Engine:
             logger.info("KV cache: num_page_override=%d", cfg.num_page_override)
             return cfg.num_page_override
         if self.device.type == "cuda":
-            budget = int(available_before * cfg.memory_ratio) - model_bytes - draft_weights
+            budget = int(available_before * cfg.memory_ratio) - model_bytes - draft_weights - lora_bytes
             how = (
                 f"{available_before / GIB:.2f} GiB free before loading x memory_ratio {cfg.memory_ratio}"
                 f" - {model_bytes / GIB:.2f} GiB of weights"
             )
             if companion is not None:
                 how += f" - {draft_weights / GIB:.2f} GiB of draft-model weights"
+            how += lora
         elif cfg.cpu_kv_budget_gib is not None:
             budget = int(cfg.cpu_kv_budget_gib * GIB)
             _check_fits(budget, free, f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}")
             how = f"cpu_kv_budget_gib={cfg.cpu_kv_budget_gib}"
         else:
-            budget = int(available_before * CPU_KV_FRACTION)
-            how = f"{CPU_KV_FRACTION:.0%} of {available_before / GIB:.2f} GiB RAM available (set cpu_kv_budget_gib)"
+            budget = int(available_before * CPU_KV_FRACTION) - lora_bytes
+            how = f"{CPU_KV_FRACTION:.0%} of {available_before / GIB:.2f} GiB RAM available{lora} (set cpu_kv_budget_gib)"
         num_pages = budget // (page_bytes + draft_page)
         if num_pages < 1:
             needs = f"{page_bytes} bytes" + (f" + {draft_page} for the draft model's" if draft_page else "")
@@ -512,7 +573,10 @@ class Engine:
                 if mode == "compiled":
                     logits = self.graph_runner.run_compiled(batch)
                 else:
-                    logits = self.model(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+                    # each row's LoRA slot (a graph replay or the compiled forward builds its own)
+                    lora = None if self.lora is None else self.lora.batch(batch)
+                    last_indices = batch.attn_metadata.last_indices
+                    logits = self.model(batch.input_ids, batch.positions, last_indices, lora)
         for req in batch.reqs:
             req.complete_one()
         return logits
@@ -556,7 +620,7 @@ class Engine:
         if self._owns_process_group:
             destroy_process_group(abort=abort)
         set_tp_info(DistributedInfo())
-        self.model = self.kv_cache = self.page_table = self.last_tokens = None  # type: ignore[assignment]
+        self.model = self.kv_cache = self.page_table = self.last_tokens = self.lora = None  # type: ignore[assignment]
         self.ctx.kv_cache = self.ctx.page_table = None  # type: ignore[assignment]
         self.attn_backend = self.ctx.attn_backend = None  # type: ignore[assignment]
         self.moe_backend = self.ctx.moe_backend = None

@@ -9,6 +9,7 @@ docs/gpu.md#compiled-forward-and-cuda-graphs and docs/gpu.md#prefill-graphs.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 
 import torch
@@ -17,7 +18,9 @@ from tqdm import tqdm
 
 from minisgl.compile import raise_recompile_limit
 from minisgl.core import Batch, Context, Req
+from minisgl.engine.lora import EngineLora, StaticLoraBatch, batch_rows
 from minisgl.kernels.prefill_attention import ALIGN
+from minisgl.layers.lora import NO_ADAPTER, LoraBatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,13 @@ class GraphRunner:
 
     ``compile_prefill``: prefill and batches above the largest graph run the compiled forward (False:
     eagerly, for ablation; the ``compile_prefill`` setting). A batch-invariant engine runs them eagerly
-    whatever it says.
+    whatever it says. ``lora``: the engine's LoRA part (None: no adapters); with it every graph
+    captures a `StaticLoraBatch` of its rows, rewritten before each replay, so one graph serves any mix
+    of adapters, and the compiled forward takes the batch's `LoraBatch`.
     """
+
+    lora: EngineLora | None = None
+    max_loras = 0  # the LoRA pool's slots (0: no pool)
 
     def __init__(
         self,
@@ -79,7 +87,12 @@ class GraphRunner:
         compile_prefill: bool = True,
         prefill_graph_max_tokens: int = 0,
         prefill_graph_max_context: int = 0,
+        lora: EngineLora | None = None,
     ) -> None:
+        self.lora, self.max_loras = lora, 0 if lora is None else lora.pool.max_loras
+        # with a LoRA pool: each graph's static LoraBatch, by ("decode", batch size) or ("prefill", tokens)
+        # (a verify graph shares its token count's prefill layout, and its batch)
+        self.lora_batches: dict[tuple[str, int], StaticLoraBatch] = {}
         self.batch_sizes: list[int] = []
         self.prefill_sizes: list[int] = []  # token counts of the prefill graphs
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -136,6 +149,14 @@ class GraphRunner:
         raise_recompile_limit()
         self.forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
         self._pool = torch.cuda.graph_pool_handle()
+        if self.max_loras:  # made here, outside inference mode: the compiled forward would copy them
+            slots = self.max_loras
+            for bs in sizes:  # one base-only request more than the graph's rows: the padding
+                self.lora_batches["decode", bs] = StaticLoraBatch(bs, bs + 1, slots, device)
+            for tokens in prefill_sizes:  # a request and its block's padding per block, then the rest
+                self.lora_batches["prefill", tokens] = StaticLoraBatch(
+                    tokens, 2 * (tokens // ALIGN) + 1, slots, device
+                )
         self._capture(sizes)
         self.batch_sizes = sizes
         if prefill_sizes:
@@ -174,21 +195,25 @@ class GraphRunner:
         )
         return batch
 
+    def _static_lora(self, kind: str, size: int) -> LoraBatch | None:
+        static = self.lora_batches.get((kind, size))
+        return None if static is None else static.batch
+
     def _capture_one(
-        self, batch: Batch, last_indices: torch.Tensor | None
+        self, batch: Batch, last_indices: torch.Tensor | None, lora: LoraBatch | None = None
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Captures the compiled forward of a planned dummy batch (compiled, for the first size only,
-        and warmed up off the capture)."""
+        and warmed up off the capture), with the graph's static LoraBatch where there is a pool."""
         stream = torch.cuda.Stream(self.device)
         with self.ctx.forward_batch(batch):
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.compiled_forward(batch.input_ids, batch.positions, last_indices)
+                    self.compiled_forward(batch.input_ids, batch.positions, last_indices, lora)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self.compiled_forward(batch.input_ids, batch.positions, last_indices)
+                logits = self.compiled_forward(batch.input_ids, batch.positions, last_indices, lora)
         return graph, logits
 
     @torch.inference_mode()
@@ -197,7 +222,7 @@ class GraphRunner:
         for bs in bar:
             batch = self._dummy_batch(bs)
             self.ctx.attn_backend.prepare_metadata(batch, graph_bs=bs)
-            self.graphs[bs] = self._capture_one(batch, None)
+            self.graphs[bs] = self._capture_one(batch, None, self._static_lora("decode", bs))
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
             bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
         bar.close()
@@ -208,7 +233,8 @@ class GraphRunner:
         """One graph per prefill bucket, largest first, planned as all padding (the dummy row)."""
         for tokens in sorted(sizes, reverse=True):
             batch = self._prefill_dummy(tokens)
-            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[: tokens // ALIGN])
+            lora = self._static_lora("prefill", tokens)
+            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[: tokens // ALIGN], lora)
         logger.info("prefill CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
     @torch.inference_mode()
@@ -230,7 +256,8 @@ class GraphRunner:
         for tokens in sorted(sizes, reverse=True):
             blocks = tokens // ALIGN
             batch = self._prefill_dummy(tokens)
-            self.verify_graphs[tokens] = self._capture_one(batch, self.verify_last[: blocks * rows])
+            lora = self._static_lora("prefill", tokens)
+            self.verify_graphs[tokens] = self._capture_one(batch, self.verify_last[: blocks * rows], lora)
         self.verify_rows = rows
         logger.info("verify CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
@@ -283,7 +310,9 @@ class GraphRunner:
         for i, req in enumerate(batch.reqs):
             last[i * rows : i * rows + req.extend_len] = torch.arange(i * ALIGN, i * ALIGN + req.extend_len)
             picks.append(torch.arange(i * rows, i * rows + req.extend_len))
-        last, pick = self._lay_out(batch, [i * ALIGN for i in range(batch.size)], tokens, last, picks)
+        starts = [i * ALIGN for i in range(batch.size)]
+        last, pick = self._lay_out(batch, starts, tokens, last, picks)
+        self._refresh_lora_layout(batch, starts, tokens)
         self.verify_last[: len(last)].copy_(last, non_blocking=True)
         graph, logits = self.verify_graphs[tokens]
         graph.replay()
@@ -300,12 +329,18 @@ class GraphRunner:
         return batch
 
     def compiled_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last_indices: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """The model's forward, compiled; logits of every row when `last_indices` is None (it is then
         the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
-        unbacked and copies an inference-mode input to a normal tensor, so one graph serves every call
-        and engine (docs/gpu.md#compiled-forward-and-cuda-graphs)."""
+        (and the sizes of a LoraBatch's tensors) unbacked and copies an inference-mode input to a normal
+        tensor, so one graph serves every call and engine (docs/gpu.md#compiled-forward-and-cuda-graphs).
+        An engine with a LoRA pool passes `lora` to every call (the model's forward with and without one
+        would be two compiled graphs)."""
         if last_indices is None:
             if input_ids.shape[0] > self.rows.shape[0]:
                 raise ValueError(
@@ -316,7 +351,12 @@ class GraphRunner:
         inputs = [_normal_tensor(t) for t in (input_ids, positions, last_indices)]
         for tensor in inputs:
             mark_unbacked(tensor, 0)
-        return self.forward(*inputs)
+        if lora is None:
+            return self.forward(*inputs)
+        fields = {f.name: _normal_tensor(getattr(lora, f.name)) for f in dataclasses.fields(lora)}
+        for tensor in fields.values():
+            mark_unbacked(tensor, 0)
+        return self.forward(*inputs, LoraBatch(**fields))
 
     def warm_up_prefill(self) -> None:
         """Runs a prefill through the compiled forward at start (two dummy requests of 3 and 2 tokens on
@@ -347,8 +387,9 @@ class GraphRunner:
         return bool(self.batch_sizes) and self.compile_prefill
 
     def run_compiled(self, batch: Batch) -> torch.Tensor:
-        """The compiled forward without a graph (attention planned)."""
-        return self.compiled_forward(batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+        """The compiled forward without a graph (attention planned; with LoRA, its rows' slots built)."""
+        lora = None if self.lora is None else self.lora.batch(batch)
+        return self.compiled_forward(batch.input_ids, batch.positions, batch.attn_metadata.last_indices, lora)
 
     @property
     def enabled(self) -> bool:
@@ -385,6 +426,8 @@ class GraphRunner:
         self.positions[:bs].copy_(batch.positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
         self.out_loc[bs:graph_bs].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
+        if self.max_loras:
+            self.lora_batches["decode", graph_bs].refresh(*batch_rows(batch))
         self.ctx.attn_backend.prepare_metadata(batch, graph_bs=graph_bs)
         graph, logits = self.graphs[graph_bs]
         graph.replay()
@@ -400,6 +443,7 @@ class GraphRunner:
         for i, (req, start) in enumerate(zip(batch.reqs, starts)):
             last[i] = start + req.extend_len - 1
         last, _ = self._lay_out(batch, starts, tokens, last, [])
+        self._refresh_lora_layout(batch, starts, tokens)
         self.prefill_last[: len(last)].copy_(last, non_blocking=True)
         graph, logits = self.prefill_graphs[tokens]
         graph.replay()
@@ -435,6 +479,20 @@ class GraphRunner:
         self.out_loc.index_copy_(0, place, batch.out_loc)
         self.ctx.attn_backend.prepare_prefill_graph(batch, plan, tokens)
         return last, packed[at + len(last) + batch.num_tokens :]
+
+    def _refresh_lora_layout(self, batch: Batch, starts: list[int], tokens: int) -> None:
+        """With a LoRA pool, the static LoraBatch of a prefill or verify graph of `tokens` tokens made the
+        batch's: each request's rows at its start in the layout, the padding between them base-only."""
+        if not self.max_loras:
+            return
+        rows, slots = [], []
+        for i, req in enumerate(batch.reqs):
+            if i:
+                rows.append(starts[i] - starts[i - 1] - batch.reqs[i - 1].extend_len)
+                slots.append(NO_ADAPTER)
+            rows.append(req.extend_len)
+            slots.append(req.lora_slot)
+        self.lora_batches["prefill", tokens].refresh(rows, slots)
 
     def destroy(self) -> None:
         self.graphs.clear()

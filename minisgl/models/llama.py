@@ -10,12 +10,14 @@ scales. docs/tensor-parallel-and-moe.md ("Sharding"), docs/quantization.md.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from minisgl.compile import fused_kernels_mode
 from minisgl.distributed import DistributedInfo, all_reduce, divide, get_tp_info, shard_heads
 from minisgl.kernels.rope_store import rope_store_applies
 from minisgl.layers import (
+    add_rms_norm,
     apply_rope,
     attention,
     build_rope_cache,
@@ -23,12 +25,14 @@ from minisgl.layers import (
     linear,
     lm_head,
     norm_linear,
+    norm_linear_keep,
     rms_norm,
     rope_attention,
     rope_cos_sin,
     silu_mul_linear,
 )
 from minisgl.layers.fp8 import Fp8Linear
+from minisgl.layers.lora import LoraBatch, lora_add
 from minisgl.models.config import ModelConfig
 from minisgl.models.fp8 import (
     KvScale,
@@ -129,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
             persistent=False,
         )
         self._init_kv_scales(cfg.num_layers)
+        # the engine's LoRA adapter slots (`minisgl.lora.LoraPool`), set by an engine with LoRA enabled:
+        # then a forward given a `lora` batch adds each row's adapter delta to the targeted projections
+        self.lora_pool = None
 
     def _init_kv_scales(self, num_layers: int) -> None:
         """(layers, 2) float32: each layer's K and V scale of an FP8 KV cache (1.0 unless the checkpoint
@@ -166,11 +173,17 @@ class LlamaForCausalLM(nn.Module):
         return tied | fp8_checkpoint_ignored(self.cfg)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, last_indices: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last_indices: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """Tokens (T,) at positions (T,) -> float32 logits of each request's last token (or of every row
-        when `last_indices` is None)."""
+        when `last_indices` is None). `lora`: each row's adapter slot of `lora_pool` (without a pool, or
+        None: the base model, and not one op more)."""
         cfg = self.cfg
+        lora = lora if self.lora_pool is not None else None
         hidden = embed(input_ids, self.embed_tokens)
         # the fused q/k-norm + RoPE + KV-store kernel reads cos and sin itself; the unfused path looks the
         # rows up once per forward
@@ -178,31 +191,88 @@ class LlamaForCausalLM(nn.Module):
         rope = positions if fused_rope else rope_cos_sin(positions, self.cos_sin, hidden.dtype)
         residual = None  # the first layer's input norm has no residual to add
         for layer_id, layer in enumerate(self.layers):
-            qkv, residual = norm_linear(
-                hidden, residual, layer.input_norm, cfg.rms_norm_eps, layer.qkv_proj, layer.qkv_bias
+            qkv, residual = self._norm_linear(
+                layer_id, "qkv_proj", hidden, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias, lora
             )
-            hidden = self._attention(layer, layer_id, qkv, rope, fused_rope)
-            hidden, residual = self._mlp(layer, hidden, residual)
+            hidden = self._attention(layer, layer_id, qkv, rope, fused_rope, lora)
+            hidden, residual = self._mlp(layer, layer_id, hidden, residual, lora)
         hidden = residual + hidden
         if last_indices is not None:
             hidden = hidden[last_indices]
         hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
         return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head, cfg.vocab_size)
 
-    def _mlp(
-        self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor
+    def _lora(
+        self, lora: LoraBatch | None, layer_id: int, projection: str, x: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`out` (the projection's fresh output for input x) plus each row's LoRA delta, in place; `out`
+        itself without a batch or where the pool has no such projection (a MoE model's MLP)."""
+        pool = self.lora_pool
+        if lora is None or projection not in pool.sizes:
+            return out
+        a, b = pool.weights(layer_id, projection)
+        return lora_add(x, out, a, b, lora, pool.sizes[projection])
+
+    def _norm_linear(
+        self,
+        layer_id: int,
+        projection: str,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        weight: torch.Tensor | Fp8Linear,
+        bias: torch.Tensor | None,
+        lora: LoraBatch | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The post-attention norm (of hidden + residual) and the MLP: (MLP output, new residual)."""
-        gate_up, residual = norm_linear(
-            hidden, residual, layer.post_norm, self.cfg.rms_norm_eps, layer.gate_up_proj
+        """`norm_linear`, plus the LoRA delta of the normalised rows with a batch (the fused one-row
+        kernel of `norm_linear` does not give them; `norm_linear_keep`'s does)."""
+        eps = self.cfg.rms_norm_eps
+        if lora is None or projection not in self.lora_pool.sizes:
+            return norm_linear(x, residual, norm_weight, eps, weight, bias)
+        if residual is not None and bias is None:
+            out, normed, residual = norm_linear_keep(x, residual, norm_weight, eps, weight)
+        else:
+            normed, residual = (
+                (rms_norm(x, norm_weight, eps), x)
+                if residual is None
+                else add_rms_norm(x, residual, norm_weight, eps)
+            )
+            out = linear(normed, weight, bias)
+        return self._lora(lora, layer_id, projection, normed, out), residual
+
+    def _mlp(
+        self,
+        layer: DecoderLayer,
+        layer_id: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        lora: LoraBatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm (of hidden + residual) and the MLP: (MLP output, new residual). The
+        row-parallel down projection's output is all-reduced (its LoRA delta added before)."""
+        gate_up, residual = self._norm_linear(
+            layer_id, "gate_up_proj", hidden, residual, layer.post_norm, layer.gate_up_proj, None, lora
         )
-        return all_reduce(silu_mul_linear(gate_up, layer.down_proj)), residual  # row-parallel down
+        if lora is None or "down_proj" not in self.lora_pool.sizes:
+            return all_reduce(silu_mul_linear(gate_up, layer.down_proj)), residual
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return all_reduce(
+            self._lora(lora, layer_id, "down_proj", act, linear(act, layer.down_proj))
+        ), residual
 
     def _attention(
-        self, layer: DecoderLayer, layer_id: int, qkv: torch.Tensor, rope: torch.Tensor, fused_rope: bool
+        self,
+        layer: DecoderLayer,
+        layer_id: int,
+        qkv: torch.Tensor,
+        rope: torch.Tensor,
+        fused_rope: bool,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Attention from the QKV projection's output. `rope`: the positions (fused kernel) or the cos and
-        sin rows of `rope_cos_sin` (unfused)."""
+        """Attention from the QKV projection's output, then the row-parallel o_proj (its LoRA delta added
+        before the all-reduce). `rope`: the positions (fused kernel) or the cos and sin rows of
+        `rope_cos_sin` (unfused)."""
         cfg, heads = self.cfg, layer.heads  # this rank's heads
         num_tokens = qkv.shape[0]
         q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
@@ -221,5 +291,6 @@ class LlamaForCausalLM(nn.Module):
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, k, rope)
             out = attention(q, k, v.contiguous(), layer_id)
-        out = all_reduce(linear(out.reshape(num_tokens, q_size), layer.o_proj))  # row-parallel o_proj
+        out = out.reshape(num_tokens, q_size)
+        out = all_reduce(self._lora(lora, layer_id, "o_proj", out, linear(out, layer.o_proj)))
         return out if layer.o_bias is None else out + layer.o_bias

@@ -16,6 +16,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide
 from minisgl.layers import norm_linear_keep
+from minisgl.layers.lora import LoraBatch
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
 from minisgl.models.weights import Shard
@@ -63,12 +64,18 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         self._init_kv_scales(cfg.num_layers)
 
     def _mlp(
-        self, layer: DecoderLayer, hidden: torch.Tensor, residual: torch.Tensor
+        self,
+        layer: DecoderLayer,
+        layer_id: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP. Both are
-        row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced."""
+        row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced. LoRA
+        adapters change the attention projections only (`minisgl.lora.lora_projections`)."""
         if not isinstance(layer, SparseDecoderLayer):
-            return super()._mlp(layer, hidden, residual)
+            return super()._mlp(layer, layer_id, hidden, residual, lora)
         # the norm and the replicated router (every rank picks the same experts), one kernel at a token
         router_logits, x, residual = norm_linear_keep(
             hidden, residual, layer.post_norm, self.cfg.rms_norm_eps, layer.gate
