@@ -26,7 +26,13 @@ class NoChatTemplate(ValueError):
 class ChatSession:
     """A conversation with `llm`: the system prompt, then alternating user and assistant turns."""
 
-    def __init__(self, llm: Any, params: SamplingParams | None = None, system: str | None = None) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        params: SamplingParams | None = None,
+        system: str | None = None,
+        lora: str | None = None,
+    ) -> None:
         tokenizer = getattr(llm, "tokenizer", None)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             where = getattr(getattr(getattr(llm, "engine", None), "config", None), "model_path", None)
@@ -37,7 +43,7 @@ class ChatSession:
             )
         self.llm = llm
         self.params = params or SamplingParams()
-        self.system = system
+        self.system, self.lora = system, lora  # lora: the LoRA adapter's name (None: the base model)
         self.history: list[dict[str, str]] = []
 
     def messages(self, user: str | None = None) -> list[dict[str, str]]:
@@ -55,7 +61,9 @@ class ChatSession:
         A request that cannot run (a ValueError: the conversation outgrew the context) or fails in the
         engine (RequestError) raises and leaves the history as it was."""
         prompt_ids = self.llm.chat_prompt(self.messages(user))
-        stream = self.llm.stream(prompt_ids, self.params)  # checks the request: raises before any output
+        adapter = {} if self.lora is None else {"lora": self.lora}
+        # checks the request: raises before any output
+        stream = self.llm.stream(prompt_ids, self.params, **adapter)
         parts: list[str] = []
         interrupted = False
         try:

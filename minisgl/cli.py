@@ -48,6 +48,10 @@ def _settings_options(command: Callable) -> Callable:
             command = click.option(
                 "--dp", "--dp-size", "dp_size", default=None, metavar="N", help=f"{help_text} serve only."
             )(command)
+        elif name == "lora_modules":
+            command = click.option(
+                flag, name, multiple=True, metavar="NAME=PATH", help=f"{help_text} Repeatable."
+            )(command)
         elif field.annotation in (bool, "bool"):
             command = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(command)
         else:
@@ -63,7 +67,8 @@ def _settings_options(command: Callable) -> Callable:
 
 
 def _explicit(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k in EngineSettings.model_fields and v is not None}
+    # a repeatable option given no times is ()
+    return {k: v for k, v in kwargs.items() if k in EngineSettings.model_fields and v not in (None, ())}
 
 
 def _sampling_options(command: Callable) -> Callable:
@@ -115,6 +120,19 @@ SAMPLING_OPTIONS = (
     "ignore_eos",
     "min_tokens",
 )
+
+
+_LORA_OPTION = click.option(
+    "--lora",
+    default=None,
+    metavar="NAME",
+    help="Generate with the LoRA adapter NAME (one of --lora-modules); default: the base model.",
+)
+
+
+def _message(e: Exception) -> str:
+    """An exception's message (a KeyError's str() quotes it)."""
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
 def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
@@ -170,9 +188,10 @@ def main() -> None:
     help="Read prompts from a file, one per line ('-' for stdin).",
 )
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template as a user message.")
+@_LORA_OPTION
 @_sampling_options
 @_common
-def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -> None:
+def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None, **kwargs: Any) -> None:
     """Generate text for PROMPTS (or --file, or lines of stdin), streaming a single prompt as it is produced."""
     texts = list(prompts)
     if prompt_file is not None:
@@ -189,20 +208,22 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, **kwargs: Any) -
     try:
         inputs = [llm.chat_prompt([{"role": "user", "content": t}]) if chat else t for t in texts]
         if len(inputs) == 1:
-            deltas = llm.stream(inputs[0], params)  # checks the request: nothing is printed if it can't run
+            deltas = llm.stream(
+                inputs[0], params, lora=lora
+            )  # checks the request: nothing is printed if it can't run
             if not chat:
                 click.echo(texts[0], nl=False)
             for delta in deltas:
                 click.echo(delta, nl=False)
             click.echo()
             return
-        for text, output in zip(texts, llm.generate(inputs, params, progress=True)):
+        for text, output in zip(texts, llm.generate(inputs, params, progress=True, lora=lora)):
             click.echo(f"{'' if chat else text}{output.text}" if not chat else f"> {text}\n{output.text}")
             if output.error is not None:
                 click.echo(f"[{output.error}]", err=True)
             click.echo()
-    except (TypeError, ValueError, RequestError) as e:
-        raise click.ClickException(str(e)) from e
+    except (TypeError, ValueError, KeyError, RequestError) as e:
+        raise click.ClickException(_message(e)) from e
     finally:
         llm.shutdown()
 
@@ -515,9 +536,10 @@ def bench_serving_command(
 
 @main.command("chat")
 @click.option("--system", default=None, help="A system prompt that starts the conversation.")
+@_LORA_OPTION
 @_sampling_options
 @_common
-def chat_command(system: str | None, **kwargs: Any) -> None:
+def chat_command(system: str | None, lora: str | None, **kwargs: Any) -> None:
     """Chat with the model in the terminal: one message per line, the reply streams. /reset clears the
     conversation; /exit, /quit or end of input (Ctrl-D) ends; Ctrl-C stops a reply."""
     from minisgl.chat import ChatSession, NoChatTemplate, run_chat
@@ -525,9 +547,11 @@ def chat_command(system: str | None, **kwargs: Any) -> None:
     params = _sampling_params(kwargs)
     llm = _make_llm(kwargs)
     try:
-        run_chat(ChatSession(llm, params, system=system))
-    except NoChatTemplate as e:
-        raise click.ClickException(str(e)) from e
+        if lora is not None:
+            llm.scheduler.lora_adapter(lora)  # not loaded: said before the first prompt
+        run_chat(ChatSession(llm, params, system=system, lora=lora))
+    except (NoChatTemplate, ValueError, KeyError) as e:
+        raise click.ClickException(_message(e)) from e
     finally:
         llm.shutdown()
 

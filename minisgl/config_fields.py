@@ -180,6 +180,11 @@ def is_instance(value: Any, annotation: Any) -> bool:
     if origin in (tuple, list):
         item = typing.get_args(annotation)[0]
         return isinstance(value, origin) and all(is_instance(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(annotation)
+        return isinstance(value, dict) and all(
+            is_instance(k, key) and is_instance(v, item) for k, v in value.items()
+        )
     if annotation is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if annotation is int:
@@ -199,6 +204,11 @@ def describe_type(annotation: Any) -> str:
     if typing.get_origin(annotation) in (tuple, list):
         item = describe_type(typing.get_args(annotation)[0]).removeprefix("an ").removeprefix("a ")
         return f"a list of {item}s"
+    if typing.get_origin(annotation) is dict:
+        key, item = (
+            describe_type(t).removeprefix("an ").removeprefix("a ") for t in typing.get_args(annotation)
+        )
+        return f"a mapping of {key}s to {item}s"
     return _TYPE_NAMES.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
 
 

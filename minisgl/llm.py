@@ -292,8 +292,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool = False,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion; outputs in input order.
+        `lora`: the LoRA adapter of every prompt (its name), or one per prompt (None: the base model).
 
         All requests are checked before any is queued, so a bad one raises (ValueError, TypeError)
         without side effects. A request that fails inside the engine gets finish_reason "error" and
@@ -303,9 +305,13 @@ class LLM:
         with self._lock:
             self._check_open()
             encoded, params = self._prepare(prompts, sampling_params)
+            loras = self._loras(lora, len(encoded))
             for (_, ids), p in zip(encoded, params):
                 self.scheduler.check_request(ids, p)
-            states = [self.scheduler.add_request(ids, p) for (_, ids), p in zip(encoded, params)]
+            states = [
+                self.scheduler.add_request(ids, p, lora=name)
+                for (_, ids), p, name in zip(encoded, params, loras)
+            ]
         try:
             self._run_until_finished(states, progress)
         finally:
@@ -347,14 +353,17 @@ class LLM:
                 for state in unfinished:
                     self.scheduler.abort(state)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Stream:
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None
+    ) -> Stream:
         """Text deltas of one request as its tokens are produced (a `Stream`). The request is checked
         and queued at the call, so a bad one raises here, before any iteration. Closing the stream
         (`close()`, the end of a `with` block, or dropping it) aborts the request if it is unfinished."""
         with self._lock:
             self._check_open()
             [(_, ids)], [params] = self._prepare([prompt], sampling_params)
-            state = self.scheduler.add_request(ids, params, stream=True)
+            [lora] = self._loras(lora, 1)
+            state = self.scheduler.add_request(ids, params, stream=True, lora=lora)
         return Stream(self, state)
 
     def chat_prompt(
@@ -372,12 +381,49 @@ class LLM:
         messages: list[dict[str, str]] | str,
         sampling_params: SamplingParams | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora: str | None = None,
     ) -> RequestOutput:
         """One reply to a conversation ([{"role": "user", "content": ...}, ...]) or a single user message
-        (`chat_template_kwargs`: as in `chat_prompt`)."""
+        (`chat_template_kwargs`: as in `chat_prompt`; `lora`: as in `generate`)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.generate([self.chat_prompt(messages, chat_template_kwargs)], sampling_params)[0]
+        prompt = self.chat_prompt(messages, chat_template_kwargs)
+        return self.generate([prompt], sampling_params, lora=lora)[0]
+
+    def _loras(self, lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+        """One adapter name (or None) per prompt, each checked to be loaded (KeyError otherwise)."""
+        names = [lora] * n if lora is None or isinstance(lora, str) else list(lora)
+        if len(names) != n:
+            raise ValueError(
+                f"lora has {len(names)} entries for {n} prompts: give one per prompt, or one name"
+            )
+        for name in names:
+            if name is not None:
+                self.scheduler.lora_adapter(name)
+        return names
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads the LoRA adapter at `path` (a PEFT folder or a hub id) under `name`, for requests that
+        name it; raises a ValueError (`minisgl.lora.LoraError`) naming what is wrong. Needs an engine
+        with adapter slots: started with lora_modules or allow_runtime_lora."""
+        with self._lock:
+            self._check_open()
+            if self.scheduler.lora is None:
+                self.scheduler.lora_adapter(name)  # raises: no adapter slots
+            self.scheduler.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter `name` (a KeyError if it is not loaded): requests running on it finish with it;
+        new ones naming it are refused."""
+        with self._lock:
+            self._check_open()
+            self.scheduler.lora_adapter(name)
+            self.scheduler.lora.unload(name)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the loaded LoRA adapters, in the order they were loaded."""
+        return [] if self.scheduler.lora is None else list(self.scheduler.lora.by_name)
 
     def flush_cache(self) -> int:
         """Empties the prefix cache of every prefix no running request uses (under tensor

@@ -332,7 +332,10 @@ class _Settings(BaseSettings):
     def to_engine_config(self, rank: int = 0) -> EngineConfig:
         """The frozen :class:`EngineConfig` of tensor-parallel rank ``rank``."""
         tp_info = DistributedInfo(rank=rank, size=self.tp_size)
-        return self.build(EngineConfig, model_path=self.resolved_model_path(), tp_info=tp_info)
+        lora = bool(self.lora_modules) or self.allow_runtime_lora  # the engine keeps adapter slots
+        return self.build(
+            EngineConfig, model_path=self.resolved_model_path(), tp_info=tp_info, enable_lora=lora
+        )
 
     def to_scheduler_config(self) -> SchedulerConfig:
         """The frozen :class:`SchedulerConfig`."""
@@ -343,6 +346,14 @@ class _Settings(BaseSettings):
                 f"speculative_method={config.speculative_method!r} is not supported under tensor parallelism "
                 f"yet (tp_size={self.tp_size}): leave speculative_method at 'none' or use tp_size 1 "
                 f"(speculative_method from {origins['speculative_method']}; tp_size from {origins['tp_size']})"
+            )
+        if (config.lora_modules or config.allow_runtime_lora) and self.tp_size > 1:
+            origins = self.sources()
+            given = "lora_modules" if config.lora_modules else "allow_runtime_lora"
+            raise ValueError(
+                f"LoRA adapters are not served under tensor parallelism yet (tp_size={self.tp_size}): "
+                f"leave lora_modules and allow_runtime_lora unset or use tp_size 1 ({given} from "
+                f"{origins[given]}; tp_size from {origins['tp_size']})"
             )
         return config
 

@@ -72,7 +72,8 @@ def test_fields_mirror_the_configs() -> None:
     scheduler = {f.name for f in dataclasses.fields(SchedulerConfig)}
     server = {f.name for f in dataclasses.fields(ServerConfig)}
     launch = {"tp_size", "dp_size"}
-    assert set(EngineSettings.model_fields) == engine - {"tp_info"} | scheduler | launch | server
+    filled = {"tp_info", "enable_lora"}  # by the settings layer, from tp_size and the LoRA settings
+    assert set(EngineSettings.model_fields) == engine - filled | scheduler | launch | server
     assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size", "dp_size"]
 
 
@@ -80,8 +81,9 @@ def test_fields_mirror_the_configs() -> None:
 def test_every_config_field_is_a_setting_with_a_description(config_cls: type) -> None:
     for field in dataclasses.fields(config_cls):
         declared = declaration(field)
-        if field.name == "tp_info":  # the one field that is no setting says where it comes from
-            assert isinstance(declared, str) and "tp_size" in declared
+        filled = {"tp_info": "tp_size", "enable_lora": "lora_modules"}
+        if field.name in filled:  # the fields that are no setting say where they come from
+            assert isinstance(declared, str) and filled[field.name] in declared
             continue
         assert isinstance(declared, Setting), (
             f"{config_cls.__name__}.{field.name} is not declared with setting()"
@@ -98,6 +100,9 @@ def test_defaults_equal_config_defaults() -> None:
                 assert settings["model_path"].default is None and field.default is dataclasses.MISSING
             elif field.name == "tp_info":
                 assert DistributedInfo(0, settings["tp_size"].default) == field.default_factory()
+            elif field.name == "enable_lora":  # on with lora_modules or allow_runtime_lora, both off
+                assert field.default_factory() is False
+                assert not settings["lora_modules"].default and not settings["allow_runtime_lora"].default
             else:
                 assert settings[field.name].default == field.default, field.name
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from minisgl.core import FatalEngineError, SamplingParams
 from minisgl.scheduler.batching import BatchPreparer
 from minisgl.scheduler.lockstep import Follower, Leader
+from minisgl.scheduler.lora import LoraManager
 from minisgl.scheduler.radix import Match
 from minisgl.scheduler.request import RequestState, Update
 from minisgl.scheduler.speculative import Speculator
@@ -33,8 +34,9 @@ class Admission:
         metrics: SchedulerMetrics,
         spec: Speculator | None,
         link: Leader | Follower | None,
+        lora: LoraManager | None = None,
     ) -> None:
-        self.prep, self.metrics, self.spec, self.link = prep, metrics, spec, link
+        self.prep, self.metrics, self.spec, self.link, self.lora = prep, metrics, spec, link, lora
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in the order of their (latest) admission
         self.preemptions = 0  # running requests preempted so far
@@ -51,21 +53,28 @@ class Admission:
         while self.waiting and self.prep.table_idxs.num_free > 0:
             state = self.waiting[0]
             tokens, params = self.tokens(state)
+            # its adapter's slot: None while running requests pin every slot (it waits, and first come,
+            # first served, so do the requests behind it: none starves)
+            lora = (-1, 0) if state.lora is None else (self.lora.acquire(state.lora), state.lora.id)
+            if lora[0] is None:
+                break
             # a prompt scored for log probabilities is computed whole: it needs every position's logits
-            prefix = self.prep.match_prefix(tokens if params.prompt_logprobs is None else [], params)
+            prefix = self.prep.match_prefix(tokens if params.prompt_logprobs is None else [], lora[1])
             if not self.fits(state, prefix):
                 self.prep.unlock_prefix(prefix)
+                self._unpin(state)
                 break  # first come, first served: later requests wait behind it
             leader_error = None if self.link is None else self.link.admission_error(state)
             try:
                 if leader_error is not None:  # a following rank fails it as rank 0 did
                     raise RuntimeError(f"on rank 0: {leader_error}")
-                state.req = self.prep.add_request(tokens, params, prefix)
+                state.req = self.prep.add_request(tokens, params, prefix, lora)
                 state.req.output_start = len(state.prompt_ids)
                 state.held_pages = len(prefix.pages) if prefix is not None else 0
                 state.prefix_found = -1
             except Exception as e:
                 self.prep.unlock_prefix(prefix)
+                self._unpin(state)
                 if follows and leader_error is None:
                     raise FatalEngineError(
                         f"admitting request {state.uid} failed on this rank only: {e}"
@@ -121,6 +130,7 @@ class Admission:
         if self.spec is not None:
             self.spec.forget(state, state.req)
         self.prep.release(state.req)
+        self._unpin(state)
         state.req, state.held_pages, state.prefix_found = None, 0, -1
         state.num_preemptions += 1
         self.waiting.appendleft(state)
@@ -137,8 +147,14 @@ class Admission:
         if self.spec is not None:
             self.spec.forget(state, state.req)
         self.prep.release(state.req)
+        self._unpin(state)
         state.held_pages = 0
         self.running.remove(state)
+
+    def _unpin(self, state: RequestState) -> None:
+        """`state` no longer holds its adapter's slot (released, preempted, or not admitted after all)."""
+        if state.lora is not None:
+            self.lora.release(state.lora)
 
     def look_up(self, state: RequestState) -> None:
         """As a request's prefill begins: a longer cached prefix than at its admission, if requests

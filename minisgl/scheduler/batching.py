@@ -18,6 +18,8 @@ from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, TableIdxAllocator
 from minisgl.scheduler.radix import Match, RadixCache, RadixNode
 
+LORA_KEY_BITS = 32  # prefix_key: an adapter's tokens are keyed as id + (its load's id << 32)
+
 
 class BatchPreparer:
     def __init__(self, engine: Engine, cache: RadixCache | None = None) -> None:
@@ -48,20 +50,24 @@ class BatchPreparer:
         return self.pages.num_used - (0 if self.cache is None else self.cache.num_evictable_pages)
 
     @staticmethod
-    def prefix_key(tokens: Sequence[int], num_tokens: int, params: SamplingParams) -> Sequence[int]:
+    def prefix_key(tokens: Sequence[int], num_tokens: int, lora_id: int = 0) -> Sequence[int]:
         """The identity under which the prefix cache stores the KV of the first `num_tokens` of
-        `tokens` computed for a request with `params`: every look-up and insertion goes through here.
-        Today the tokens alone decide the KV."""
-        return tokens[:num_tokens]
+        `tokens` computed under LoRA adapter load `lora_id` (0: the base model): every look-up and
+        insertion goes through here. The tokens and the adapter decide the KV: under an adapter each
+        token id is moved past the vocabulary by the load's id (a prompt's ids are below its vocabulary
+        size, under 2**32), so the same tokens under two adapters are two paths of the tree."""
+        if lora_id == 0:
+            return tokens[:num_tokens]
+        shift = lora_id << LORA_KEY_BITS
+        return [t + shift for t in tokens[:num_tokens]]
 
-    def match_prefix(self, token_ids: Sequence[int], params: SamplingParams | None = None) -> Match | None:
+    def match_prefix(self, token_ids: Sequence[int], lora_id: int = 0) -> Match | None:
         """The longest cached prefix of a prompt in whole pages, short of its last token (which must be
         computed to sample from it), locked until `add_request` takes it over or `unlock_prefix`
         drops it. None without a cache."""
         if self.cache is None:
             return None
-        key = self.prefix_key(token_ids, len(token_ids) - 1, params or SamplingParams())
-        return self.cache.match(key, lock=True)
+        return self.cache.match(self.prefix_key(token_ids, len(token_ids) - 1, lora_id), lock=True)
 
     def unlock_prefix(self, prefix: Match | None) -> None:
         """Drops a `match_prefix` that no request took."""
@@ -94,10 +100,12 @@ class BatchPreparer:
         token_ids: Sequence[int],
         sampling_params: SamplingParams | None = None,
         prefix: Match | None = None,
+        lora: tuple[int, int] = (-1, 0),
     ) -> Req:
         """Checks the prompt and takes a table_idx for it (no KV pages of its own yet). `prefix`: a
         `match_prefix` of this prompt, whose pages start its page table and whose tokens count as
-        cached; the request takes over its lock (if this raises, the lock stays the caller's)."""
+        cached; the request takes over its lock (if this raises, the lock stays the caller's). `lora`:
+        its adapter's (device slot, load id), (-1, 0) for the base model."""
         params = sampling_params or SamplingParams()
         tokens = as_token_ids(token_ids)
         self.check_request(tokens, params)
@@ -115,6 +123,8 @@ class BatchPreparer:
             output_len=params.max_tokens,
             uid=next(self._uids),
             sampling_params=params,
+            lora_slot=lora[0],
+            lora_id=lora[1],
         )
         self._req_pages[req.uid] = pages
         if prefix is not None:
@@ -132,7 +142,7 @@ class BatchPreparer:
         handle, length = self._handles[req.uid]
         if req.cached_len != length:  # it computed tokens of its own
             return 0
-        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens], req.sampling_params)
+        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens], req.lora_id)
         if prefix.num_tokens <= length:
             self.cache.unlock(prefix.handle)
             return 0
@@ -157,7 +167,7 @@ class BatchPreparer:
         if num * self.page_size <= length:
             return
         pages = self._req_pages[req.uid]
-        key = self.prefix_key(req.input_ids, num * self.page_size, req.sampling_params)
+        key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id)
         result = self.cache.insert(key, pages[:num], lock=True)
         self.cache.unlock(handle)
         self._handles[req.uid] = (result.handle, num * self.page_size)
@@ -307,7 +317,7 @@ class BatchPreparer:
             if self.cache is not None:
                 handle, _ = self._handles.pop(req.uid)
                 num = min(min(req.cached_len, len(req.input_ids)) // self.page_size, len(pages))
-                key = self.prefix_key(req.input_ids, num * self.page_size, req.sampling_params)
+                key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id)
                 result = self.cache.insert(key, pages[:num])
                 self.cache.unlock(handle)
                 pages = result.duplicate_pages + pages[num:]

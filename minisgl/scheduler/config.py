@@ -17,6 +17,24 @@ CACHE_TYPES = ("radix", "naive")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
+def _lora_modules(value: object) -> object:
+    """`lora_modules` as NAME=PATH strings: from a mapping {NAME: PATH} or a list (or tuple) of
+    NAME=PATH; each with a name and a path, no name twice."""
+    if isinstance(value, dict):
+        value = [f"{name}={path}" for name, path in value.items()]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        return value  # the type check names it
+    names: list[str] = []
+    for entry in value:
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules={list(value)!r}: {entry!r} must read NAME=PATH")
+        if name.strip() in names:
+            raise ValueError(f"lora_modules={list(value)!r}: the name {name.strip()!r} is given twice")
+        names.append(name.strip())
+    return tuple(f"{name}={entry.partition('=')[2].strip()}" for name, entry in zip(names, value))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler over one engine batches its requests."""
@@ -61,6 +79,20 @@ class SchedulerConfig:
         4, "Longest n-gram (of the request's last tokens) that 'ngram' looks up, longest first.", ge=1, le=32
     )
 
+    lora_modules: tuple[str, ...] | None = setting(
+        None,
+        "LoRA adapters loaded at start, NAME=PATH each (PATH: a PEFT folder, adapter_config.json + "
+        "adapter_model.safetensors, or a hub id); a request names its adapter as its model "
+        "(docs/lora.md). YAML: a list or a mapping NAME: PATH; env: comma-separated.",
+        parse=_lora_modules,
+        given_as=list[str] | tuple[str, ...] | dict[str, str] | None,
+    )
+    allow_runtime_lora: bool = setting(
+        False,
+        "Allow loading and unloading LoRA adapters while serving: POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (off: 403). Also gives an engine without lora_modules its adapter slots.",
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)
         if self.speculative_method == "draft" and not self.speculative_draft_model:
@@ -68,6 +100,10 @@ class SchedulerConfig:
                 "speculative_method='draft' needs speculative_draft_model: the draft model's folder "
                 "(or 'smollm2-135m'); or use speculative_method='ngram'"
             )
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """`lora_modules` as {name: path}, in the order given."""
+        return dict(entry.split("=", 1) for entry in self.lora_modules or ())
 
     def prefill_tokens(self, device_type: str) -> int:
         """``max_prefill_tokens``, or where unset, the default of ``device_type`` ('cpu' or 'cuda')."""

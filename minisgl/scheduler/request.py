@@ -4,12 +4,15 @@ what a step did for it (`Update`), and why it finished (`FinishReason`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from minisgl.core import Req, SamplingParams, TokenLogprobs
 from minisgl.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.stops import StopScanner
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.lora import Loaded
 
 # "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`;
 # "error": a step failed for it (`RequestState.error` says how)
@@ -49,6 +52,8 @@ class RequestState:
     spec_accepted: int = 0
     spec_wait: int = 0
     spec_backoff: int = 0
+    # its LoRA adapter (`minisgl.scheduler.lora`), None for the base model; pinned while it is admitted
+    lora: Loaded | None = None
     admit_time: float | None = None  # first admission (not moved by a preemption)
     first_token_time: float | None = None
     last_token_time: float | None = None

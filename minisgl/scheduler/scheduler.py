@@ -22,6 +22,7 @@ from minisgl.scheduler.batching import BatchPreparer
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar import GrammarDeadEnd, Grammars
 from minisgl.scheduler.lockstep import Follower, Leader, fatal_under_tp
+from minisgl.scheduler.lora import Loaded, LoraManager
 from minisgl.scheduler.output import OutputProcessor
 from minisgl.scheduler.pipeline import Pipeline
 from minisgl.scheduler.policy import StepPolicy
@@ -74,8 +75,11 @@ class Scheduler:
             tensor_parallel=link is not None,
         )
         self.metrics = SchedulerMetrics(model_name or Path(engine.config.model_path).name)
+        # LoRA adapters (docs/lora.md): with an engine that has a pool of adapter slots
+        pool = getattr(engine, "lora_pool", None)
+        self.lora = None if pool is None else LoraManager(engine, config.lora_module_paths())
         # the parts
-        self.admission = Admission(self.prep, self.metrics, speculator, link)
+        self.admission = Admission(self.prep, self.metrics, speculator, link, self.lora)
         self.policy = StepPolicy(self.admission, config.prefill_tokens(engine.device.type), vocab_size)
         self.pipeline = Pipeline(self, config.overlap_scheduling)
         self.verifier = None if speculator is None else Verifier(self, speculator)
@@ -164,18 +168,25 @@ class Scheduler:
         self.grammars.check(params)
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, stream: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        stream: bool = False,
+        lora: str | None = None,
     ) -> RequestState:
-        """Queues a request; raises a ValueError or TypeError naming the problem if it could never run
-        (see `check_request`), queueing nothing."""
+        """Queues a request, under LoRA adapter `lora` (its name; None: the base model); raises a
+        ValueError or TypeError naming the problem if it could never run (see `check_request`; a
+        KeyError for an adapter that is not loaded), queueing nothing."""
         if self.follows:
             raise RuntimeError("a following rank takes its requests from rank 0 only")
         prompt = as_token_ids(prompt_ids)
         self.check_request(prompt, params, stream)
+        adapter = None if lora is None else self.lora_adapter(lora)
         if params.seed is None and not params.is_greedy:
             # drawn here, once: the tokens are a function of (seed, position), the same on every rank
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         state = self._queue(prompt, params, self.output.detokenizer(params, stream))
+        state.lora = adapter
         state.grammar = self.grammars.new_state(params)
         if self.link is not None:
             self.link.added(state)
@@ -187,6 +198,20 @@ class Scheduler:
         self.waiting.append(state)
         self.metrics.waiting(len(self.waiting))
         return state
+
+    def lora_adapter(self, name: str) -> Loaded:
+        """The loaded LoRA adapter `name`; a KeyError naming the loaded ones if there is none (a
+        ValueError if this engine serves no adapters)."""
+        if self.lora is None:
+            raise ValueError(
+                f"lora={name!r}: this engine serves no LoRA adapters; start it with lora_modules "
+                "(--lora-modules NAME=PATH) or allow_runtime_lora"
+            )
+        try:
+            return self.lora.get(name)
+        except KeyError:
+            loaded = ", ".join(sorted(self.lora.by_name)) or "none"
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})") from None
 
     def follow_add(self, uid: int, prompt: list[int], params: SamplingParams) -> None:
         """A following rank: queues the request rank 0 added (checked there) under the same uid."""
