@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.lora import LoraAdapter, LoraError, load_adapter
+from minisgl.lora import LoraAdapter, LoraError
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +69,8 @@ class LoraManager:
                 f"a LoRA adapter named {name!r} is already loaded (from {self.by_name[name].adapter.path}); "
                 "unload it first or pick another name"
             )
-        cfg = self.engine.config
         start = time.perf_counter()
-        adapter = load_adapter(
-            name,
-            path,
-            cfg.model_config,
-            max_rank=self.max_rank,
-            dtype=cfg.dtype,
-            tp_rank=cfg.tp_info.rank,
-            tp_size=cfg.tp_info.size,
-        )
+        adapter = self.engine.read_lora(name, path)  # for this engine's model, dtype, rank and TP rank
         loaded = Loaded(self._next_id, adapter, time.perf_counter() - start)
         self._next_id += 1
         self.by_name[name] = loaded
