@@ -328,14 +328,8 @@ class GraphRunner:
         self.ctx.attn_backend.prepare_prefill_graph(batch, plan.to(self.device), tokens)
         return batch
 
-    def compiled_forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        last_indices: torch.Tensor | None = None,
-        lora: LoraBatch | None = None,
-    ) -> torch.Tensor:
-        """The model's forward, compiled; logits of every row when `last_indices` is None (it is then
+    def compiled_forward(self, input_ids, positions, last_indices=None, lora=None) -> torch.Tensor:
+        """The model's forward (its arguments), compiled; logits of every row when `last_indices` is None (it is then
         the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
         (and the sizes of a LoraBatch's tensors) unbacked and copies an inference-mode input to a normal
         tensor, so one graph serves every call and engine (docs/gpu.md#compiled-forward-and-cuda-graphs).

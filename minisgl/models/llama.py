@@ -23,7 +23,6 @@ from minisgl.layers import (
     build_rope_cache,
     embed,
     linear,
-    lm_head,
     norm_linear,
     norm_linear_keep,
     rms_norm,
@@ -31,6 +30,7 @@ from minisgl.layers import (
     rope_cos_sin,
     silu_mul_linear,
 )
+from minisgl.layers.basic import lm_head
 from minisgl.layers.fp8 import Fp8Linear
 from minisgl.layers.lora import LoraBatch, lora_add
 from minisgl.models.config import ModelConfig

@@ -16,7 +16,6 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide
 from minisgl.layers import norm_linear_keep
-from minisgl.layers.lora import LoraBatch
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
 from minisgl.models.weights import Shard
@@ -63,15 +62,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         )
         self._init_kv_scales(cfg.num_layers)
 
-    def _mlp(
-        self,
-        layer: DecoderLayer,
-        layer_id: int,
-        hidden: torch.Tensor,
-        residual: torch.Tensor,
-        lora: LoraBatch | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP. Both are
+    def _mlp(self, layer, layer_id, hidden, residual, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaForCausalLM._mlp`'s arguments. The sparse layers' MLP is the mixture of experts; dense layers keep the gated MLP. Both are
         row-parallel under tensor parallelism: each rank's output is a partial sum, all-reduced. LoRA
         adapters change the attention projections only (`minisgl.lora.lora_projections`)."""
         if not isinstance(layer, SparseDecoderLayer):
