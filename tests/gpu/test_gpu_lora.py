@@ -85,3 +85,164 @@ def test_torch_compile_traces_the_op_once_for_every_mix():
     for seed in range(3):
         batch = LoraBatch.build(rows, _mix(rows, seed), "cuda", max_loras=SLOTS)
         torch.testing.assert_close(compiled(x, batch), qkv(x, batch), rtol=2e-2, atol=1e-1)
+
+
+# -- an engine with a LoRA pool: its compiled forward and CUDA graphs --------------------------------
+
+
+def _save_adapter(model_folder, out, seed, **lora):
+    """A PEFT adapter of `model_folder` with random A and B, saved in `out`."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def _lora_logits(engine, seqs, lens, slots, steps):
+    """Prefill of each seq[:n] under its slot in one batch, then teacher-forced decode steps:
+    (requests, steps + 1, vocab) float32 logits on the host."""
+    from minisgl.core import SamplingParams
+    from minisgl.scheduler import BatchPreparer
+
+    prep = BatchPreparer(engine)
+    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, lens)]
+    for req, slot in zip(reqs, slots):
+        req.lora_slot = slot
+    out = []
+    for step in range(steps + 1):
+        if step > 0:
+            for req, s, n in zip(reqs, seqs, lens):
+                req.input_ids.append(s[n + step - 1])
+        out.append(
+            engine.forward_logits(prep.prefill(reqs) if step == 0 else prep.decode(reqs)).float().cpu()
+        )
+    prep.release(reqs)
+    return torch.stack(out, dim=1)
+
+
+@pytest.fixture(scope="module")
+def lora_engines(tmp_path_factory):
+    """(model folder, [adapter folders], an eager engine, an engine with graphs): a tiny Qwen3 of the GPU
+    tests' shape, two adapter slots holding adapters of ranks 8 (all targets) and 16 (rsLoRA), the
+    second engine's forward compiled afresh (decode graphs up to 8, prefill graphs up to 256 tokens)."""
+    pytest.importorskip("flashinfer")
+    from conftest import GPU_SHAPE, make_tiny_model
+
+    from minisgl.engine import Engine, EngineConfig
+
+    tmp = tmp_path_factory.mktemp("lora-engine")
+    folder = make_tiny_model(tmp, "qwen3", randomize=(), **GPU_SHAPE)
+    adapters = [
+        _save_adapter(folder, tmp / "a", 0, r=8, lora_alpha=16, target_modules="all-linear"),
+        _save_adapter(
+            folder,
+            tmp / "b",
+            1,
+            r=16,
+            lora_alpha=8,
+            use_rslora=True,
+            target_modules=["q_proj", "o_proj", "down_proj"],
+        ),
+    ]
+
+    def engine(**kw):
+        config = EngineConfig(
+            model_path=str(folder), dtype=torch.bfloat16, device="cuda", attention_backend="fi", max_running_req=16,
+            num_page_override=512, enable_lora=True, max_loras=2, max_lora_rank=16, **kw,
+        )  # fmt: skip
+        e = Engine(config)
+        for slot, path in enumerate(adapters):
+            e.load_lora(slot, e.read_lora(f"a{slot}", path))
+        return e
+
+    eager = engine(cuda_graph_max_bs=0)
+    torch._dynamo.reset()
+    return folder, adapters, eager, engine(cuda_graph_max_bs=8, prefill_graph_max_tokens=256)
+
+
+def test_an_engine_replays_one_graph_for_every_adapter_mix(lora_engines):
+    """Decode graphs, prefill graphs and the compiled forward against the same engine's eager forward
+    (graphs off), on mixes of both adapters and base requests, the adapters swapped between slots (no
+    capture, no recompile: one compiled forward); and within bf16 of transformers + PEFT in float32."""
+    import transformers
+    from conftest import gpu_seqs, rel_err
+    from peft import PeftModel
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    folder, adapters, eager, graphs = lora_engines
+    lens, steps = [7, 33, 1, 150, 64], 6
+    seqs = gpu_seqs(512, lens)
+    runner = graphs.graph_runner
+    assert runner.batch_sizes == [1, 2, 4, 8] and runner.prefill_sizes == [16, 32, 64, 128, 256]
+    compiled, replayed = [], []
+    run, replay = runner.run_compiled, runner.replay_prefill
+    runner.run_compiled = lambda batch: compiled.append(batch.num_tokens) or run(batch)
+    runner.replay_prefill = lambda batch: replayed.append(batch.num_tokens) or replay(batch)
+    order = list(adapters)
+    for mix in ([0, -1, 1, 0, 1], [1, 1, -1, 0, -1]):
+        want = _lora_logits(eager, seqs, lens, mix, steps)
+        assert rel_err(_lora_logits(graphs, seqs, lens, mix, steps), want) < 2e-2, mix
+        for i in (1, 3):  # alone: a prefill graph
+            got = _lora_logits(graphs, seqs[i : i + 1], lens[i : i + 1], mix[i : i + 1], steps)
+            assert rel_err(got, want[i : i + 1]) < 2e-2, (mix, i)
+        order.reverse()
+        for e in (eager, graphs):  # the slots' adapters swapped
+            for slot, path in enumerate(order):
+                e.load_lora(slot, e.read_lora(f"a{slot}", path))
+    runner.run_compiled, runner.replay_prefill = run, replay
+    assert compiled == [sum(lens)] * 2 and replayed == [lens[1], lens[3]] * 2
+    assert len(_debug_get_cache_entry_list(type(graphs.model).forward.__code__)) == 1
+    # against transformers + PEFT in float32 (the slots hold the adapters in their first order again)
+    slots = [0, -1, 1, 0, 1]
+    got = _lora_logits(graphs, seqs, lens, slots, steps)
+    for i, slot in enumerate(slots):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if slot >= 0:
+            model = PeftModel.from_pretrained(model, adapters[slot])
+        with torch.no_grad():
+            full = model.eval()(torch.tensor([seqs[i]])).logits[0]
+        assert rel_err(got[i], full[lens[i] - 1 : lens[i] + steps]) < 2e-2, (i, slot)
+
+
+def test_verify_graphs_read_each_rows_adapter(lora_engines):
+    """Speculative decoding's verify step with adapters: a verify graph (four requests, a block each) and
+    the decode graph of one request's rows (`as_decode_rows`) give the eager engine's logits."""
+    from conftest import gpu_seqs, rel_err
+
+    from minisgl.core import SamplingParams
+    from minisgl.scheduler import BatchPreparer
+
+    _, _, eager, graphs = lora_engines
+    graphs.graph_runner.capture_verify(5, 4)
+    assert sorted(graphs.graph_runner.verify_graphs) == [16, 32, 64]
+
+    def verify_logits(engine, seqs, drafts, slots):
+        prep = BatchPreparer(engine)
+        reqs = [prep.add_request(seq, SamplingParams(max_tokens=8)) for seq in seqs]
+        for req, slot in zip(reqs, slots):
+            req.lora_slot = slot
+        engine.forward_logits(prep.prefill(reqs, [len(s) - n - 1 for s, n in zip(seqs, drafts)]))
+        batch = prep.prefill(reqs, [n + 1 for n in drafts])
+        mode = engine.forward_mode(batch, all_rows=True, verify=True)
+        with torch.inference_mode():
+            rows = torch.arange(batch.num_tokens, device="cuda")
+            logits = engine._forward(batch, rows=rows, verify=True).float().cpu()
+        prep.release(reqs)
+        return logits, mode
+
+    for seqs, drafts, slots in (
+        (gpu_seqs(512, [40, 90, 7, 200]), [4, 0, 2, 4], [1, 0, -1, 1]),
+        (gpu_seqs(512, [90]), [4], [1]),
+    ):
+        want, mode = verify_logits(eager, seqs, drafts, slots)
+        assert mode == "eager"
+        got, mode = verify_logits(graphs, seqs, drafts, slots)
+        assert mode == "cuda_graph" and rel_err(got, want) < 2e-2, slots
