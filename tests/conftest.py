@@ -218,15 +218,19 @@ def teacher_forced_logits(
     prompt_lens: list[int],
     steps: int,
     on_step: Callable[[int, Any], None] | None = None,
+    lora_slots: list[int] | None = None,
 ) -> torch.Tensor:
     """Prefills each seq[:n] as one batch, then decodes `steps` steps fed from the sequences (teacher
     forcing). Returns the float32 logits, (requests, steps + 1, vocab): step 0 predicts position n.
-    `on_step(step, batch)`, when given, is called after each forward (step 0: the prefill)."""
+    `on_step(step, batch)`, when given, is called after each forward (step 0: the prefill).
+    `lora_slots`: each request's LoRA slot in the engine's pool (-1: none)."""
     from minisgl.core import SamplingParams
     from minisgl.scheduler import BatchPreparer
 
     prep = BatchPreparer(engine)
     reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, prompt_lens)]
+    for req, slot in zip(reqs, lora_slots or []):
+        req.lora_slot = slot
     out = []
     for step in range(steps + 1):
         if step > 0:

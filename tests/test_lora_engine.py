@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 import transformers
-from conftest import make_tiny_model, rel_err
-from peft import LoraConfig, PeftModel, get_peft_model
+from conftest import make_peft_adapter, make_tiny_model, rel_err, teacher_forced_logits
+from peft import PeftModel
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine import Engine, EngineConfig
@@ -38,15 +38,7 @@ STEPS = 3
 
 def _save_adapter(model_folder, out, seed, **lora):
     """A PEFT adapter of `model_folder` (A and B random), saved in `out`."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-    peft_model.save_pretrained(out)
-    return out
+    return make_peft_adapter(model_folder, out, seed, scale=0.2, **lora)
 
 
 def _seqs(n_steps=STEPS, lens=PROMPT_LENS, seed=1):
@@ -69,18 +61,7 @@ def _reference(model_folder, adapter_folder, seqs, lens=PROMPT_LENS, steps=STEPS
 def _engine_logits(engine, seqs, slots, lens=PROMPT_LENS, steps=STEPS):
     """One batch: prefill of each seq[:n] under its slot, then teacher-forced decode steps; the logits of
     each request, (steps + 1, vocab)."""
-    prep = BatchPreparer(engine)
-    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, lens)]
-    for req, slot in zip(reqs, slots):
-        req.lora_slot = slot
-    out = []
-    for step in range(steps + 1):
-        if step > 0:
-            for req, s, n in zip(reqs, seqs, lens):
-                req.input_ids.append(s[n + step - 1])
-        out.append(engine.forward_logits(prep.prefill(reqs) if step == 0 else prep.decode(reqs)))
-    prep.release(reqs)
-    return list(torch.stack(out, dim=1))
+    return list(teacher_forced_logits(engine, seqs, lens, steps, lora_slots=slots))
 
 
 def _engine(folder, **kw):

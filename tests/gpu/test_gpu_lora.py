@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import make_peft_adapter, teacher_forced_logits
 
 from minisgl.layers.lora import LoraBatch, lora_add, lora_add_reference
 
@@ -91,41 +92,14 @@ def test_torch_compile_traces_the_op_once_for_every_mix():
 
 
 def _save_adapter(model_folder, out, seed, **lora):
-    """A PEFT adapter of `model_folder` with random A and B, saved in `out`."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(**lora))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
-    peft_model.save_pretrained(out)
-    return out
+    """A PEFT adapter of `model_folder` (A and B random), saved in `out`."""
+    return make_peft_adapter(model_folder, out, seed, scale=0.05, **lora)
 
 
 def _lora_logits(engine, seqs, lens, slots, steps):
     """Prefill of each seq[:n] under its slot in one batch, then teacher-forced decode steps:
     (requests, steps + 1, vocab) float32 logits on the host."""
-    from minisgl.core import SamplingParams
-    from minisgl.scheduler import BatchPreparer
-
-    prep = BatchPreparer(engine)
-    reqs = [prep.add_request(s[:n], SamplingParams(max_tokens=steps + 1)) for s, n in zip(seqs, lens)]
-    for req, slot in zip(reqs, slots):
-        req.lora_slot = slot
-    out = []
-    for step in range(steps + 1):
-        if step > 0:
-            for req, s, n in zip(reqs, seqs, lens):
-                req.input_ids.append(s[n + step - 1])
-        out.append(
-            engine.forward_logits(prep.prefill(reqs) if step == 0 else prep.decode(reqs)).float().cpu()
-        )
-    prep.release(reqs)
-    return torch.stack(out, dim=1)
+    return teacher_forced_logits(engine, seqs, lens, steps, lora_slots=slots).cpu()
 
 
 @pytest.fixture(scope="module")
