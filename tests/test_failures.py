@@ -188,10 +188,10 @@ def test_a_failure_at_admission_fails_that_request_alone(tiny_llama):
     sched = Scheduler(engine, eos_token_ids=[2])
     add_request = sched.prep.add_request
 
-    def failing_add(prompt, params, prefix=None):
+    def failing_add(prompt, params, *rest):
         if prompt == OFFENDER:
             raise Fault(FAULT)
-        return add_request(prompt, params, prefix)
+        return add_request(prompt, params, *rest)
 
     sched.prep.add_request = failing_add
     states = [sched.add_request(p, GREEDY) for p in [PEERS[0], OFFENDER, PEERS[1]]]

@@ -268,10 +268,10 @@ def test_an_admission_that_fails_on_rank_0_fails_on_the_follower_at_the_same_poi
     prep = pair.lead.prep
     original = prep.add_request
 
-    def fail_second(tokens, params, prefix=None):
+    def fail_second(tokens, params, *rest):
         if tokens == [9, 9, 9]:
             raise Fault("admission")
-        return original(tokens, params, prefix)
+        return original(tokens, params, *rest)
 
     prep.add_request = fail_second
     try:
