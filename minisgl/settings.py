@@ -347,14 +347,6 @@ class _Settings(BaseSettings):
                 f"yet (tp_size={self.tp_size}): leave speculative_method at 'none' or use tp_size 1 "
                 f"(speculative_method from {origins['speculative_method']}; tp_size from {origins['tp_size']})"
             )
-        if (config.lora_modules or config.allow_runtime_lora) and self.tp_size > 1:
-            origins = self.sources()
-            given = "lora_modules" if config.lora_modules else "allow_runtime_lora"
-            raise ValueError(
-                f"LoRA adapters are not served under tensor parallelism yet (tp_size={self.tp_size}): "
-                f"leave lora_modules and allow_runtime_lora unset or use tp_size 1 ({given} from "
-                f"{origins[given]}; tp_size from {origins['tp_size']})"
-            )
         return config
 
     def to_server_config(self) -> ServerConfig:
