@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from minisgl.multimodal import media
 from minisgl.multimodal.media import MediaError, MediaPolicy, is_public_address, load_image
 from minisgl.settings import EngineSettings
 
@@ -140,7 +142,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         port = self.server.server_address[1]
-        if self.path == "/img.png":
+        if self.path == "/named-host" and self.headers["Host"].startswith("images.test:"):
+            self._send(200, PNG)
+        elif self.path == "/img.png":
             self._send(200, PNG, **{"Content-Type": "image/png"})
         elif self.path == "/garbage":
             self._send(200, b"<html>not an image</html>")
@@ -157,10 +161,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that stops reading (the byte limit, the timeout) breaks the pipe: expected
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """An HTTP server on 127.0.0.1 answering at most 100 requests or for at most 60 s."""
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd = _Server(("127.0.0.1", 0), _Handler)
     httpd.timeout = 0.1
     httpd.daemon_threads = True
     stop = threading.Event()
@@ -199,6 +208,39 @@ def test_loopback_url_allowed_when_its_host_is_listed(server: str) -> None:
 def test_redirect_to_loopback_refused(server: str) -> None:
     with pytest.raises(MediaError, match="'localhost' resolves to"):
         load_image(f"{server}/to-localhost", allowed())
+
+
+def fake_dns(monkeypatch: pytest.MonkeyPatch, answers: dict[str, list[str]]) -> list[str]:
+    """Resolves the names of `answers` to their addresses (no other name); returns the names looked up."""
+    looked_up: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host.replace(".", "").isdigit():  # the connection's own lookup of an address: no DNS
+            return real(host, port, *args, **kwargs)
+        looked_up.append(host)
+        if host not in answers:
+            raise socket.gaierror(f"{host} unknown in this test")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port)) for address in answers[host]]
+
+    monkeypatch.setattr(media.socket, "getaddrinfo", getaddrinfo)
+    return looked_up
+
+
+def test_connects_to_the_checked_address(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host is resolved once and the connection goes to that address, the host in the Host header."""
+    looked_up = fake_dns(monkeypatch, {"images.test": ["127.0.0.1"]})
+    url = server.replace("127.0.0.1", "images.test") + "/named-host"
+    assert load_image(url, MediaPolicy(allowed_domains=("images.test",))).size == (31, 17)
+    assert looked_up == ["images.test"]
+
+
+def test_any_private_address_of_a_host_refuses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_dns(monkeypatch, {"mixed.test": ["8.8.8.8", "10.0.0.7"]})
+    with pytest.raises(MediaError, match="10.0.0.7"):
+        load_image("http://mixed.test/a.png", POLICY)
+    with pytest.raises(MediaError, match="does not resolve"):
+        load_image("http://unknown.test/a.png", POLICY)
 
 
 def test_http_failures(server: str) -> None:

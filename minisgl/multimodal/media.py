@@ -101,7 +101,7 @@ def _data_url_bytes(url: str, max_bytes: int) -> bytes:
     header, comma, payload = url.partition(",")
     if not comma:
         raise MediaError(f"image {_describe(url)}: a data URL needs a ',' before its data")
-    if len(payload) > 2 * max_bytes:  # before decoding: base64 is 4/3 of the bytes, percent-encoding 3x
+    if len(payload) > 3 * max_bytes + 4:  # before decoding: base64 is 4/3 of the bytes, percent-encoding 3x
         raise MediaError(f"image {_describe(url)}: larger than media_max_bytes={max_bytes}")
     try:
         if header.lower().endswith(";base64"):
