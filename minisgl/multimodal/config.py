@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.config_fields import as_tuple, check_fields, setting
-from minisgl.multimodal.media import MediaPolicy
+
+if TYPE_CHECKING:
+    from minisgl.multimodal.media import MediaPolicy
 
 
 def _pixels(bound: str) -> Any:
@@ -47,6 +49,8 @@ class MediaConfig:
 
     def policy(self) -> MediaPolicy:
         """Where images may come from, as `minisgl.multimodal.media.load_image` takes it."""
+        from minisgl.multimodal.media import MediaPolicy  # Pillow only where images are read
+
         return MediaPolicy(
             fetch_timeout_s=self.media_fetch_timeout_s,
             max_bytes=self.media_max_bytes,
