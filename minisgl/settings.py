@@ -41,6 +41,7 @@ from minisgl.config_fields import (
 )
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
+from minisgl.multimodal.config import MediaConfig
 from minisgl.scheduler.config import SchedulerConfig
 
 ENV_PREFIX = "MINISGL_"
@@ -198,7 +199,7 @@ class ServerConfig:
 
 
 # the configs whose setting fields make the settings, in the order the settings are listed
-CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig, ServerConfig)
+CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig, ServerConfig, MediaConfig)
 
 
 def setting_fields() -> dict[str, SettingField]:
@@ -352,6 +353,10 @@ class _Settings(BaseSettings):
     def to_server_config(self) -> ServerConfig:
         """The frozen :class:`ServerConfig`."""
         return self.build(ServerConfig)
+
+    def to_media_config(self) -> MediaConfig:
+        """The frozen :class:`MediaConfig` (image inputs)."""
+        return self.build(MediaConfig)
 
 
 # -- the pydantic model, generated from the configs' fields -----------------------------------------
