@@ -403,6 +403,11 @@ class Req:
     # base model), which the engine ignores
     lora_slot: int = -1
     lora_id: int = 0
+    # a vision-language request's images (`minisgl.multimodal.inputs.ImageInputs`: pixel rows, M-RoPE
+    # positions, prefix-cache keys), and their encoder output while its prefill consumes it (set by the
+    # scheduler side at the first chunk that reaches an image, dropped after the last); None: text only
+    images: Any = None
+    image_embeds: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.device_len < 0:
@@ -447,6 +452,16 @@ class Req:
         self.cached_len = self.device_len
 
 
+class ImageBatch(NamedTuple):
+    """The image embeddings of a prefill batch: `rows` (N,) int64, the batch rows of image placeholder
+    tokens, whose embeddings `embeds` (N, hidden) replace; `deepstack` (Qwen3-VL) one (N, hidden) tensor
+    per DeepStack layer, added to those rows after the first text layers."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
 @dataclass(eq=False)
 class Batch:
     """Requests that run through one forward, with the tensors the scheduler side prepared.
@@ -471,6 +486,8 @@ class Batch:
     # a pending verify batch (`Engine.forward_verify(pending=True)`): (B,) each request's shift of its
     # positions and (T,) each token's, on the device; the attention plan adds them to its lengths
     shift: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+    # a vision-language prefill: the image embeddings of its chunk (None: no image token in it)
+    images: ImageBatch | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.phase not in ("prefill", "decode"):

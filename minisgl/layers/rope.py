@@ -49,11 +49,40 @@ def build_rope_cache(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
 
-def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rope_cos_sin(
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    dtype: torch.dtype,
+    mrope_axes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The (T, 1, head_dim) cos and (T, 1, head_dim) sin rows of `positions`, stacked: (2, T, 1, head_dim).
-    Looked up once per forward and shared by every layer."""
-    cos, sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    Looked up once per forward and shared by every layer.
+
+    M-RoPE (Qwen2.5-VL, Qwen3-VL): `positions` (3, T) holds each token's (t, h, w) position and
+    `mrope_axes` (head_dim,) the axis (0, 1, 2) each cos / sin column takes its position from
+    (`mrope_axes`); positions (T,) mean t = h = w, the plain rotary embedding."""
+    rows = cos_sin_cache[positions]
+    if positions.dim() == 2:  # (3, T, head_dim): each column from its own axis
+        rows = rows.gather(0, mrope_axes.expand(1, rows.shape[1], -1))[0]
+    cos, sin = rows.to(dtype).unsqueeze(1).chunk(2, dim=-1)
     return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)])
+
+
+def mrope_axes(head_dim: int, section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """(head_dim,) int64: the position axis (t 0, h 1, w 2) of each column of the cos / sin table. Of the
+    head_dim / 2 frequencies, `section` (t, h, w) gives each axis its count: in consecutive blocks
+    (Qwen2.5-VL), or `interleaved` (Qwen3-VL: t h w t h w ..., the rest t)."""
+    half = head_dim // 2
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must add up to head_dim / 2 = {half}")
+    if interleaved:
+        index = torch.arange(half)
+        axes = torch.zeros(half, dtype=torch.int64)
+        for axis in (1, 2):
+            axes[(index % 3 == axis) & (index < 3 * section[axis])] = axis
+    else:
+        axes = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    return torch.cat([axes, axes])
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
 from minisgl.models.fp8 import init_dummy_fp8
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
+from minisgl.models.qwen_vl import QwenVLForConditionalGeneration
 from minisgl.models.weights import init_dummy_weights, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_5_vl": QwenVLForConditionalGeneration,  # vision-language: docs/vision.md
+    "qwen3_vl": QwenVLForConditionalGeneration,
 }
 
 
@@ -71,6 +74,8 @@ def build_model(
         fp8 = init_dummy_fp8(model)
         init_dummy_weights({name: p for name, p in model.named_parameters() if name not in fp8})
     else:
+        if hasattr(model, "prepare_checkpoint"):  # vision-language models: tensor names vary by version
+            model.prepare_checkpoint(model_path)
         load_checkpoint(
             model.checkpoint_map(),
             model_path,

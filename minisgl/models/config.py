@@ -25,7 +25,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
+# vision-language families (docs/vision.md) -> the text family whose decoder layers they use
+VL_TEXT_FAMILIES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 # the quantization methods minisgl implements: quantization_config.quant_method, the setting `quantization`
 QUANT_METHODS = ("fp8",)
@@ -110,6 +114,19 @@ class ModelConfig:
     # own included (keys at positions p - W < k <= p, transformers' mask); None: full causal attention.
     # Every layer has the same window; the attention backends read it (minisgl.attention)
     sliding_window: int | None = None
+    # vision-language models (VL_TEXT_FAMILIES): the vision encoder's config (a
+    # `minisgl.models.vision.VisionConfig`), the placeholder token of image embeddings, and M-RoPE's split
+    # of the rotary frequencies over the (t, h, w) axes (`minisgl.layers.rope.mrope_axes`); None / ():
+    # a text model
+    vision: Any = None
+    image_token_id: int | None = None
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+
+    @property
+    def is_multimodal(self) -> bool:
+        """Takes images (a vision-language model)."""
+        return self.vision is not None
 
     def with_quantization(self, method: str | None) -> ModelConfig:
         """This config under the setting `quantization`: 'fp8' quantizes a model whose checkpoint is not
@@ -139,6 +156,9 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{source}: must hold a JSON object at its top level, got a {_json_type(raw)}")
         arch, family = _architecture(raw, source)
+        top = raw
+        if family in VL_TEXT_FAMILIES:  # the text model's keys are under text_config (transformers 5)
+            raw = {**raw, **(raw.get("text_config") or {})}
         keys = _Keys(raw, source, f" for {arch}")
         _check_unsupported_features(keys)
 
@@ -155,6 +175,7 @@ class ModelConfig:
         vocab_size = keys.integer("vocab_size", le=MAX_VOCAB)
         # transformers' Mistral has no attention biases, whatever attention_bias says
         attention_bias = keys.flag("attention_bias") and family != "mistral"
+        text_family = VL_TEXT_FAMILIES.get(family, family)
         # transformers 5 writes `dtype`, older versions `torch_dtype`
         dtype, torch_dtype = keys.text("dtype", None), keys.text("torch_dtype", None)
         return cls(
@@ -171,10 +192,10 @@ class ModelConfig:
             rope=_rope_config(keys),
             max_position_embeddings=keys.integer("max_position_embeddings", 4096, le=MAX_POSITIONS),
             # transformers' Llama, Qwen2 and Qwen3 configs default to untied embeddings
-            tie_word_embeddings=keys.flag("tie_word_embeddings"),
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            tie_word_embeddings=bool(top.get("tie_word_embeddings", keys.flag("tie_word_embeddings"))),
+            qkv_bias=True if text_family == "qwen2" else attention_bias,
+            o_bias=False if text_family == "qwen2" else attention_bias,
+            qk_norm=text_family in ("qwen3", "qwen3_moe"),
             eos_token_ids=keys.token_ids("eos_token_id", vocab_size),
             bos_token_id=keys.integer(
                 "bos_token_id", None, ge=0, le=vocab_size - 1, why=f" (vocab_size={vocab_size})"
@@ -183,6 +204,7 @@ class ModelConfig:
             quantization=quantization,
             sliding_window=_sliding_window(keys) if family == "mistral" else None,
             **(_moe(keys, num_layers) if family == "qwen3_moe" else {}),
+            **(_vision(top, keys, family) if family in VL_TEXT_FAMILIES else {}),
         )
 
     @classmethod
@@ -421,6 +443,8 @@ def _rope_config(keys: _Keys) -> RopeConfig:
     if theta is None:
         theta = keys.number("rope_theta", 10000.0)
     rope_type = rope.raw.get("rope_type", rope.raw.get("type", "default"))
+    if rope_type == "mrope":  # Qwen2.5-VL's older configs: the default frequencies, split by mrope_section
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         key = "rope_type" if "rope_type" in rope.raw else "type"
         raise ValueError(
@@ -440,6 +464,28 @@ def _rope_config(keys: _Keys) -> RopeConfig:
         original_max_position_embeddings=rope.integer(
             "original_max_position_embeddings", 8192, le=MAX_POSITIONS
         ),
+    )
+
+
+def _vision(top: dict[str, Any], keys: _Keys, family: str) -> dict[str, Any]:
+    """The vision-language fields of a Qwen2.5-VL / Qwen3-VL config (`top`: its whole config.json)."""
+    from minisgl.models.vision import VisionConfig
+
+    if not isinstance(top.get("vision_config"), dict):
+        raise keys.error("vision_config", top.get("vision_config"), "an object (the vision encoder's config)")
+    rope = {**keys.object("rope_scaling"), **keys.object("rope_parameters")}
+    section = rope.get("mrope_section")
+    if not (isinstance(section, list) and len(section) == 3 and all(_is_int(n) and n >= 0 for n in section)):
+        raise keys.error("rope_parameters.mrope_section", section, "a list of 3 counts (t, h, w)")
+    vocab_size = keys.integer("vocab_size", le=MAX_VOCAB)
+    image_token_id = _Keys(top, keys.source).integer(
+        "image_token_id", 151655, ge=0, le=vocab_size - 1, why=f" (vocab_size={vocab_size})"
+    )
+    return dict(
+        vision=VisionConfig.from_dict(top["vision_config"]),
+        image_token_id=image_token_id,
+        mrope_section=tuple(section),
+        mrope_interleaved=family == "qwen3_vl",  # transformers' Qwen3-VL always interleaves
     )
 
 

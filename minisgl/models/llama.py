@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.compile import fused_kernels_mode
+from minisgl.core import ImageBatch
 from minisgl.distributed import DistributedInfo, all_reduce, divide, get_tp_info, shard_heads
 from minisgl.kernels.rope_store import rope_store_applies
 from minisgl.layers import (
@@ -133,6 +134,7 @@ class LlamaForCausalLM(nn.Module):
             persistent=False,
         )
         self._init_kv_scales(cfg.num_layers)
+        self.mrope_axes: torch.Tensor | None = None  # M-RoPE's column axes (minisgl.models.qwen_vl)
         # the engine's LoRA adapter slots (`minisgl.lora.LoraPool`), set by an engine with LoRA enabled:
         # then a forward given a `lora` batch adds each row's adapter delta to the targeted projections
         self.lora_pool = None
@@ -178,17 +180,25 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         last_indices: torch.Tensor | None = None,
         lora: LoraBatch | None = None,
+        images: ImageBatch | None = None,
     ) -> torch.Tensor:
         """Tokens (T,) at positions (T,) -> float32 logits of each request's last token (or of every row
         when `last_indices` is None). `lora`: each row's adapter slot of `lora_pool` (without a pool, or
-        None: the base model, and not one op more)."""
+        None: the base model, and not one op more). Vision-language models (minisgl.models.qwen_vl):
+        positions may be (3, T) M-RoPE positions, and `images` the embeddings of the image tokens."""
         cfg = self.cfg
         lora = lora if self.lora_pool is not None else None
         hidden = embed(input_ids, self.embed_tokens)
-        # the fused q/k-norm + RoPE + KV-store kernel reads cos and sin itself; the unfused path looks the
-        # rows up once per forward
-        fused_rope = fused_kernels_mode() and rope_store_applies(hidden, cfg.head_dim)
-        rope = positions if fused_rope else rope_cos_sin(positions, self.cos_sin, hidden.dtype)
+        if images is not None:  # image embeddings replace those of their placeholder tokens
+            hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+        # the fused q/k-norm + RoPE + KV-store kernel reads cos and sin itself (1D positions only); the
+        # unfused path looks the rows up once per forward
+        fused_rope = (
+            fused_kernels_mode() and positions.dim() == 1 and rope_store_applies(hidden, cfg.head_dim)
+        )
+        rope = (
+            positions if fused_rope else rope_cos_sin(positions, self.cos_sin, hidden.dtype, self.mrope_axes)
+        )
         residual = None  # the first layer's input norm has no residual to add
         for layer_id, layer in enumerate(self.layers):
             qkv, residual = self._norm_linear(
@@ -196,6 +206,8 @@ class LlamaForCausalLM(nn.Module):
             )
             hidden = self._attention(layer, layer_id, qkv, rope, fused_rope, lora)
             hidden, residual = self._mlp(layer, layer_id, hidden, residual, lora)
+            if images is not None and layer_id < len(images.deepstack):  # Qwen3-VL's DeepStack features
+                hidden = hidden.index_add(0, images.rows, images.deepstack[layer_id].to(hidden.dtype))
         hidden = residual + hidden
         if last_indices is not None:
             hidden = hidden[last_indices]
