@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("minisgl.layers",)),
     ("ops", ("minisgl.attention", "minisgl.moe")),
     ("models", ("minisgl.models",)),
+    ("multimodal", ("minisgl.multimodal",)),  # image inputs: media, preprocessing, prompts with images
     ("lora", ("minisgl.lora",)),
     ("engine", ("minisgl.engine",)),
     ("scheduler", ("minisgl.scheduler",)),

@@ -14,7 +14,7 @@ import torch
 
 from minisgl.attention import create_attention_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
-from minisgl.core import Batch, Context, FatalEngineError
+from minisgl.core import Batch, Context, FatalEngineError, Req
 from minisgl.distributed import (
     DistributedInfo,
     HeadShard,
@@ -462,6 +462,18 @@ class Engine:
         return self._output(next_tokens, logprobs, mode)
 
     @torch.inference_mode()
+    def encode_images(self, req: Req) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A vision-language request's images through the model's vision encoder (its placeholder
+        tokens' embeddings and DeepStack features, on the device), once per request at its first prefill
+        chunk with an image token (`minisgl.multimodal.inputs.chunk_images`)."""
+        if not self.config.model_config.is_multimodal:
+            raise ValueError(
+                f"{self.config.model_config.architecture} is a text-only model: it takes no images"
+            )
+        images = req.images
+        return self.model.encode_images(images.pixel_values.to(self.device), images.grid_thw.to(self.device))
+
+    @torch.inference_mode()
     def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:
         """Speculative decoding's verify step (docs/speculative.md): `batch`, prefill-phase, holds each
         request's newest token and its drafts; `args` has one entry per token row (row j: the token at
@@ -535,6 +547,9 @@ class Engine:
         without a graph, or the eager model. `all_rows`: logits of more rows than the requests' last
         tokens are asked for (prompt log probabilities), which a prefill graph does not give. `verify`:
         a verify step's batch (`forward_verify`), which replays a verify graph where one fits."""
+        positions = getattr(batch, "positions", None)
+        if batch.images is not None or (positions is not None and positions.dim() == 2):  # VL prefill
+            return "eager"
         if verify:
             if self.graph_runner.can_replay_verify(batch):
                 return "cuda_graph"
@@ -576,7 +591,9 @@ class Engine:
                     # each row's LoRA slot (a graph replay or the compiled forward builds its own)
                     lora = None if self.lora is None else self.lora.batch(batch)
                     last_indices = batch.attn_metadata.last_indices
-                    logits = self.model(batch.input_ids, batch.positions, last_indices, lora)
+                    # a vision-language prefill's image embeddings (only then: text models take no images)
+                    images = {} if batch.images is None else {"images": batch.images}
+                    logits = self.model(batch.input_ids, batch.positions, last_indices, lora, **images)
         for req in batch.reqs:
             req.complete_one()
         return logits
@@ -637,6 +654,10 @@ def check_tensor_parallel(config: EngineConfig) -> HeadShard:
     if model_config.num_experts:
         divide(model_config.moe_intermediate_size, tp_info.size, "moe_intermediate_size")
     check_tensor_parallel_fp8(model_config, tp_info)  # each rank's FP8 scales must cover whole blocks
+    if model_config.is_multimodal and tp_info.size > 1:
+        raise ValueError(
+            f"{model_config.architecture} does not run under tensor parallelism yet: use tp_size=1"
+        )
     return local_heads
 
 

@@ -59,7 +59,9 @@ class Admission:
             if lora[0] is None:
                 break
             # a prompt scored for log probabilities is computed whole: it needs every position's logits
-            prefix = self.prep.match_prefix(tokens if params.prompt_logprobs is None else [], lora[1])
+            prefix = self.prep.match_prefix(
+                tokens if params.prompt_logprobs is None else [], lora[1], state.images
+            )
             if not self.fits(state, prefix):
                 self.prep.unlock_prefix(prefix)
                 self._unpin(state)
@@ -68,7 +70,7 @@ class Admission:
             try:
                 if leader_error is not None:  # a following rank fails it as rank 0 did
                     raise RuntimeError(f"on rank 0: {leader_error}")
-                state.req = self.prep.add_request(tokens, params, prefix, lora)
+                state.req = self.prep.add_request(tokens, params, prefix, lora, state.images)
                 state.req.output_start = len(state.prompt_ids)
                 state.held_pages = len(prefix.pages) if prefix is not None else 0
                 state.prefix_found = -1

@@ -16,6 +16,7 @@ from minisgl.core import Batch, Phase, Req, SamplingParams, as_token_ids
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, TableIdxAllocator
+from minisgl.multimodal.inputs import ImageInputs, batch_positions, chunk_images
 from minisgl.scheduler.radix import Match, RadixCache, RadixNode
 
 LORA_KEY_BITS = 32  # prefix_key: an adapter's tokens are keyed as id + (its load's id << 32)
@@ -50,24 +51,31 @@ class BatchPreparer:
         return self.pages.num_used - (0 if self.cache is None else self.cache.num_evictable_pages)
 
     @staticmethod
-    def prefix_key(tokens: Sequence[int], num_tokens: int, lora_id: int = 0) -> Sequence[int]:
+    def prefix_key(
+        tokens: Sequence[int], num_tokens: int, lora_id: int = 0, images: ImageInputs | None = None
+    ) -> Sequence[int]:
         """The identity under which the prefix cache stores the KV of the first `num_tokens` of
         `tokens` computed under LoRA adapter load `lora_id` (0: the base model): every look-up and
         insertion goes through here. The tokens and the adapter decide the KV: under an adapter each
         token id is moved past the vocabulary by the load's id (a prompt's ids are below its vocabulary
-        size, under 2**32), so the same tokens under two adapters are two paths of the tree."""
+        size, under 2**32), so the same tokens under two adapters are two paths of the tree. With
+        `images` (a vision-language prompt's) their placeholder tokens are keyed by a hash of their
+        image (`ImageInputs.prefix_key`, keys in [2**31, 2**32))."""
+        key = tokens[:num_tokens] if images is None else images.prefix_key(list(tokens[:num_tokens]))
         if lora_id == 0:
-            return tokens[:num_tokens]
+            return key
         shift = lora_id << LORA_KEY_BITS
-        return [t + shift for t in tokens[:num_tokens]]
+        return [t + shift for t in key]
 
-    def match_prefix(self, token_ids: Sequence[int], lora_id: int = 0) -> Match | None:
+    def match_prefix(
+        self, token_ids: Sequence[int], lora_id: int = 0, images: ImageInputs | None = None
+    ) -> Match | None:
         """The longest cached prefix of a prompt in whole pages, short of its last token (which must be
         computed to sample from it), locked until `add_request` takes it over or `unlock_prefix`
         drops it. None without a cache."""
         if self.cache is None:
             return None
-        return self.cache.match(self.prefix_key(token_ids, len(token_ids) - 1, lora_id), lock=True)
+        return self.cache.match(self.prefix_key(token_ids, len(token_ids) - 1, lora_id, images), lock=True)
 
     def unlock_prefix(self, prefix: Match | None) -> None:
         """Drops a `match_prefix` that no request took."""
@@ -101,11 +109,13 @@ class BatchPreparer:
         sampling_params: SamplingParams | None = None,
         prefix: Match | None = None,
         lora: tuple[int, int] = (-1, 0),
+        images: ImageInputs | None = None,
     ) -> Req:
         """Checks the prompt and takes a table_idx for it (no KV pages of its own yet). `prefix`: a
         `match_prefix` of this prompt, whose pages start its page table and whose tokens count as
         cached; the request takes over its lock (if this raises, the lock stays the caller's). `lora`:
-        its adapter's (device slot, load id), (-1, 0) for the base model."""
+        its adapter's (device slot, load id), (-1, 0) for the base model. `images`: a vision-language
+        prompt's (`minisgl.multimodal.inputs`)."""
         params = sampling_params or SamplingParams()
         tokens = as_token_ids(token_ids)
         self.check_request(tokens, params)
@@ -125,6 +135,7 @@ class BatchPreparer:
             sampling_params=params,
             lora_slot=lora[0],
             lora_id=lora[1],
+            images=images,
         )
         self._req_pages[req.uid] = pages
         if prefix is not None:
@@ -142,7 +153,7 @@ class BatchPreparer:
         handle, length = self._handles[req.uid]
         if req.cached_len != length:  # it computed tokens of its own
             return 0
-        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens], req.lora_id)
+        prefix = self.match_prefix(req.input_ids[: req.num_prompt_tokens], req.lora_id, req.images)
         if prefix.num_tokens <= length:
             self.cache.unlock(prefix.handle)
             return 0
@@ -167,7 +178,7 @@ class BatchPreparer:
         if num * self.page_size <= length:
             return
         pages = self._req_pages[req.uid]
-        key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id)
+        key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id, req.images)
         result = self.cache.insert(key, pages[:num], lock=True)
         self.cache.unlock(handle)
         self._handles[req.uid] = (result.handle, num * self.page_size)
@@ -228,6 +239,7 @@ class BatchPreparer:
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
+        starts = [req.cached_len for req in reqs]
         for req, end, n_new in zip(reqs, ends, wanted):
             pages = self._req_pages[req.uid]
             if n_new > 0:
@@ -241,16 +253,23 @@ class BatchPreparer:
             positions += span
             out_loc += [pages[p // ps] * ps + p % ps for p in span]
         batch = Batch(reqs=list(reqs), phase=phase)
+        device = self.engine.device
+        if any(req.images is not None for req in reqs):
+            # vision-language requests (minisgl.multimodal.inputs): M-RoPE positions, (3, n) flattened
+            # where the batch computes prompt tokens of one, else index + delta; the chunk's image embeddings
+            positions = batch_positions(reqs, starts, ends)
+            if phase == "prefill":
+                batch.images = chunk_images(reqs, starts, ends, self.engine.encode_images, device)
         batch.host_inputs = (None if pending else input_ids, positions, out_loc)
         # one host-to-device copy (from pinned memory on CUDA) for positions, out_loc and the table_idxs
-        device = self.engine.device
-        n = len(positions)
+        n, m = len(out_loc), len(positions)
         packed = torch.tensor(
             positions + out_loc + [req.table_idx for req in reqs],
             dtype=torch.int64,
             pin_memory=device.type == "cuda",
         ).to(device, non_blocking=True)
-        batch.positions, batch.out_loc, batch.table_idx = packed[:n], packed[n : 2 * n], packed[2 * n :]
+        batch.positions = packed[:n] if m == n else packed[:m].view(3, n)
+        batch.out_loc, batch.table_idx = packed[m : m + n], packed[m + n :]
         if pending:  # the tokens the previous forward sampled, still on the device
             batch.input_ids = self.engine.last_tokens[batch.table_idx]
         else:
@@ -317,7 +336,7 @@ class BatchPreparer:
             if self.cache is not None:
                 handle, _ = self._handles.pop(req.uid)
                 num = min(min(req.cached_len, len(req.input_ids)) // self.page_size, len(pages))
-                key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id)
+                key = self.prefix_key(req.input_ids, num * self.page_size, req.lora_id, req.images)
                 result = self.cache.insert(key, pages[:num])
                 self.cache.unlock(handle)
                 pages = result.duplicate_pages + pages[num:]

@@ -12,6 +12,7 @@ from minisgl.scheduler.grammar import GrammarState
 from minisgl.scheduler.stops import StopScanner
 
 if TYPE_CHECKING:
+    from minisgl.multimodal.inputs import ImageInputs
     from minisgl.scheduler.lora import Loaded
 
 # "stop": EOS, a stop token or a stop string; "length": max_tokens; "abort": `Scheduler.abort`;
@@ -54,6 +55,8 @@ class RequestState:
     spec_backoff: int = 0
     # its LoRA adapter (`minisgl.scheduler.lora`), None for the base model; pinned while it is admitted
     lora: Loaded | None = None
+    # a vision-language prompt's images (`minisgl.multimodal.inputs.ImageInputs`), None for text
+    images: ImageInputs | None = None
     admit_time: float | None = None  # first admission (not moved by a preemption)
     first_token_time: float | None = None
     last_token_time: float | None = None

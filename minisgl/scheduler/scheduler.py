@@ -18,6 +18,7 @@ from typing import Any
 from minisgl.core import FATAL_ERRORS, FatalEngineError, SamplingParams, as_token_ids
 from minisgl.engine import Engine
 from minisgl.lora import LoraAdapter
+from minisgl.multimodal.inputs import ImageInputs, check_images
 from minisgl.scheduler.admission import Admission
 from minisgl.scheduler.batching import BatchPreparer
 from minisgl.scheduler.config import SchedulerConfig
@@ -175,20 +176,24 @@ class Scheduler:
         params: SamplingParams,
         stream: bool = False,
         lora: str | None = None,
+        images: ImageInputs | None = None,
     ) -> RequestState:
         """Queues a request, under LoRA adapter `lora` (its name; None: the base model); raises a
         ValueError or TypeError naming the problem if it could never run (see `check_request`; a
-        KeyError for an adapter that is not loaded), queueing nothing."""
+        KeyError for an adapter that is not loaded), queueing nothing. `images`: a vision-language
+        prompt's (`minisgl.multimodal.inputs.ImageInputs`, built for this prompt)."""
         if self.follows:
             raise RuntimeError("a following rank takes its requests from rank 0 only")
         prompt = as_token_ids(prompt_ids)
         self.check_request(prompt, params, stream)
+        check_images(self.engine.config.model_config, prompt, images)
         adapter = None if lora is None else self.lora_adapter(lora)
         if params.seed is None and not params.is_greedy:
             # drawn here, once: the tokens are a function of (seed, position), the same on every rank
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         state = self._queue(prompt, params, self.output.detokenizer(params, stream))
         state.lora = adapter
+        state.images = images
         state.grammar = self.grammars.new_state(params)
         self.metrics.lora_request(lora)
         if self.link is not None:

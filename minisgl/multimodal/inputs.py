@@ -1,0 +1,195 @@
+"""A vision-language request's images as the scheduler side carries them (`ImageInputs`): their pixel rows
+for the encoder, where their placeholder tokens are in the prompt, the prompt's M-RoPE positions, and
+the prefix cache's keys of the placeholder tokens; and what a prefill chunk takes of them
+(`chunk_images`, `chunk_positions`). docs/vision.md.
+
+M-RoPE (transformers' ``get_rope_index``): a text token's three positions (t, h, w) are equal and one
+past the previous token's largest; an image's merged tokens, row by row, sit at t = s, h = s + row,
+w = s + column, where s is where the image starts; the text after it starts at s + max(rows, columns).
+Past the prompt every token is at its index plus `mrope_delta` (the prompt's largest position + 1 minus
+its length), on all three axes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import ImageBatch, Req
+
+if TYPE_CHECKING:  # Pillow stays unimported for text models
+    from minisgl.models.config import ModelConfig
+    from minisgl.multimodal.qwen_vl import ProcessedImage
+
+# prefix_key: a placeholder token's key is 2**31 plus 31 bits of a hash of its image and its index in it,
+# past any vocabulary (ids < 2**24) and below LoRA's shift (2**32, minisgl.scheduler.batching)
+IMAGE_KEY_BASE = 1 << 31
+
+
+@dataclass(eq=False)
+class ImageInputs:
+    """The images of one prompt, in order. `pixel_values` (patches, patch_dim) float32 and `grid_thw`
+    (images, 3) on the host; `token_positions` the prompt positions of the placeholder tokens, image
+    after image (one per embedding row of the encoder's output); `mrope_positions` (3, prompt length)
+    and `mrope_delta` (see the module docstring); `cache_keys` one prefix-cache key per placeholder."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    token_positions: list[int]
+    mrope_positions: torch.Tensor
+    mrope_delta: int
+    cache_keys: list[int]
+
+    @property
+    def num_images(self) -> int:
+        return self.grid_thw.shape[0]
+
+    @classmethod
+    def build(
+        cls, prompt: Sequence[int], images: Sequence[ProcessedImage], image_token_id: int, merge_size: int
+    ) -> ImageInputs:
+        """The inputs of `prompt`, whose image_token_id tokens are the placeholders of `images` (each
+        image's `num_tokens` of them, in order); ValueError where the counts differ."""
+        where = [i for i, token in enumerate(prompt) if token == image_token_id]
+        wanted = sum(image.num_tokens for image in images)
+        if len(where) != wanted:
+            raise ValueError(
+                f"the prompt has {len(where)} image placeholder tokens (id {image_token_id}) but its "
+                f"{len(images)} image(s) need {wanted}: render the prompt with the model's chat template, "
+                "each image's placeholder expanded to its number of tokens"
+            )
+        t, h, w = (list(range(len(prompt))) for _ in range(3))
+        keys: list[int] = []
+        shift, done = 0, 0  # shift: positions gained (< 0) so far; done: placeholders placed
+        for image in images:
+            _, grid_h, grid_w = image.grid_thw
+            rows, cols = grid_h // merge_size, grid_w // merge_size
+            first = where[done]
+            if where[done + image.num_tokens - 1] != first + image.num_tokens - 1:
+                raise ValueError(
+                    f"the {image.num_tokens} placeholder tokens of an image must be consecutive in the prompt"
+                )
+            start = first + shift
+            for k in range(image.num_tokens):
+                t[first + k], h[first + k], w[first + k] = start, start + k // cols, start + k % cols
+            shift += max(rows, cols) - image.num_tokens
+            for j in range(first + image.num_tokens, len(prompt)):
+                t[j] = h[j] = w[j] = j + shift
+            digest = hashlib.blake2b(image.pixel_values.numpy().tobytes(), digest_size=16)
+            digest.update(repr(image.grid_thw).encode())
+            keys += [_token_key(digest.digest(), k) for k in range(image.num_tokens)]
+            done += image.num_tokens
+        return cls(
+            pixel_values=torch.cat([image.pixel_values for image in images]),
+            grid_thw=torch.tensor([image.grid_thw for image in images], dtype=torch.int64),
+            token_positions=where,
+            mrope_positions=torch.tensor([t, h, w], dtype=torch.int64),
+            mrope_delta=shift,
+            cache_keys=keys,
+        )
+
+    def prefix_key(self, key: list[int]) -> list[int]:
+        """`key` (a prefix of the prompt's token ids) with each placeholder token replaced by its image's
+        key: the same image after the same tokens gives the same key, another image another one."""
+        for position, image_key in zip(self.token_positions, self.cache_keys):
+            if position >= len(key):
+                break
+            key[position] = image_key
+        return key
+
+
+def check_images(config: ModelConfig, prompt: Sequence[int], images: ImageInputs | None) -> None:
+    """Raises a ValueError naming the problem where a prompt and its images cannot run on the model of
+    `config`: images for a text-only model, placeholder tokens without images, images of another prompt."""
+    if images is None:
+        if config.is_multimodal and config.image_token_id in prompt:
+            raise ValueError(
+                f"the prompt holds image placeholder tokens (id {config.image_token_id}) but no image was "
+                "given: pass the images with the prompt (LLM.chat's image content parts)"
+            )
+        return
+    if not config.is_multimodal:
+        raise ValueError(
+            f"images were given, but {config.architecture} is a text-only model: send text only, or serve "
+            "a vision-language model (docs/vision.md)"
+        )
+    if images.mrope_positions.shape[1] != len(prompt):
+        raise ValueError(
+            f"the images were prepared for a prompt of {images.mrope_positions.shape[1]} tokens, not this "
+            f"one of {len(prompt)}: build ImageInputs from this prompt"
+        )
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A vision-language prompt: its token ids and their images (`minisgl.llm.LLM.chat_inputs`)."""
+
+    token_ids: list[int]
+    images: ImageInputs
+
+
+def _token_key(digest: bytes, index: int) -> int:
+    data = hashlib.blake2b(digest + index.to_bytes(4, "little"), digest_size=4).digest()
+    return IMAGE_KEY_BASE + (int.from_bytes(data, "little") >> 1)
+
+
+def batch_positions(reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """The positions of a batch computing tokens [starts[i], ends[i]) of each request: where it computes
+    a prompt token of an image request, the (t, h, w) rows of every token, flattened (3 x tokens);
+    otherwise one per token, index + `mrope_delta` (t = h = w: the plain rotary embedding, so decode
+    batches keep 1D positions and their CUDA graphs)."""
+    prompt_lens = [0 if req.images is None else req.images.mrope_positions.shape[1] for req in reqs]
+    shifted = [
+        list(range(start + d, end + d))
+        for req, start, end in zip(reqs, starts, ends)
+        for d in [0 if req.images is None else req.images.mrope_delta]
+    ]
+    if all(start >= n for start, n in zip(starts, prompt_lens)):
+        return [p for row in shifted for p in row]
+    axes: list[list[int]] = [[], [], []]
+    for req, start, end, row, n in zip(reqs, starts, ends, shifted, prompt_lens):
+        prompt = req.images.mrope_positions[:, start:end].tolist() if start < n else [[], [], []]
+        for axis in range(3):
+            axes[axis] += prompt[axis] + row[len(prompt[axis]) :]
+    return axes[0] + axes[1] + axes[2]
+
+
+def chunk_images(
+    reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int], encode, device: torch.device
+) -> ImageBatch | None:
+    """The image embeddings that a prefill batch computing tokens [starts[i], ends[i]) of each request
+    takes (None where no image token is among them). `encode(req)` runs the vision encoder on a
+    request's images at its first chunk that needs them; the output is kept on the request until its
+    last image token is computed."""
+    rows: list[int] = []
+    embeds: list[torch.Tensor] = []
+    deepstack: list[list[torch.Tensor]] = []
+    offset = 0  # the batch row of each request's first token
+    for req, start, end in zip(reqs, starts, ends):
+        images: ImageInputs | None = req.images
+        if images is not None:
+            lo = bisect.bisect_left(images.token_positions, start)
+            hi = bisect.bisect_left(images.token_positions, end)
+            if hi > lo:
+                if req.image_embeds is None:
+                    req.image_embeds = encode(req)
+                full, stack = req.image_embeds
+                rows += [offset + p - start for p in images.token_positions[lo:hi]]
+                embeds.append(full[lo:hi])
+                deepstack.append([d[lo:hi] for d in stack])
+                if hi == len(images.token_positions):  # the batch holds what it needs of them
+                    req.image_embeds = None
+        offset += end - start
+    if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return ImageBatch(
+        index.to(device, non_blocking=True),
+        torch.cat(embeds),
+        [torch.cat(layer) for layer in zip(*deepstack)],
+    )
