@@ -188,11 +188,27 @@ def main() -> None:
     help="Read prompts from a file, one per line ('-' for stdin).",
 )
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template as a user message.")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="An image file shown before each prompt (repeatable; with --chat, a vision-language model).",
+)
 @_LORA_OPTION
 @_sampling_options
 @_common
-def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None, **kwargs: Any) -> None:
+def generate(
+    prompts: tuple[str, ...],
+    prompt_file,
+    chat: bool,
+    images: tuple[str, ...],
+    lora: str | None,
+    **kwargs: Any,
+) -> None:
     """Generate text for PROMPTS (or --file, or lines of stdin), streaming a single prompt as it is produced."""
+    if images and not chat:
+        raise click.UsageError("--image needs --chat (the chat template places the images)")
     texts = list(prompts)
     if prompt_file is not None:
         texts += [line.rstrip("\n") for line in prompt_file if line.strip()]
@@ -206,7 +222,13 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None
 
     llm = _make_llm(kwargs)
     try:
-        inputs = [llm.chat_prompt([{"role": "user", "content": t}]) if chat else t for t in texts]
+        pictures = [{"type": "image", "image": Path(path)} for path in images]
+        inputs = [
+            llm.chat_inputs([{"role": "user", "content": [*pictures, {"type": "text", "text": t}]}])
+            if chat
+            else t
+            for t in texts
+        ]
         if len(inputs) == 1:
             deltas = llm.stream(
                 inputs[0], params, lora=lora

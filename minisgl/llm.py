@@ -26,6 +26,8 @@ from minisgl.core import SamplingParams, TokenLogprob, as_token_ids
 from minisgl.engine import Engine, check_tensor_parallel
 from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
+from minisgl.multimodal.chat import VisionPrompter
+from minisgl.multimodal.inputs import ImageInputs, ImagePrompt, check_images
 from minisgl.scheduler import RequestState, Scheduler
 from minisgl.scheduler.speculative import Speculator, max_verify_batch
 from minisgl.settings import EngineSettings
@@ -33,7 +35,8 @@ from minisgl.templates import load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+# a text, token ids, or a vision-language model's token ids with their images (`LLM.chat_inputs`)
+Prompt = str | Sequence[int] | ImagePrompt
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -176,6 +179,7 @@ class LLM:
         self._abandoned: deque[RequestState] = deque()
         self._closed = False
         self._closing = False  # a shutdown waits for the lock: stepping threads let it have it
+        self._prompter: VisionPrompter | None = None  # messages with images (`vision_prompter`)
 
     def _draft_footprint(self, engine_config: Any) -> Any:
         """With speculative_method 'draft': the draft model's weights and KV bytes per page, which the
@@ -243,6 +247,8 @@ class LLM:
             raise
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, ImagePrompt):
+            return None, prompt.token_ids
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -253,9 +259,10 @@ class LLM:
 
     def _prepare(
         self, prompts: Any, sampling_params: Any
-    ) -> tuple[list[tuple[str | None, list[int]]], list[SamplingParams]]:
-        """Encoded prompts and one SamplingParams each; TypeError or ValueError for anything else."""
-        if isinstance(prompts, str) or (
+    ) -> tuple[list[tuple[str | None, list[int]]], list[SamplingParams], list[ImageInputs | None]]:
+        """Encoded prompts, one SamplingParams each and their images (None: text); TypeError or
+        ValueError for anything else."""
+        if isinstance(prompts, str | ImagePrompt) or (
             isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], numbers.Integral)
         ):
             prompts = [prompts]  # one prompt: a text or a list of token ids
@@ -274,7 +281,8 @@ class LLM:
             )
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        return [self._encode(p) for p in prompts], list(sampling_params)
+        images = [p.images if isinstance(p, ImagePrompt) else None for p in prompts]
+        return [self._encode(p) for p in prompts], list(sampling_params), images
 
     def _check_open(self) -> None:
         if self._closed:
@@ -296,6 +304,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt (text, or a list of token ids) to completion; outputs in input order.
         `lora`: the LoRA adapter of every prompt (its name), or one per prompt (None: the base model).
+        A vision-language model's prompt with images is an `ImagePrompt` (`chat_inputs`).
 
         All requests are checked before any is queued, so a bad one raises (ValueError, TypeError)
         without side effects. A request that fails inside the engine gets finish_reason "error" and
@@ -304,13 +313,14 @@ class LLM:
         before the exception leaves. Safe to call from several threads: their requests share the batch."""
         with self._lock:
             self._check_open()
-            encoded, params = self._prepare(prompts, sampling_params)
+            encoded, params, images = self._prepare(prompts, sampling_params)
             loras = self._loras(lora, len(encoded))
-            for (_, ids), p in zip(encoded, params):
+            for (_, ids), p, image in zip(encoded, params, images):
                 self.scheduler.check_request(ids, p)
+                check_images(self.engine.config.model_config, ids, image)
             states = [
-                self.scheduler.add_request(ids, p, lora=name)
-                for (_, ids), p, name in zip(encoded, params, loras)
+                self.scheduler.add_request(ids, p, lora=name, images=image)
+                for (_, ids), p, name, image in zip(encoded, params, loras, images)
             ]
         try:
             self._run_until_finished(states, progress)
@@ -354,16 +364,19 @@ class LLM:
                     self.scheduler.abort(state)
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        lora: str | None = None,
     ) -> Stream:
         """Text deltas of one request as its tokens are produced (a `Stream`). The request is checked
         and queued at the call, so a bad one raises here, before any iteration. Closing the stream
         (`close()`, the end of a `with` block, or dropping it) aborts the request if it is unfinished."""
         with self._lock:
             self._check_open()
-            [(_, ids)], [params] = self._prepare([prompt], sampling_params)
+            [(_, ids)], [params], [images] = self._prepare([prompt], sampling_params)
             [lora] = self._loras(lora, 1)
-            state = self.scheduler.add_request(ids, params, stream=True, lora=lora)
+            state = self.scheduler.add_request(ids, params, stream=True, lora=lora, images=images)
         return Stream(self, state)
 
     def chat_prompt(
@@ -378,17 +391,40 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | str,
+        messages: list[dict[str, Any]] | str,
         sampling_params: SamplingParams | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora: str | None = None,
     ) -> RequestOutput:
         """One reply to a conversation ([{"role": "user", "content": ...}, ...]) or a single user message
-        (`chat_template_kwargs`: as in `chat_prompt`; `lora`: as in `generate`)."""
+        (`chat_template_kwargs`: as in `chat_prompt`; `lora`: as in `generate`). A content may be a list
+        of OpenAI parts, text and images (`minisgl.multimodal.chat`: an image_url part's URL, or
+        {"type": "image", "image": <PIL image or path>}) for a vision-language model."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        prompt = self.chat_prompt(messages, chat_template_kwargs)
-        return self.generate([prompt], sampling_params, lora=lora)[0]
+        return self.generate([self.chat_inputs(messages, chat_template_kwargs)], sampling_params, lora=lora)[
+            0
+        ]
+
+    def chat_inputs(
+        self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int] | ImagePrompt:
+        """`chat_prompt` of messages whose contents may be lists of parts (text and images): token ids,
+        or with images an `ImagePrompt` (its token ids and images), a prompt of `generate` and `stream`."""
+        if not _has_parts(messages):
+            return self.chat_prompt(messages, chat_template_kwargs)
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError(f"the model folder {self.engine.config.model_path!r} has no chat template")
+        ids, images = self.vision_prompter().prompt(self.tokenizer, messages, chat_template_kwargs)
+        return ids if images is None else ImagePrompt(ids, images)
+
+    def vision_prompter(self) -> VisionPrompter:
+        """Builds the prompts of messages with images (`minisgl.multimodal.chat`) for this model."""
+        if self._prompter is None:
+            config = self.engine.config
+            media = self.settings.to_media_config()
+            self._prompter = VisionPrompter(config.model_path, config.model_config, media, trust_paths=True)
+        return self._prompter
 
     def _loras(self, lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
         """One adapter name (or None) per prompt, each checked to be loaded (KeyError otherwise)."""
@@ -554,6 +590,11 @@ def _interrupts_between_steps() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(hits)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _has_parts(messages: list[dict[str, Any]]) -> bool:
+    """Whether a message's content is a list of parts (text and images) rather than a string."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
 def _eos_token_ids(model_path: str, engine: Engine, tokenizer: Any) -> set[int]:
