@@ -488,7 +488,8 @@ def test_messages_become_plain_dicts():
         ([{"content": "x"}], "messages[0].role", "missing"),
         ([{"role": "user", "content": "x"}, "Hi"], "messages[1]", "'Hi'"),
         (
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+            # an image part's url must be a string (image parts themselves reach the model: docs/vision.md)
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}],
             "messages[0].content",
             "'image_url'",
         ),

@@ -60,18 +60,23 @@ class VisionPrompter:
                 out.append({**message, "content": "".join(p["text"] for p in parts)})
             else:
                 out.append({**message, "content": parts})
-        if refs and not self.model_config.is_multimodal:
+        if refs:
+            self.check_count(len(refs))
+        return out, refs
+
+    def check_count(self, count: int) -> None:
+        """Raises a ValueError for `count` images to a text-only model, or more than the setting allows."""
+        if not self.model_config.is_multimodal:
             raise ValueError(
-                f"the messages carry {len(refs)} image(s), but {self.model_config.architecture} is a "
+                f"the request carries {count} image(s), but {self.model_config.architecture} is a "
                 "text-only model: send text only, or serve a vision-language model (docs/vision.md)"
             )
         limit = self.media.max_images_per_request
-        if len(refs) > limit:
+        if count > limit:
             raise ValueError(
-                f"the request carries {len(refs)} images, more than max_images_per_request={limit}: send "
+                f"the request carries {count} images, more than max_images_per_request={limit}: send "
                 "fewer, or raise the setting"
             )
-        return out, refs
 
     def processor(self) -> Any:
         if self._processor is None:
@@ -83,14 +88,26 @@ class VisionPrompter:
         return self._processor
 
     def prompt(
-        self, tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: Mapping[str, Any] | None
+        self,
+        tokenizer: Any,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], ImageInputs | None]:
-        """The prompt's token ids under the chat template, ready for the reply, and its images' inputs
-        (None without images). Raises `MediaError` (a ValueError) for an image that does not load."""
+        """The prompt's token ids under the chat template (`tools`: as `render_chat` takes them), ready
+        for the reply, and its images' inputs (None without images). Raises `MediaError` (a
+        ValueError) for an image that does not load."""
         messages, refs = self.collect(messages)
-        text = render_chat(tokenizer, messages, template_kwargs)
+        text = render_chat(tokenizer, messages, template_kwargs, tools)
+        return self.text_prompt(tokenizer, text, refs)
+
+    def text_prompt(self, tokenizer: Any, text: str, refs: list[Any]) -> tuple[list[int], ImageInputs | None]:
+        """The ids of `text` (no special tokens added), whose image placeholders (one
+        ``<|image_pad|>`` per image, as the chat template renders them) stand for the images `refs`, in
+        order; their inputs (None without images). ValueError where the counts differ."""
         if not refs:
             return tokenizer(text, add_special_tokens=False)["input_ids"], None
+        self.check_count(len(refs))
         from minisgl.multimodal.media import load_image
         from minisgl.multimodal.qwen_vl import preprocess_image
 
@@ -101,8 +118,8 @@ class VisionPrompter:
         pieces = text.split(pad)
         if len(pieces) != len(processed) + 1:
             raise ValueError(
-                f"the chat template rendered {len(pieces) - 1} image placeholders {pad!r} for "
-                f"{len(processed)} images: the model folder's chat template must emit one per image part"
+                f"the prompt holds {len(pieces) - 1} image placeholders {pad!r} for {len(processed)} images: "
+                "give one per image (the model folder's chat template emits one per image part)"
             )
         expanded = pieces[0] + "".join(
             pad * image.num_tokens + piece for image, piece in zip(processed, pieces[1:])

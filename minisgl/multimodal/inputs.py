@@ -93,6 +93,37 @@ class ImageInputs:
             cache_keys=keys,
         )
 
+    def to_bytes(self) -> bytes:
+        """The inputs as safetensors bytes (the server's front end sends them to the scheduler)."""
+        from safetensors.torch import save
+
+        tensors = {
+            "pixel_values": self.pixel_values.contiguous(),
+            "grid_thw": self.grid_thw,
+            "token_positions": torch.tensor(self.token_positions, dtype=torch.int64),
+            "mrope_positions": self.mrope_positions,
+            "cache_keys": torch.tensor(self.cache_keys, dtype=torch.int64),
+        }
+        return save(tensors, metadata={"mrope_delta": str(self.mrope_delta)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ImageInputs:
+        """`to_bytes`' inputs back (safetensors: no code runs)."""
+        import json
+
+        from safetensors.torch import load
+
+        tensors = load(data)
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        return cls(
+            pixel_values=tensors["pixel_values"],
+            grid_thw=tensors["grid_thw"],
+            token_positions=tensors["token_positions"].tolist(),
+            mrope_positions=tensors["mrope_positions"],
+            mrope_delta=int(header["__metadata__"]["mrope_delta"]),
+            cache_keys=tensors["cache_keys"].tolist(),
+        )
+
     def prefix_key(self, key: list[int]) -> list[int]:
         """`key` (a prefix of the prompt's token ids) with each placeholder token replaced by its image's
         key: the same image after the same tokens gives the same key, another image another one."""

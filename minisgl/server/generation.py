@@ -112,6 +112,7 @@ def admit_job(
             choice.prompt_ids = prompt_ids
             choice.prompt_logprobs = TokenLogprobs(choice.params.prompt_logprobs, prompt_ids[:1])
     state.outstanding += len(job.choices)
+    job.images = getattr(prompt_ids, "images", None)  # a chat with images (tokenize.PromptWithImages)
     client.submit(job.choices, ids_frame(prompt_ids), len(prompt_ids))
     job.sent = time.perf_counter()
 
@@ -150,11 +151,17 @@ def release_job(state: ServerState, job: Job, request_id: str, prompt_tokens: in
 
 
 async def tokenize_prompt(
-    state: ServerState, req: Any, kind: str, template_kwargs: Any = None, tools: Any = None
+    state: ServerState,
+    req: Any,
+    kind: str,
+    template_kwargs: Any = None,
+    tools: Any = None,
+    images: tuple[str, ...] = (),
 ) -> list[int]:
     """The prompt's token ids: a chat's messages under the model's template (`template_kwargs`, its
-    variables: the request's unless given; `tools`, the functions rendered), a text tokenized, or the
-    ids given (checked against the vocabulary); 400s naming the field."""
+    variables: the request's unless given; `tools`, the functions rendered), a text tokenized (with
+    `images`, /generate's image_data, for its image placeholders), or the ids given (checked against
+    the vocabulary); 400s naming the field."""
     try:
         if kind == "chat":
             tok = state.encoder
@@ -165,7 +172,11 @@ async def tokenize_prompt(
         if isinstance(req.prompt, str):
             if state.encoder is None:
                 raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+            if images:  # a vision-language model's prompt with images (docs/vision.md)
+                return await state.tokenizers.text_with_images(req.prompt, list(images))
             return await state.tokenizers.text(req.prompt)
+    except ValueError as e:  # images: a MediaError, too many, a text-only model
+        raise APIError(str(e), param="messages" if kind == "chat" else "image_data") from None
     except TemplateFailed as e:
         raise APIError(
             f"the chat template could not render this conversation ({e}); check the messages and "

@@ -124,6 +124,7 @@ class Job:
         # the delays summed, split: in the scheduler, the hop (a Unix socket), here (they add up to it)
         self.parts_sum = [0.0, 0.0, 0.0]
         self.lora: str | None = None  # the LoRA adapter its choices run on (None: the base model)
+        self.images: bytes | None = None  # its prompt's images (`ImageInputs.to_bytes`), None: text
 
     def news(self, step_time: float, sent: float, now: float) -> None:
         """A scheduler step (its tokens on the host at `step_time`, its message sent at `sent`)

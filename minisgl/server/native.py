@@ -62,7 +62,6 @@ _TOP_DEFAULTS: dict[str, Callable[[Any], bool]] = {
     "data_parallel_rank": _none,
     "lora_path": _none,
     "input_embeds": _none,
-    "image_data": _none,
     "audio_data": _none,
     "video_data": _none,
     "session_params": _none,
@@ -125,6 +124,9 @@ class GenerateRequest:
     rid: str
     prompt_field: str  # "text" or "input_ids"
     default_max: bool  # max_new_tokens unset: SGLang's default applies
+    # image_data (a vision-language model, docs/vision.md): URLs, data URLs or base64 strings, one per
+    # <|image_pad|> of the text, in order
+    image_data: tuple[str, ...] = ()
 
     @property
     def stream(self) -> bool:
@@ -196,7 +198,7 @@ def parse_generate(
     adapter (`lora_name`, or `model`) is the request's `model`."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    known = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "lora_name"}
+    known = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "lora_name", "image_data"}
     _check_fields(body, known, _TOP_DEFAULTS, "")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
@@ -245,7 +247,30 @@ def parse_generate(
         checked = protocol.parse_completion_request(completion, served_model, limits)
     except APIError as e:
         raise _renamed(e, prompt_field) from None
-    return GenerateRequest(checked, rid or uuid.uuid4().hex, prompt_field, "max_tokens" not in completion)
+    images = _image_data(body.get("image_data"), prompt_field)
+    return GenerateRequest(
+        checked, rid or uuid.uuid4().hex, prompt_field, "max_tokens" not in completion, images
+    )
+
+
+def _image_data(value: Any, prompt_field: str) -> tuple[str, ...]:
+    """`image_data` as a tuple of image references: a string or a list of strings, each a URL, a data
+    URL, or base64 data (made a data URL); with a text prompt only."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise APIError(
+            f"image_data must be a string or a list of strings, got {short(value)}", param="image_data"
+        )
+    if items and prompt_field != "text":
+        raise APIError(
+            "image_data needs the prompt as 'text' (holding an image placeholder per image)",
+            param="image_data",
+        )
+    return tuple(
+        item if "://" in item or item.startswith("data:") else "data:;base64," + item for item in items
+    )
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -407,7 +432,9 @@ async def _generate(state: ServerState, request: Request) -> Response:
         state,
         request,
         parse_generate,
-        lambda req: req.checked(generation.tokenize_prompt(state, req.request, "completion")),
+        lambda req: req.checked(
+            generation.tokenize_prompt(state, req.request, "completion", images=req.image_data)
+        ),
         lambda req, prompt_len, max_context: req.sampling_params(prompt_len, max_context),
     )
     if isinstance(prepared, Response):

@@ -129,21 +129,36 @@ def _stop(value: Any, info: ValidationInfo) -> Any:
 
 
 def _content(value: Any) -> Any:
-    """A message's content as one string: null is "", text parts are joined with newlines."""
+    """A message's content as one string: null is "", text parts are joined with newlines. With image
+    parts (type 'image_url' with a string 'url', for a vision-language model: docs/vision.md) the
+    parts stay a list, each checked, in order."""
     if value is None:
         return ""
     if isinstance(value, list):
-        texts = []
+        parts = []
         for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            image = part.get("image_url") if kind == "image_url" else None
+            url = image.get("url") if isinstance(image, dict) else image
+            if kind == "image_url" and isinstance(url, str):
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+                continue
             text = part.get("text") if isinstance(part, dict) else None
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(text, str):
-                kind = short(part.get("type")) if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(text, str):
+                kind = short(kind) if isinstance(part, dict) else type(part).__name__
                 raise PydanticCustomError(
                     "content_part",
-                    f"only text parts (type 'text' with a string 'text') are supported, got {kind}",
+                    f"only text parts (type 'text' with a string 'text') and image parts (type 'image_url' "
+                    f"with a string 'url') are supported, got {kind}",
                 )
-            texts.append(text)
-        return "\n".join(texts)
+            parts.append({"type": "text", "text": text})
+        if all(part["type"] == "text" for part in parts):
+            return "\n".join(part["text"] for part in parts)
+        return parts
+    if not isinstance(value, str):
+        raise PydanticCustomError(
+            "string_type", "give a string or a list of content parts, got {value}", {"value": short(value)}
+        )
     return value
 
 
@@ -187,7 +202,8 @@ class ChatMessage(_Strict):
     carries its `tool_call_id` (`minisgl.server.tools.check_chat`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, BeforeValidator(_content)] = ""
+    # a string, or with images the list of parts (`_content` checks either: its errors name no union member)
+    content: Annotated[Any, BeforeValidator(_content)] = ""
     name: str | None = None
     tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None

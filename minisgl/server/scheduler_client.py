@@ -114,7 +114,8 @@ class SchedulerClient:
         lora = getattr(choice.job, "lora", None)
         if lora is not None:
             header["lora"] = lora
-        self._send(header, prompt)
+        images = getattr(choice.job, "images", None)  # a third frame: the prompt's images (docs/vision.md)
+        self._send(header, prompt, *([images] if images is not None else []))
 
     def abort(self, rid: int) -> None:
         if self.choices.pop(rid, None) is not None:

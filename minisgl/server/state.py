@@ -57,6 +57,9 @@ class ServerState:
 
     def __init__(self, settings: Any, explicit: dict[str, Any], config: str | None) -> None:
         self.server = settings.to_server_config()
+        self.media = (
+            settings.to_media_config()
+        )  # image inputs (docs/vision.md): read by the tokenizer workers
         self.explicit, self.config = explicit, config
         self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
         self.allow_runtime_lora = settings.allow_runtime_lora  # POST /v1/load_lora_adapter and unload
@@ -118,7 +121,7 @@ class ServerState:
                     "not see them (configs/templates/hermes-tools.jinja renders them; docs/tools.md)"
                 )
             workers = self.server.tokenizer_workers or default_workers()
-            self.tokenizers = TokenizerPool(path, workers, self.chat_template)
+            self.tokenizers = TokenizerPool(path, workers, self.chat_template, self.media)
             await self.tokenizers.warm(info["max_context"])
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
         # structured output's check before a request is sent on (compiles lazily: nothing until used)

@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
+from minisgl.multimodal.config import MediaConfig
 from minisgl.templates import load_tokenizer, render_chat
 
 _worker = threading.local()  # .tokenizer: the worker's own (two threads never share one)
@@ -30,6 +31,15 @@ class TemplateFailed(Exception):
     """The chat template raised on a conversation (its own checks, or a variable the client set)."""
 
 
+class PromptWithImages(list):
+    """A chat prompt's token ids (the list) whose messages carried images: `images`, their
+    `ImageInputs.to_bytes()`, travels with the ids to the scheduler (docs/vision.md)."""
+
+    def __init__(self, ids: list[int], images: bytes) -> None:
+        super().__init__(ids)
+        self.images = images
+
+
 class PromptTooLong(Exception):
     """A prompt refused by its size before tokenization: `size` bytes, more than `limit`."""
 
@@ -43,11 +53,12 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def _load(path: str, process: bool, template: str | None = None) -> None:
+def _load(path: str, process: bool, template: str | None = None, media: MediaConfig | None = None) -> None:
     if process:  # Linux: die with the front end, as the scheduler process does
         from minisgl.server.worker import set_parent_death_signal
 
         set_parent_death_signal()
+    _worker.path, _worker.media, _worker.prompter = path, media or MediaConfig(), None
     with _loading:
         _worker.tokenizer = load_tokenizer(path)
     if template is not None:  # the setting chat_template: a template file's text
@@ -66,6 +77,8 @@ def encode_chat(
     functions the reply may call) and the generation prompt, tokenized (no special tokens added: the
     template writes them); PromptTooLong if the text has more than `max_bytes` bytes."""
     tokenizer = _worker.tokenizer
+    if any(isinstance(m["content"], list) for m in messages):  # image parts: the images load here
+        return _encode_with_images(messages, template_kwargs, tools)
     try:
         text = render_chat(tokenizer, messages, template_kwargs, tools)
     except Exception as e:  # the template refused the conversation (or a variable broke it)
@@ -75,6 +88,33 @@ def encode_chat(
         if size > max_bytes:
             raise PromptTooLong(size, max_bytes)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _encode_with_images(
+    messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """`encode_chat` of messages with image parts (`minisgl.multimodal.chat`): a ValueError (a
+    `MediaError` for an image that does not load) names what is wrong with them."""
+    ids, images = _prompter().prompt(_worker.tokenizer, messages, template_kwargs, tools)
+    return ids if images is None else PromptWithImages(ids, images.to_bytes())
+
+
+def encode_text_with_images(text: str, refs: list[str]) -> list[int]:
+    """A text prompt whose ``<|image_pad|>`` placeholders stand for the images `refs` (/generate's
+    image_data), tokenized without special tokens (the text holds the template's own); ValueError as
+    `encode_chat` with images."""
+    ids, images = _prompter().text_prompt(_worker.tokenizer, text, refs)
+    return ids if images is None else PromptWithImages(ids, images.to_bytes())
+
+
+def _prompter() -> Any:
+    """The worker's `minisgl.multimodal.chat.VisionPrompter` (made at its first image)."""
+    from minisgl.models.config import ModelConfig
+    from minisgl.multimodal.chat import VisionPrompter
+
+    if _worker.prompter is None:
+        _worker.prompter = VisionPrompter(_worker.path, ModelConfig.from_path(_worker.path), _worker.media)
+    return _worker.prompter
 
 
 def encode_text(text: str) -> list[int]:
@@ -138,25 +178,30 @@ class TokenizerPool:
     """`workers` processes tokenizing the prompts of the model at `path`; 1: one thread. `template`: the
     text of a chat template that replaces the model's (setting chat_template)."""
 
-    def __init__(self, path: str, workers: int, template: str | None = None) -> None:
+    def __init__(
+        self, path: str, workers: int, template: str | None = None, media: MediaConfig | None = None
+    ) -> None:
         self.workers = workers
         self.max_bytes: int | None = None  # set by `limit`: longer prompts are refused untokenized
         self._large = ThreadPoolExecutor(
             1,
             thread_name_prefix="minisgl-tokenize-large",
             initializer=_load,
-            initargs=(path, False, template),
+            initargs=(path, False, template, media),
         )
         if workers <= 1:
             self._pool: Executor = ThreadPoolExecutor(
-                1, thread_name_prefix="minisgl-tokenize", initializer=_load, initargs=(path, False, template)
+                1,
+                thread_name_prefix="minisgl-tokenize",
+                initializer=_load,
+                initargs=(path, False, template, media),
             )
         else:
             self._pool = ProcessPoolExecutor(
                 workers,
                 mp_context=mp.get_context("spawn"),
                 initializer=_load,
-                initargs=(path, True, template),
+                initargs=(path, True, template, media),
             )
 
     def _lane(self, chars: int) -> Executor:
@@ -181,6 +226,11 @@ class TokenizerPool:
             if size > self.max_bytes:
                 raise PromptTooLong(size, self.max_bytes)
         return await asyncio.wrap_future(self._lane(len(text)).submit(encode_text, text))
+
+    async def text_with_images(self, text: str, refs: list[str]) -> list[int]:
+        """`encode_text_with_images` off the event loop (the images load and are preprocessed there)."""
+        future = self._lane(len(text)).submit(encode_text_with_images, text, refs)
+        return await asyncio.wrap_future(future)
 
     async def warm(self, max_context: int) -> None:
         """Starts the workers (each loads the tokenizer and compiles its chat template) before the

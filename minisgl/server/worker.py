@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from minisgl.core import FATAL_ERRORS, SamplingParams, TokenLogprobs
+from minisgl.multimodal.inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +311,9 @@ def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller
                     rid = header["rid"]
                     try:
                         ids, params = frame_ids(frames[1]), decode_params(header["params"])
-                        state = scheduler.add_request(ids, params, lora=header.get("lora"))
+                        # a third frame: the prompt's images (minisgl.multimodal.inputs, docs/vision.md)
+                        images = ImageInputs.from_bytes(frames[2]) if len(frames) > 2 else None
+                        state = scheduler.add_request(ids, params, lora=header.get("lora"), images=images)
                     except (TypeError, ValueError) as e:
                         outbox.send({"op": "rejected", "rid": rid, "error": str(e)})
                         continue
