@@ -217,3 +217,20 @@ def test_pixel_bounds_settings(vl) -> None:
         images.grid_thw.prod() < reference.image_processor(images=[picture["image"]])["image_grid_thw"].prod()
     )
     assert ids.count(llm.engine.config.model_config.image_token_id) == images.grid_thw.prod() // 4
+
+
+def test_speculative_ngram_with_images(vl) -> None:
+    """n-gram speculative decoding: verify steps of image requests at index + mrope_delta (the KV slots
+    stay the sequence indices: such a step is never moved on the device), the tokens unchanged."""
+    llm, reference = vl
+    if llm.engine.config.model_config.family != "qwen3_vl":
+        pytest.skip("the tiny Qwen2.5-VL's greedy tokens repeat no n-gram: nothing would be drafted")
+    folder = llm.engine.config.model_path
+    with LLM(
+        folder, device="cpu", dtype="float32", cpu_kv_budget_gib=0.05, page_size=4, speculative_method="ngram"
+    ) as spec:
+        for name, messages in CONVERSATIONS.items():
+            got = spec.chat(as_urls(messages), SamplingParams(max_tokens=24, ignore_eos=True)).token_ids
+            assert got == reference.generate(messages, 24), name
+        assert spec.scheduler.spec.accepted > 0  # drafts were verified and taken
+        llm_clean(spec)

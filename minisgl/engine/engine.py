@@ -521,6 +521,8 @@ class Engine:
         """Whether `forward_verify(batch, args, pending=True)` can move the batch on the device: it
         replays a verify CUDA graph (its attention plan is on the device), or the torch backend plans
         it (from device tensors)."""
+        if any(req.images is not None for req in batch.reqs):  # VL: positions (+ mrope_delta) are not
+            return False  # the KV slots `move` derives out_loc from; such a batch waits for the previous step
         return self.graph_runner.can_replay_verify(batch) or isinstance(self.attn_backend, TorchAttnBackend)
 
     def _output(
