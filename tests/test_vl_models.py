@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 STEPS = 8
 GREEDY = SamplingParams(max_tokens=STEPS, ignore_eos=True)
+GREEDY30 = SamplingParams(max_tokens=30, ignore_eos=True)
 
 
 def user(*parts) -> dict:
@@ -234,3 +235,18 @@ def test_speculative_ngram_with_images(vl) -> None:
             assert got == reference.generate(messages, 24), name
         assert spec.scheduler.spec.accepted > 0  # drafts were verified and taken
         llm_clean(spec)
+
+
+def test_preempted_image_requests_recompute_their_images(vl) -> None:
+    """A pool too small for every request: a preempted image request is recomputed from its prompt (its
+    images encoded again at its new first chunk, its M-RoPE positions kept), tokens unchanged."""
+    llm, reference = vl
+    folder = llm.engine.config.model_path
+    with LLM(
+        folder, device="cpu", dtype="float32", page_size=4, num_page_override=45, max_prefill_tokens=24
+    ) as small:
+        outputs = small.generate([small.chat_inputs(as_urls(m)) for m in CONVERSATIONS.values()], GREEDY30)
+        assert small.scheduler.preemptions > 0
+        for (name, messages), output in zip(CONVERSATIONS.items(), outputs):
+            assert output.token_ids == reference.generate(messages, 30), name
+        llm_clean(small)
