@@ -163,6 +163,25 @@ LORA_ADAPTERS_RESIDENT = Gauge(
     ["model_name"],
     registry=REGISTRY,
 )
+IMAGES = Counter(
+    "minisgl_images",
+    "Images of the requests added (vision-language models; docs/vision.md).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+IMAGE_TOKENS = Counter(
+    "minisgl_image_tokens",
+    "Prompt tokens of the requests added that stand for images (their placeholder tokens).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+VISION_ENCODER_SECONDS = Histogram(
+    "minisgl_vision_encoder_seconds",
+    "Time of the vision encoder over one request's images (device time on CUDA).",
+    ["model_name"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "minisgl_time_to_first_token_seconds",
     "From arrival to the first generated token.",

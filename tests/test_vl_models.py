@@ -250,3 +250,20 @@ def test_preempted_image_requests_recompute_their_images(vl) -> None:
         for (name, messages), output in zip(CONVERSATIONS.items(), outputs):
             assert output.token_ids == reference.generate(messages, 30), name
         llm_clean(small)
+
+
+def test_image_metrics(vl) -> None:
+    from minisgl import metrics
+
+    llm, _ = vl
+
+    def sample(name: str) -> float:
+        return metrics.REGISTRY.get_sample_value(name, {"model_name": llm.model_name}) or 0.0
+
+    before = [sample(n) for n in ("minisgl_images_total", "minisgl_image_tokens_total")]
+    encodes = sample("minisgl_vision_encoder_seconds_count")
+    prompt = llm.chat_inputs(as_urls(CONVERSATIONS["three images between text"]))
+    llm.generate([prompt], GREEDY)
+    after = [sample(n) for n in ("minisgl_images_total", "minisgl_image_tokens_total")]
+    assert [a - b for a, b in zip(after, before)] == [3, len(prompt.images.token_positions)]
+    assert sample("minisgl_vision_encoder_seconds_count") == encodes + 1

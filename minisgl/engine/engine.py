@@ -74,6 +74,31 @@ class _CompletedEvent:
         return True
 
 
+class _Timer:
+    """The time of device work from construction to `stop()`: CUDA events on CUDA (read once `done`,
+    without a sync), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.started = time.perf_counter()
+        self.elapsed = 0.0
+
+    def stop(self) -> _Timer:
+        if self.events is not None:
+            self.events[1].record()
+        self.elapsed = time.perf_counter() - self.started
+        return self
+
+    def done(self) -> bool:
+        return self.events is None or self.events[1].query()
+
+    def seconds(self) -> float:
+        return self.elapsed if self.events is None else self.events[0].elapsed_time(self.events[1]) / 1000
+
+
 T = TypeVar("T")
 
 
@@ -94,6 +119,7 @@ class Engine:
         `last_tokens` stays its own)."""
         self.companion = companion
         self._shared_page_table = page_table
+        self._encoder_timers: list[_Timer] = []  # vision encoder runs not yet read (`take_encoder_seconds`)
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self._closed = False
@@ -471,7 +497,17 @@ class Engine:
                 f"{self.config.model_config.architecture} is a text-only model: it takes no images"
             )
         images = req.images
-        return self.model.encode_images(images.pixel_values.to(self.device), images.grid_thw.to(self.device))
+        timer = _Timer(self.device)
+        out = self.model.encode_images(images.pixel_values.to(self.device), images.grid_thw.to(self.device))
+        self._encoder_timers.append(timer.stop())
+        return out
+
+    def take_encoder_seconds(self) -> list[float]:
+        """The times of the `encode_images` calls that completed on the device since the last call (the
+        metric minisgl_vision_encoder_seconds; on CUDA read from events, no sync)."""
+        done = [timer for timer in self._encoder_timers if timer.done()]
+        self._encoder_timers = [timer for timer in self._encoder_timers if not timer.done()]
+        return [timer.seconds() for timer in done]
 
     @torch.inference_mode()
     def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:

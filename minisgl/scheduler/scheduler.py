@@ -194,6 +194,8 @@ class Scheduler:
         state = self._queue(prompt, params, self.output.detokenizer(params, stream))
         state.lora = adapter
         state.images = images
+        if images is not None:
+            self.metrics.images(images.num_images, len(images.token_positions))
         state.grammar = self.grammars.new_state(params)
         self.metrics.lora_request(lora)
         if self.link is not None:
@@ -300,6 +302,7 @@ class Scheduler:
         token fails that request alone. A failure after which no step can run (`FATAL_ERRORS`) is
         raised once the step's requests are finished (docs/failures.md)."""
         started = time.perf_counter()
+        self.metrics.encoder(self.engine.take_encoder_seconds())  # image encodes completed since the last
         if self.link is not None:  # a following rank applies what rank 0 sent for this step
             self.link.begin(self)
         updates: list[Update] = []

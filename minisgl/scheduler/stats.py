@@ -79,8 +79,21 @@ class SchedulerMetrics:
             metrics.SPEC_DRAFT_TOKENS,
             metrics.SPEC_ACCEPTED_TOKENS,
             metrics.SPEC_ACCEPTED_PER_STEP,
+            metrics.IMAGES,  # and the image inputs' (docs/vision.md), for text models too
+            metrics.IMAGE_TOKENS,
+            metrics.VISION_ENCODER_SECONDS,
         ):
             series.labels(**self.labels)
+
+    def images(self, count: int, tokens: int) -> None:
+        """A request with `count` images, `tokens` placeholder tokens of its prompt, was added."""
+        metrics.IMAGES.labels(**self.labels).inc(count)
+        metrics.IMAGE_TOKENS.labels(**self.labels).inc(tokens)
+
+    def encoder(self, seconds: list[float]) -> None:
+        """The vision encoder's runs that completed (`Engine.take_encoder_seconds`)."""
+        for value in seconds:
+            metrics.VISION_ENCODER_SECONDS.labels(**self.labels).observe(value)
 
     def token(self, state: RequestState, now: float) -> None:
         """A request got a token at `now`: its first (time to first token) or a later one."""
