@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import pytest
 from conftest import make_tiny_model_with_tokenizer
@@ -20,10 +22,12 @@ FAMILY = "qwen3_vl"
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     folder = make_tiny_vl(tmp_path_factory.mktemp("served-vl"), FAMILY)
+    trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     srv = Server(
         "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-images-per-request", "3",
-        "--max-prefill-tokens", "24", "--page-size", "4",
+        "--max-prefill-tokens", "24", "--page-size", "4", "--request-trace", str(trace),
     )  # fmt: skip
+    srv.trace = trace
     try:
         yield srv, Reference(folder, FAMILY)
     finally:
@@ -46,6 +50,12 @@ def test_image_url_parts_equal_transformers(served) -> None:
     for name, messages in CONVERSATIONS.items():
         got = _chat(client, as_urls(messages)).choices[0].model_extra["token_ids"]
         assert got == reference.generate(messages, STEPS), name
+    # the request trace counts the images and their tokens (the trace is written as the response ends)
+    srv.wait_until(lambda: len(srv.trace.read_text().splitlines()) >= len(CONVERSATIONS), 10, "the trace")
+    records = [json.loads(line) for line in srv.trace.read_text().splitlines()]
+    images = reference.inputs(CONVERSATIONS["three images between text"])
+    tokens = int((images["input_ids"] == reference.model.config.image_token_id).sum())
+    assert (records[2]["images"], records[2]["image_tokens"]) == (3, tokens)
 
 
 def test_bad_images_are_400(served) -> None:

@@ -112,7 +112,8 @@ def admit_job(
             choice.prompt_ids = prompt_ids
             choice.prompt_logprobs = TokenLogprobs(choice.params.prompt_logprobs, prompt_ids[:1])
     state.outstanding += len(job.choices)
-    job.images = getattr(prompt_ids, "images", None)  # a chat with images (tokenize.PromptWithImages)
+    # a prompt with images (tokenize.PromptWithImages): their bytes for the scheduler, counts for the trace
+    job.images, job.image_counts = getattr(prompt_ids, "images", None), getattr(prompt_ids, "counts", (0, 0))
     client.submit(job.choices, ids_frame(prompt_ids), len(prompt_ids))
     job.sent = time.perf_counter()
 

@@ -125,6 +125,7 @@ class Job:
         self.parts_sum = [0.0, 0.0, 0.0]
         self.lora: str | None = None  # the LoRA adapter its choices run on (None: the base model)
         self.images: bytes | None = None  # its prompt's images (`ImageInputs.to_bytes`), None: text
+        self.image_counts = (0, 0)  # its prompt's images and their placeholder tokens
 
     def news(self, step_time: float, sent: float, now: float) -> None:
         """A scheduler step (its tokens on the host at `step_time`, its message sent at `sent`)
@@ -196,6 +197,8 @@ def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: fl
         "completion_tokens": sum(len(c.token_ids) for c in job.choices),
         "n": len(job.choices),
         "lora": job.lora,
+        "images": job.image_counts[0],
+        "image_tokens": job.image_counts[1],  # of prompt_tokens, those that stand for images
         "finish_reasons": [c.finish_reason for c in job.choices],
         "e2e_s": job.done - job.received,
         "stages_s": stages,

@@ -15,6 +15,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 from minisgl.multimodal.config import MediaConfig
+from minisgl.multimodal.inputs import ImageInputs
 from minisgl.templates import load_tokenizer, render_chat
 
 _worker = threading.local()  # .tokenizer: the worker's own (two threads never share one)
@@ -32,12 +33,14 @@ class TemplateFailed(Exception):
 
 
 class PromptWithImages(list):
-    """A chat prompt's token ids (the list) whose messages carried images: `images`, their
-    `ImageInputs.to_bytes()`, travels with the ids to the scheduler (docs/vision.md)."""
+    """A prompt's token ids (the list) that carries images: `images`, their `ImageInputs.to_bytes()`,
+    travels with the ids to the scheduler; `counts`, (images, image placeholder tokens), goes to the
+    request trace (docs/vision.md)."""
 
-    def __init__(self, ids: list[int], images: bytes) -> None:
+    def __init__(self, ids: list[int], inputs: ImageInputs) -> None:
         super().__init__(ids)
-        self.images = images
+        self.images = inputs.to_bytes()
+        self.counts = (inputs.num_images, len(inputs.token_positions))
 
 
 class PromptTooLong(Exception):
@@ -96,7 +99,7 @@ def _encode_with_images(
     """`encode_chat` of messages with image parts (`minisgl.multimodal.chat`): a ValueError (a
     `MediaError` for an image that does not load) names what is wrong with them."""
     ids, images = _prompter().prompt(_worker.tokenizer, messages, template_kwargs, tools)
-    return ids if images is None else PromptWithImages(ids, images.to_bytes())
+    return ids if images is None else PromptWithImages(ids, images)
 
 
 def encode_text_with_images(text: str, refs: list[str]) -> list[int]:
@@ -104,7 +107,7 @@ def encode_text_with_images(text: str, refs: list[str]) -> list[int]:
     image_data), tokenized without special tokens (the text holds the template's own); ValueError as
     `encode_chat` with images."""
     ids, images = _prompter().text_prompt(_worker.tokenizer, text, refs)
-    return ids if images is None else PromptWithImages(ids, images.to_bytes())
+    return ids if images is None else PromptWithImages(ids, images)
 
 
 def _prompter() -> Any:
