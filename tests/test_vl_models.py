@@ -149,6 +149,10 @@ def test_bad_inputs_leave_the_engine_clean(vl) -> None:
         llm.chat([user("What is ", broken)], GREEDY)
     with pytest.raises(ValueError, match="max_images_per_request=3"):
         llm.chat([user(*(image(30, 30, seed) for seed in range(4)))], GREEDY)
+    prompt = llm.chat_inputs(as_urls(CONVERSATIONS["wide image"]))
+    text_tokens = len(prompt.token_ids) - len(prompt.images.token_positions)
+    with pytest.raises(ValueError, match="max_seq_len"):  # the image tokens count against the context
+        llm.generate([prompt], SamplingParams(max_tokens=llm.engine.max_seq_len - text_tokens))
     with pytest.raises(ValueError, match="names no image"):
         llm.chat([user("x", {"type": "image_url", "image_url": {}})], GREEDY)
     wide = llm.chat_inputs(as_urls(CONVERSATIONS["wide image"]))

@@ -65,6 +65,7 @@ def test_bad_images_are_400(served) -> None:
         "undecodable": ([user("x", {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}})], "image"),
         "too many": (as_urls([user(*CONVERSATIONS["wide image"][0]["content"][1:2] * 4)]), "max_images_per_request=3"),
         "a local file": ([user("x", {"type": "image_url", "image_url": {"url": "/etc/hostname"}})], "allowed_local_media_path"),
+        "a loopback URL": ([user("x", {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}})], "loopback|private"),
         "a bad part": ([user("x", {"type": "image_url", "image_url": {"url": 5}})], "image parts"),
     }  # fmt: skip
     for messages, says in bad.values():
