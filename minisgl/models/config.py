@@ -25,6 +25,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # the bare models (no LM head): checkpoints of embedding models such as Qwen3-Embedding
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 
 # the quantization methods minisgl implements: quantization_config.quant_method, the setting `quantization`
@@ -110,6 +115,11 @@ class ModelConfig:
     # own included (keys at positions p - W < k <= p, transformers' mask); None: full causal attention.
     # Every layer has the same window; the attention backends read it (minisgl.attention)
     sliding_window: int | None = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """False for a bare model's checkpoint (`Qwen3Model`, ...): it serves embeddings only."""
+        return not self.architecture.endswith("Model")
 
     def with_quantization(self, method: str | None) -> ModelConfig:
         """This config under the setting `quantization`: 'fp8' quantizes a model whose checkpoint is not
