@@ -228,6 +228,29 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None
         llm.shutdown()
 
 
+@main.command()
+@click.argument("texts", nargs=-1)
+@click.option("--file", "text_file", type=click.File("r"), default=None, help="Read inputs from a file, one per line ('-' for stdin).")
+@click.option("--dimensions", type=int, default=None, help="Keep the first N values (Matryoshka truncation).")
+@_common
+def embed(texts: tuple[str, ...], text_file, dimensions: int | None, **kwargs: Any) -> None:
+    """Print the embedding of each of TEXTS (or --file) as a JSON line: {"index", "text", "embedding"}
+    (docs/embeddings.md)."""
+    inputs = list(texts)
+    if text_file is not None:
+        inputs += [line.rstrip("\n") for line in text_file if line.strip()]
+    if not inputs:
+        raise click.UsageError('give a text: minisgl-run embed "The capital of France is Paris."')
+    llm = _make_llm(kwargs)
+    try:
+        for i, (text, vector) in enumerate(zip(inputs, llm.embed(inputs, dimensions=dimensions))):
+            click.echo(json.dumps({"index": i, "text": text, "embedding": vector}))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise click.ClickException(_message(e)) from e
+    finally:
+        llm.shutdown()
+
+
 # bench's shape options: the shape field each sets (its flag: --field-name) and its help, by the
 # workloads that have the field ([default; on CPU])
 _SHAPE_FIELDS = {

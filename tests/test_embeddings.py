@@ -187,3 +187,23 @@ def test_bad_inputs_get_400_and_the_server_goes_on(bare_server) -> None:
     # a bare model has no LM head: its generation endpoints say so
     r = httpx.post(bare_server.url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 400 and "no LM head" in r.json()["error"]["message"]
+
+
+def test_cli_embed_prints_json_lines(folders, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from minisgl.cli import main
+
+    folder = folders["bare"]
+    inputs = tmp_path / "inputs.txt"
+    inputs.write_text("\n".join(TEXTS[:2]) + "\n")
+    args = ["embed", "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--quiet"]
+    result = CliRunner().invoke(main, [*args, "--file", str(inputs), TEXTS[2]])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [line["text"] for line in lines] == [TEXTS[2], *TEXTS[:2]]
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    for line in lines:
+        assert _cos(line["embedding"], reference(folder, tok(line["text"])["input_ids"])) >= 0.99999
