@@ -230,7 +230,13 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None
 
 @main.command()
 @click.argument("texts", nargs=-1)
-@click.option("--file", "text_file", type=click.File("r"), default=None, help="Read inputs from a file, one per line ('-' for stdin).")
+@click.option(
+    "--file",
+    "text_file",
+    type=click.File("r"),
+    default=None,
+    help="Read inputs from a file, one per line ('-' for stdin).",
+)
 @click.option("--dimensions", type=int, default=None, help="Keep the first N values (Matryoshka truncation).")
 @_common
 def embed(texts: tuple[str, ...], text_file, dimensions: int | None, **kwargs: Any) -> None:

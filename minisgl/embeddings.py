@@ -15,7 +15,11 @@ from typing import Any
 MAX_EMBEDDING_INPUTS = 2048  # inputs per embeddings request, at most
 ENCODING_FORMATS = ("float", "base64")
 # sentence-transformers' Pooling config keys -> minisgl's pooling
-_POOLING_KEYS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_POOLING_KEYS = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
 
 
 def folder_pooling(model_path: str | Path) -> tuple[str | None, bool | None]:
@@ -42,7 +46,9 @@ def folder_pooling(model_path: str | Path) -> tuple[str | None, bool | None]:
             except (OSError, ValueError) as e:
                 raise ValueError(f"{path}: the Pooling module's config is not readable ({e})") from None
             modes = [mode for key, mode in _POOLING_KEYS.items() if config.get(key)]
-            others = [k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _POOLING_KEYS]
+            others = [
+                k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _POOLING_KEYS
+            ]
             if len(modes) != 1 or others:
                 raise ValueError(
                     f"{path}: minisgl pools by exactly one of {', '.join(_POOLING_KEYS)}; set the setting "
@@ -85,9 +91,13 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 def check_options(encoding_format: Any, dimensions: Any, hidden_size: int) -> None:
     """Raises a ValueError naming a bad `encoding_format` or `dimensions`."""
     if encoding_format not in ENCODING_FORMATS:
-        raise ValueError(f"encoding_format must be 'float' or 'base64', got encoding_format={encoding_format!r}")
+        raise ValueError(
+            f"encoding_format must be 'float' or 'base64', got encoding_format={encoding_format!r}"
+        )
     if dimensions is not None and (
-        isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral) or not 1 <= dimensions <= hidden_size
+        isinstance(dimensions, bool)
+        or not isinstance(dimensions, numbers.Integral)
+        or not 1 <= dimensions <= hidden_size
     ):
         raise ValueError(
             f"dimensions must be an integer in [1, {hidden_size}] (the model's hidden size), got dimensions={dimensions!r}"

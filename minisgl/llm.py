@@ -439,7 +439,9 @@ class LLM:
             self._abort_unfinished(states)
         failed = next((state for state in states if state.embedding is None), None)
         if failed is not None:
-            raise RuntimeError(f"embedding input {states.index(failed)} failed: {failed.error or failed.finish_reason}")
+            raise RuntimeError(
+                f"embedding input {states.index(failed)} failed: {failed.error or failed.finish_reason}"
+            )
         return [embeddings.finish(state.embedding, self.normalize_embeddings, dimensions) for state in states]
 
     def load_lora(self, name: str, path: str) -> None:

@@ -60,7 +60,10 @@ EMBEDDING_REQUESTS = Counter(
     registry=REGISTRY,
 )
 EMBEDDING_TOKENS = Counter(
-    "minisgl_embedding_tokens", "Prompt tokens of the embedding inputs served.", ["model_name"], registry=REGISTRY
+    "minisgl_embedding_tokens",
+    "Prompt tokens of the embedding inputs served.",
+    ["model_name"],
+    registry=REGISTRY,
 )
 REQUESTS_RUNNING = Gauge(
     "minisgl_requests_running",

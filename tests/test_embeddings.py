@@ -32,10 +32,16 @@ def _pooling_files(folder: Path, mode: str, normalize: bool = True) -> None:
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir()
-    keys = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+    keys = {
+        "last": "pooling_mode_lasttoken",
+        "mean": "pooling_mode_mean_tokens",
+        "cls": "pooling_mode_cls_token",
+    }
     config = {key: key == keys[mode] for key in keys.values()}
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 1, **config}))
 
@@ -75,7 +81,9 @@ def reference(folder: Path, ids: list[int]) -> torch.Tensor:
 
 
 def _cos(a, b) -> float:
-    return torch.nn.functional.cosine_similarity(torch.tensor(a, dtype=torch.float64), b.double(), dim=0).item()
+    return torch.nn.functional.cosine_similarity(
+        torch.tensor(a, dtype=torch.float64), b.double(), dim=0
+    ).item()
 
 
 def _inputs(tokenizer) -> list[tuple[object, list[list[int]]]]:
@@ -106,7 +114,9 @@ def test_llm_embed_matches_transformers(folders, kind) -> None:
 
 def test_embeddings_beside_greedy_generation(folders) -> None:
     """Embedding inputs batched with greedy generations: both as when each runs alone."""
-    with LLM(str(folders["mean"]), device="cpu", dtype="float32", max_running_req=6, max_prefill_tokens=8) as llm:
+    with LLM(
+        str(folders["mean"]), device="cpu", dtype="float32", max_running_req=6, max_prefill_tokens=8
+    ) as llm:
         greedy = SamplingParams(max_tokens=8, ignore_eos=True)
         prompts = [llm.tokenizer(t)["input_ids"] for t in TEXTS[:2]]
         alone = [out.token_ids for out in llm.generate(prompts, greedy)]
@@ -129,7 +139,9 @@ def _decode(item) -> list[float]:
 
 @pytest.fixture(scope="module")
 def bare_server(folders):
-    srv = Server("--model", str(folders["bare"]), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8")
+    srv = Server(
+        "--model", str(folders["bare"]), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8"
+    )
     try:
         yield srv
     finally:
@@ -153,7 +165,9 @@ def test_http_embeddings_match_transformers(bare_server, folders) -> None:
     full = client.embeddings.create(model=model, input=TEXTS[0]).data[0].embedding
     short = client.embeddings.create(model=model, input=TEXTS[0], dimensions=8).data[0].embedding
     assert len(full) == 64 and len(short) == 8
-    assert torch.allclose(torch.tensor(short), torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0), atol=1e-6)
+    assert torch.allclose(
+        torch.tensor(short), torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0), atol=1e-6
+    )
     metrics = bare_server.metrics()
     assert metrics["minisgl_embedding_requests_total,reason=stop"] >= 1
     assert metrics["minisgl_embedding_tokens_total"] >= sum(map(len, IDS))
@@ -185,7 +199,9 @@ def test_bad_inputs_get_400_and_the_server_goes_on(bare_server) -> None:
         ok = httpx.post(bare_server.url + "/embeddings", json={"model": model, "input": "hi"}, timeout=60)
         assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 64
     # a bare model has no LM head: its generation endpoints say so
-    r = httpx.post(bare_server.url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    r = httpx.post(
+        bare_server.url + "/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 400 and "no LM head" in r.json()["error"]["message"]
 
 

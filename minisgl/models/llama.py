@@ -196,7 +196,9 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of rows after `final_norm` (a bare model's head is its tied embedding)."""
-        return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head, self.cfg.vocab_size)
+        return lm_head(
+            hidden, self.embed_tokens if self.lm_head is None else self.lm_head, self.cfg.vocab_size
+        )
 
     def hidden_states(
         self, input_ids: torch.Tensor, positions: torch.Tensor, lora: LoraBatch | None = None

@@ -94,7 +94,9 @@ class SchedulerMetrics:
 
     def finished(self, state: RequestState, reason: FinishReason, now: float) -> None:
         if state.params.pooling is not None:  # an embedding input: counted apart from generation
-            metrics.EMBEDDING_REQUESTS.labels(reason="error" if reason == "error" else "stop", **self.labels).inc()
+            metrics.EMBEDDING_REQUESTS.labels(
+                reason="error" if reason == "error" else "stop", **self.labels
+            ).inc()
             if state.embedding is not None:
                 self._embedding_tokens.inc(len(state.prompt_ids))
             return

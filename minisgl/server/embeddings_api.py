@@ -40,7 +40,10 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
     body = load_json(await read_body(state, request))
     unknown = sorted(set(body) - set(_FIELDS))
     if unknown:
-        raise APIError(f"unknown field {unknown[0]!r}: an embeddings request takes {', '.join(_FIELDS)}", param=unknown[0])
+        raise APIError(
+            f"unknown field {unknown[0]!r}: an embeddings request takes {', '.join(_FIELDS)}",
+            param=unknown[0],
+        )
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError("model must be a string: the served model's name", param="model")
@@ -54,7 +57,9 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
     except ValueError as e:
         raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
     if "input" not in body:
-        raise APIError("input is required: a string, a list of strings or (lists of) token ids", param="input")
+        raise APIError(
+            "input is required: a string, a list of strings or (lists of) token ids", param="input"
+        )
     try:
         items = embeddings.split_inputs(body["input"])
     except ValueError as e:
@@ -75,7 +80,9 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
     except ValueError as e:  # the scheduler refused or failed them
         raise APIError(str(e), param="input") from None
     except RuntimeError as e:
-        raise APIError(f"the engine failed: {e}", status=503, type="server_error", code="engine_failed") from None
+        raise APIError(
+            f"the engine failed: {e}", status=503, type="server_error", code="engine_failed"
+        ) from None
     normalize = info["normalize_embeddings"]
     data = [
         {

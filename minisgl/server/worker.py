@@ -278,7 +278,9 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
             outbox.send(*message)
 
 
-def embed_request(scheduler: Any, header: dict[str, Any], frame: bytes, embeds: dict[int, list[Any]], outbox: Outbox) -> None:
+def embed_request(
+    scheduler: Any, header: dict[str, Any], frame: bytes, embeds: dict[int, list[Any]], outbox: Outbox
+) -> None:
     """Queues an embeddings request's inputs together (the front end sent their ids in one frame,
     `header["lens"]` each), all checked before any is queued; a bad one rejects the request."""
     rid, params, ids = header["rid"], decode_params(header["params"]), frame_ids(frame)
