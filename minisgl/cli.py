@@ -130,6 +130,17 @@ _LORA_OPTION = click.option(
 )
 
 
+def _texts_options(name: str, file_name: str, what: str) -> Callable[[Callable], Callable]:
+    """A command's texts: the arguments `name`, and --file (`file_name`) with one of `what` per line."""
+
+    def apply(command: Callable) -> Callable:
+        help = f"Read {what} from a file, one per line ('-' for stdin)."
+        command = click.option("--file", file_name, type=click.File("r"), default=None, help=help)(command)
+        return click.argument(name, nargs=-1)(command)
+
+    return apply
+
+
 def _message(e: Exception) -> str:
     """An exception's message (a KeyError's str() quotes it)."""
     return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
@@ -179,14 +190,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("prompts", nargs=-1)
-@click.option(
-    "--file",
-    "prompt_file",
-    type=click.File("r"),
-    default=None,
-    help="Read prompts from a file, one per line ('-' for stdin).",
-)
+@_texts_options("prompts", "prompt_file", "prompts")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template as a user message.")
 @_LORA_OPTION
 @_sampling_options
@@ -229,14 +233,7 @@ def generate(prompts: tuple[str, ...], prompt_file, chat: bool, lora: str | None
 
 
 @main.command()
-@click.argument("texts", nargs=-1)
-@click.option(
-    "--file",
-    "text_file",
-    type=click.File("r"),
-    default=None,
-    help="Read inputs from a file, one per line ('-' for stdin).",
-)
+@_texts_options("texts", "text_file", "inputs")
 @click.option("--dimensions", type=int, default=None, help="Keep the first N values (Matryoshka truncation).")
 @_common
 def embed(texts: tuple[str, ...], text_file, dimensions: int | None, **kwargs: Any) -> None:
