@@ -68,16 +68,17 @@ def folders(smollm2_path, tmp_path_factory) -> dict[str, Path]:
     return {"last": smollm2_path, "mean": mean, "bare": bare}
 
 
-def reference(folder: Path, ids: list[int]) -> torch.Tensor:
-    """transformers' AutoModel `last_hidden_state` pooled as the folder says (else last), normalized."""
+def reference(folder: Path, ids: list[int], mode: str | None = None, normalize: bool = True) -> torch.Tensor:
+    """transformers' AutoModel `last_hidden_state` pooled by `mode` (default: as the folder says, else
+    last), normalized unless told not to."""
     import transformers
 
-    mode = folder_pooling(folder)[0] or "last"
+    mode = mode or folder_pooling(folder)[0] or "last"
     model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0]
     pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[mode]
-    return torch.nn.functional.normalize(pooled, dim=0)
+    return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
 
 
 def _cos(a, b) -> float:
@@ -110,6 +111,22 @@ def test_llm_embed_matches_transformers(folders, kind) -> None:
         if kind == "bare":  # no LM head: generation is refused
             with pytest.raises(ValueError, match="no LM head"):
                 llm.generate("hello")
+
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "last"])
+def test_the_settings_override_the_folder(folders, mode) -> None:
+    """pooling and normalize_embeddings given: the folder's files are not what counts; inputs longer
+    than a prefill chunk pool across their chunks."""
+    folder = folders["bare"]
+    settings = dict(
+        device="cpu", dtype="float32", max_prefill_tokens=3, pooling=mode, normalize_embeddings=False
+    )
+    with LLM(str(folder), **settings) as llm:
+        ids = [llm.tokenizer(t)["input_ids"] for t in TEXTS]
+        for vector, item in zip(llm.embed(TEXTS), ids):
+            expected = reference(folder, item, mode, normalize=False)
+            assert torch.allclose(torch.tensor(vector), expected, rtol=1e-4, atol=1e-5)
+        llm_clean(llm)
 
 
 def test_embeddings_beside_greedy_generation(folders) -> None:

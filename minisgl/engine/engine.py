@@ -14,7 +14,7 @@ import torch
 
 from minisgl.attention import create_attention_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
-from minisgl.core import Batch, Context, FatalEngineError
+from minisgl.core import Batch, Context, FatalEngineError, Req
 from minisgl.distributed import (
     DistributedInfo,
     HeadShard,
@@ -485,25 +485,55 @@ class Engine:
             lora = None if self.lora is None else self.lora.batch(batch)
             hidden = self.model.hidden_states(batch.input_ids, batch.positions, lora)
             logits = self.model.logits(self.model.final_norm(hidden[batch.attn_metadata.last_indices]))
-            done, start = [], 0
-            for req, pooling in zip(batch.reqs, pool):
-                end = start + req.extend_len
-                mode = req.sampling_params.pooling if pooling else None
-                if mode == "mean":
-                    part = self.model.final_norm(hidden[start:end]).float().sum(0)
-                    req.pooled = part if req.pooled is None else req.pooled + part
-                elif mode == "cls" and req.cached_len == 0:
-                    req.pooled = self.model.final_norm(hidden[start : start + 1]).float()[0]
-                if mode is not None and not req.is_partial:
-                    if mode == "last":
-                        done.append(self.model.final_norm(hidden[end - 1 : end]).float()[0])
-                    else:
-                        done.append(req.pooled / req.device_len if mode == "mean" else req.pooled)
-                    req.pooled = None
-                start = end
+            pooled = self._pool(batch, pool, hidden)
         for req in batch.reqs:
             req.complete_one()
-        return logits, torch.stack(done) if done else None
+        return logits, pooled
+
+    def _pool(self, batch: Batch, pool: list[bool], hidden: torch.Tensor) -> torch.Tensor | None:
+        """The pooled vectors (E, hidden) float32 of the embedding requests whose prefill ends in this
+        forward, in batch order: the rows they need normed in one gather and summed per request in one
+        `index_add_`, on the device. A chunked mean or CLS input carries its sum or first row over in
+        `req.pooled` (mean and CLS compute every position: they never start from a cached prefix)."""
+        take: list[int] = []  # rows of `hidden` pooled
+        segment: list[int] = []  # each one's request (its index among the pooled ones)
+        final: list[int] = []  # the requests whose prefill ends here
+        scale: list[float] = []  # ... and what their sum is multiplied by
+        pooled: list[Req] = []
+        start = 0
+        for req, pooling in zip(batch.reqs, pool):
+            end = start + req.extend_len
+            mode = req.sampling_params.pooling if pooling else None
+            if mode is not None:
+                if mode == "mean":
+                    rows = range(start, end)
+                elif mode == "cls":
+                    rows = range(start, start + 1) if req.cached_len == 0 else range(0)
+                else:
+                    rows = range(0) if req.is_partial else range(end - 1, end)
+                take += rows
+                segment += [len(pooled)] * len(rows)
+                if not req.is_partial:
+                    final.append(len(pooled))
+                    scale.append(1.0 / req.device_len if mode == "mean" else 1.0)
+                pooled.append(req)
+            start = end
+        host = torch.tensor([*take, *segment, *final], dtype=torch.int64)
+        ints = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        n, width = len(take), hidden.shape[-1]
+        sums = torch.zeros(len(pooled), width, dtype=torch.float32, device=self.device)
+        if n:
+            sums.index_add_(0, ints[n : 2 * n], self.model.final_norm(hidden[ints[:n]]).float())
+        for i, req in enumerate(pooled):
+            if req.pooled is not None:  # an earlier chunk's
+                sums[i] += req.pooled
+            req.pooled = sums[i] if req.is_partial else None
+        if not final:
+            return None
+        factors = torch.tensor(scale, dtype=torch.float32)
+        if self.device.type == "cuda":
+            factors = factors.pin_memory().to(self.device, non_blocking=True)
+        return sums[ints[2 * n :]] * factors[:, None]
 
     @torch.inference_mode()
     def forward_verify(self, batch: Batch, args: BatchSamplingArgs, pending: bool = False) -> ForwardOutput:
