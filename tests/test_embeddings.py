@@ -156,9 +156,20 @@ def _decode(item) -> list[float]:
 
 @pytest.fixture(scope="module")
 def bare_server(folders):
-    srv = Server(
-        "--model", str(folders["bare"]), "--device", "cpu", "--dtype", "float32", "--max-running-req", "8"
-    )
+    """A server of the tiny bare Qwen3, with a request trace (`srv.trace`)."""
+    trace = folders["bare"].parent / "trace.jsonl"
+    options = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-running-req",
+        "8",
+        "--request-trace",
+        str(trace),
+    ]
+    srv = Server("--model", str(folders["bare"]), *options)
+    srv.trace = trace
     try:
         yield srv
     finally:
@@ -185,6 +196,9 @@ def test_http_embeddings_match_transformers(bare_server, folders) -> None:
     assert torch.allclose(
         torch.tensor(short), torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0), atol=1e-6
     )
+    lines = [json.loads(line) for line in bare_server.trace.read_text().splitlines()]
+    assert lines and all(line["kind"] == "embedding" for line in lines)
+    assert lines[-1]["prompt_tokens"] == len(tok(TEXTS[0])["input_ids"])
     metrics = bare_server.metrics()
     assert metrics["minisgl_embedding_requests_total,reason=stop"] >= 1
     assert metrics["minisgl_embedding_tokens_total"] >= sum(map(len, IDS))

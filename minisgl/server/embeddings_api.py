@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,11 +27,18 @@ _FIELDS = ("model", "input", "encoding_format", "dimensions", "user")
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
-        job = Job(time.perf_counter())
+        job, body = Job(time.perf_counter()), None
         try:
-            return JSONResponse(await _embed(state, request, job))
+            body = await _embed(state, request, job)
+            return JSONResponse(body)
         except APIError as e:
             return error_response(e)
+        finally:
+            job.done = time.perf_counter()
+            if state.trace is not None:  # one line per request, marked as an embeddings request
+                tokens = 0 if body is None else body["usage"]["prompt_tokens"]
+                record = trace_record(job, f"embd-{uuid.uuid4().hex}", tokens, state.clock_offset)
+                state.trace.write(json.dumps({**record, "kind": "embedding"}, separators=(",", ":")) + "\n")
 
 
 async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, Any]:
@@ -93,10 +101,6 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
         for i, v in enumerate(vectors)
     ]
     tokens = sum(map(len, ids))
-    job.done = time.perf_counter()
-    if state.trace is not None:  # the request trace marks it as an embeddings request
-        record = {**trace_record(job, f"embd-{id(job):x}", tokens, state.clock_offset), "kind": "embedding"}
-        state.trace.write(json.dumps(record, separators=(",", ":")) + "\n")
     return {
         "object": "list",
         "data": data,
