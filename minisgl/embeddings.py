@@ -22,9 +22,10 @@ _POOLING_KEYS = {
 }
 
 
-def folder_pooling(model_path: str | Path) -> tuple[str | None, bool | None]:
+def folder_pooling(model_path: str | Path, read_mode: bool = True) -> tuple[str | None, bool | None]:
     """The pooling and normalization a model folder's sentence-transformers files say (`modules.json`,
-    its Pooling module's `config.json`, a Normalize module); (None, None) without `modules.json`."""
+    its Pooling module's `config.json`, a Normalize module); (None, None) without `modules.json`.
+    `read_mode` False: the normalization only (the Pooling module is not read)."""
     folder = Path(model_path)
     try:
         modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
@@ -39,20 +40,18 @@ def folder_pooling(model_path: str | Path) -> tuple[str | None, bool | None]:
         kind = str(module.get("type", ""))
         if kind.endswith(".Normalize"):
             normalize = True
-        elif kind.endswith(".Pooling"):
+        elif kind.endswith(".Pooling") and read_mode:
             path = folder / str(module.get("path", "")) / "config.json"
             try:
                 config = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise ValueError(f"{path}: the Pooling module's config is not readable ({e})") from None
-            modes = [mode for key, mode in _POOLING_KEYS.items() if config.get(key)]
-            others = [
-                k for k, v in config.items() if k.startswith("pooling_mode") and v and k not in _POOLING_KEYS
-            ]
-            if len(modes) != 1 or others:
+            given = [key for key, value in config.items() if key.startswith("pooling_mode") and value]
+            modes = [_POOLING_KEYS[key] for key in given if key in _POOLING_KEYS]
+            if len(given) != 1 or len(modes) != 1:
                 raise ValueError(
-                    f"{path}: minisgl pools by exactly one of {', '.join(_POOLING_KEYS)}; set the setting "
-                    "pooling (last, mean or cls) to override"
+                    f"{path} sets {', '.join(given) or 'no pooling mode'}: minisgl pools by exactly one of "
+                    f"{', '.join(_POOLING_KEYS)}; set the setting pooling (last, mean or cls) to override"
                 )
             pooling = modes[0]
     return pooling, normalize
@@ -61,7 +60,7 @@ def folder_pooling(model_path: str | Path) -> tuple[str | None, bool | None]:
 def resolve_pooling(model_path: str | Path, pooling: str, normalize: bool | None) -> tuple[str, bool]:
     """The pooling and normalization served: the settings (`pooling`, `normalize_embeddings`) where
     given, else the folder's sentence-transformers files, else the last token, normalized."""
-    folder_mode, folder_normalize = folder_pooling(model_path)
+    folder_mode, folder_normalize = folder_pooling(model_path, read_mode=pooling == "auto")
     if pooling == "auto":
         pooling = folder_mode or "last"
     if normalize is None:

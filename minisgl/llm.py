@@ -171,10 +171,16 @@ class LLM:
         )
         if self.group is not None:
             self.group.start(self.scheduler)
-        # embeddings (docs/embeddings.md): the pooling and normalization served
-        self.pooling, self.normalize_embeddings = resolve_pooling(
-            model_path, scheduler_config.pooling, scheduler_config.normalize_embeddings
-        )
+        # embeddings (docs/embeddings.md): the pooling and normalization served; pooling files minisgl
+        # cannot follow leave generation served and embeddings refused with the reason
+        self.pooling_error: str | None = None
+        try:
+            self.pooling, self.normalize_embeddings = resolve_pooling(
+                model_path, scheduler_config.pooling, scheduler_config.normalize_embeddings
+            )
+        except ValueError as e:
+            self.pooling, self.normalize_embeddings, self.pooling_error = None, True, str(e)
+            logger.warning("embeddings are off: %s", e)
         # one thread steps the scheduler at a time; a step serves the requests of every caller
         self._lock = threading.Lock()
         # streams dropped unfinished (their __del__ may run in any thread, even inside a step): aborted
@@ -412,6 +418,8 @@ class LLM:
         """The token ids of each input of an embeddings request (`embeddings.split_inputs`'s forms;
         strings tokenized as the tokenizer does by default) and their SamplingParams; a ValueError
         naming a bad input."""
+        if self.pooling is None:
+            raise ValueError(f"this model serves no embeddings: {self.pooling_error}")
         items = embeddings.split_inputs(inputs)
         config = self.engine.config.model_config
         ids = [self._encode(item)[1] if isinstance(item, str) else item for item in items]

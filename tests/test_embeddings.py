@@ -254,3 +254,18 @@ def test_cli_embed_prints_json_lines(folders, tmp_path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     for line in lines:
         assert _cos(line["embedding"], reference(folder, tok(line["text"])["input_ids"])) >= 0.99999
+
+
+def test_pooling_files_minisgl_cannot_follow_leave_generation_served(tmp_path) -> None:
+    folder = make_tiny_model_with_tokenizer(tmp_path)
+    _pooling_files(folder, "mean")
+    config = folder / "1_Pooling" / "config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "pooling_mode_weightedmean_tokens": True})
+    )
+    with LLM(str(folder), device="cpu", dtype="float32") as llm:
+        assert len(llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+        with pytest.raises(ValueError, match="pooling_mode_weightedmean_tokens"):
+            llm.embed("hello")
+    with LLM(str(folder), device="cpu", dtype="float32", pooling="last") as llm:
+        assert len(llm.embed("hello")[0]) == 64

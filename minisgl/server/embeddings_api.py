@@ -59,6 +59,8 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError("user must be a string", param="user")
     info = state.client.info
+    if info["pooling"] is None:
+        raise APIError(f"this model serves no embeddings: {info['pooling_error']}", param="model")
     encoding_format, dimensions = body.get("encoding_format", "float"), body.get("dimensions")
     try:
         embeddings.check_options(encoding_format, dimensions, info["hidden_size"])

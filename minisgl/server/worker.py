@@ -191,6 +191,7 @@ def scheduler_main(
                 "eos_token_ids": sorted(llm.scheduler.output.eos_token_ids),
                 "hidden_size": engine.config.model_config.hidden_size,
                 "pooling": llm.pooling,
+                "pooling_error": llm.pooling_error,
                 "normalize_embeddings": llm.normalize_embeddings,
             },
         )
