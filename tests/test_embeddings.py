@@ -126,6 +126,12 @@ def test_the_settings_override_the_folder(folders, mode) -> None:
         for vector, item in zip(llm.embed(TEXTS), ids):
             expected = reference(folder, item, mode, normalize=False)
             assert torch.allclose(torch.tensor(vector), expected, rtol=1e-4, atol=1e-5)
+        # three pages of tokens, twice: last-token pooling takes the cached prefix, mean and CLS do not
+        long = list(range(3, 53))
+        expected = reference(folder, long, mode, normalize=False)
+        for _ in range(2):
+            assert torch.allclose(torch.tensor(llm.embed([long])[0]), expected, rtol=1e-4, atol=1e-5)
+        assert (llm.scheduler.prefix_cached_tokens > 0) == (mode == "last")
         llm_clean(llm)
 
 
