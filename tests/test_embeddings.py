@@ -275,3 +275,18 @@ def test_pooling_files_minisgl_cannot_follow_leave_generation_served(tmp_path) -
             llm.embed("hello")
     with LLM(str(folder), device="cpu", dtype="float32", pooling="last") as llm:
         assert len(llm.embed("hello")[0]) == 64
+
+
+def test_embeddings_under_tensor_parallelism(folders) -> None:
+    """Two ranks: the following rank pools in lockstep with rank 0 (mean, chunked)."""
+    from test_tp_launch import _addr
+
+    folder = folders["bare"]
+    settings = dict(
+        device="cpu", dtype="float32", max_prefill_tokens=8, pooling="mean", distributed_timeout=60
+    )
+    with LLM(str(folder), tp=2, distributed_addr=_addr(), **settings) as llm:
+        ids = [llm.tokenizer(t)["input_ids"] for t in TEXTS] + [list(range(3, 40))]
+        for vector, item in zip(llm.embed(ids), ids):
+            assert _cos(vector, reference(folder, item, "mean")) >= 0.99999
+        llm_clean(llm)
