@@ -208,6 +208,7 @@ def test_http_embeddings_match_transformers(bare_server, folders) -> None:
     metrics = bare_server.metrics()
     assert metrics["minisgl_embedding_requests_total,reason=stop"] >= 1
     assert metrics["minisgl_embedding_tokens_total"] >= sum(map(len, IDS))
+    assert metrics["minisgl_generation_tokens_total"] == 0  # embeddings generate nothing
 
 
 BAD = [

@@ -274,7 +274,7 @@ class Pipeline:
                     updates.append(self.process(state, token, now, scored, row))
                 except Exception as e:  # this request's own output processing: it alone fails
                     failed += self.sched.fail([state], e, "processing its token")
-        self.record(launched, len(updates), read)
+        self.record(launched, sum(len(update.token_ids) for update in updates), read)  # embeddings: none
         return updates + failed
 
     def record(self, launched: InFlight, num_generated: int, read: Read) -> None:

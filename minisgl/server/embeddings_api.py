@@ -4,6 +4,7 @@ to `dimensions`, encoded) here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -61,7 +62,8 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
     info = state.client.info
     if info["pooling"] is None:
         raise APIError(f"this model serves no embeddings: {info['pooling_error']}", param="model")
-    encoding_format, dimensions = body.get("encoding_format", "float"), body.get("dimensions")
+    encoding_format, dimensions = body.get("encoding_format"), body.get("dimensions")
+    encoding_format = "float" if encoding_format is None else encoding_format
     try:
         embeddings.check_options(encoding_format, dimensions, info["hidden_size"])
     except ValueError as e:
@@ -74,7 +76,10 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
         items = embeddings.split_inputs(body["input"])
     except ValueError as e:
         raise APIError(str(e), param="input") from None
-    ids = [await _tokenize(state, item, i) if isinstance(item, str) else item for i, item in enumerate(items)]
+    # the strings tokenized at once (the tokenizer pool's processes take them side by side)
+    texts = [_tokenize(state, item, i) for i, item in enumerate(items) if isinstance(item, str)]
+    tokenized = iter(await asyncio.gather(*texts))
+    ids = [next(tokenized) if isinstance(item, str) else item for item in items]
     try:
         for i, item in enumerate(ids):
             if not item:
