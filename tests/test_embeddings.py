@@ -291,3 +291,49 @@ def test_embeddings_under_tensor_parallelism(folders) -> None:
         for vector, item in zip(llm.embed(ids), ids):
             assert _cos(vector, reference(folder, item, "mean")) >= 0.99999
         llm_clean(llm)
+
+
+def test_http_embeddings_beside_greedy_completions(folders) -> None:
+    """The mean-pooling folder served: embeddings requested while greedy completions run; the
+    completions' tokens are those each gives alone, the vectors transformers'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx2 as httpx
+    import transformers
+
+    folder = folders["mean"]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    srv = Server(
+        "--model", str(folder), "--device", "cpu", "--dtype", "float32", "--max-prefill-tokens", "16"
+    )
+    try:
+        model = httpx.get(srv.url + "/models", timeout=30).json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+
+        def complete(prompt: str) -> list[int]:
+            r = httpx.post(srv.url + "/completions", json={**body, "prompt": prompt}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        def embed(texts: list[str]) -> list[list[float]]:
+            r = httpx.post(srv.url + "/embeddings", json={"model": model, "input": texts}, timeout=120)
+            assert r.status_code == 200, r.text
+            return [item["embedding"] for item in r.json()["data"]]
+
+        alone = [complete(p) for p in TEXTS[:2]]
+        with ThreadPoolExecutor(4) as pool:
+            completions = [pool.submit(complete, p) for p in TEXTS[:2]]
+            vectors = [pool.submit(embed, TEXTS), pool.submit(embed, TEXTS[::-1])]
+            assert [f.result(timeout=300) for f in completions] == alone
+            mixed = [f.result(timeout=300) for f in vectors]
+        for got, texts in zip(mixed, (TEXTS, TEXTS[::-1])):
+            for vector, text in zip(got, texts):
+                assert _cos(vector, reference(folder, tok(text)["input_ids"])) >= 0.99999
+    finally:
+        assert srv.stop() == 0, srv.output()
