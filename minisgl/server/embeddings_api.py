@@ -90,6 +90,14 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
         raise APIError(str(e), param="input", code=code) from None
     job.tokenized = job.sent = time.perf_counter()
     params = SamplingParams(max_tokens=0, pooling=info["pooling"])
+    if state.outstanding + 1 > state.limit:  # one unit of the queue, as a choice is (a drain waits for it)
+        raise APIError(
+            f"the server is full ({state.outstanding} requests queued or running); retry later",
+            status=503,
+            type="server_error",
+            code="server_overloaded",
+        )
+    state.outstanding += 1
     try:
         vectors = await state.client.embed(ids, params)
     except ValueError as e:  # the scheduler refused or failed them
@@ -98,6 +106,8 @@ async def _embed(state: ServerState, request: Request, job: Job) -> dict[str, An
         raise APIError(
             f"the engine failed: {e}", status=503, type="server_error", code="engine_failed"
         ) from None
+    finally:
+        state.outstanding -= 1
     normalize = info["normalize_embeddings"]
     data = [
         {
