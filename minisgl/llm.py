@@ -458,17 +458,14 @@ class LLM:
         with adapter slots: started with lora_modules or allow_runtime_lora."""
         with self._lock:
             self._check_open()
-            if self.scheduler.lora is None:
-                self.scheduler.lora_adapter(name)  # raises: no adapter slots
-            self.scheduler.lora.load(name, path)
+            self.scheduler.load_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Unloads adapter `name` (a KeyError if it is not loaded): requests running on it finish with it;
         new ones naming it are refused."""
         with self._lock:
             self._check_open()
-            self.scheduler.lora_adapter(name)
-            self.scheduler.lora.unload(name)
+            self.scheduler.unload_lora(name)
 
     @property
     def lora_adapters(self) -> list[str]:

@@ -157,6 +157,24 @@ PREFIX_EVICTED_PAGES = Counter(
     ["model_name"],
     registry=REGISTRY,
 )
+LORA_REQUESTS = Counter(
+    "minisgl_lora_requests",
+    "Requests added, by LoRA adapter (lora_name '' = the base model); an adapter's series goes when it is unloaded.",
+    ["model_name", "lora_name"],
+    registry=REGISTRY,
+)
+LORA_ADAPTERS_LOADED = Gauge(
+    "minisgl_lora_adapters_loaded",
+    "LoRA adapters loaded (their weights in host memory).",
+    ["model_name"],
+    registry=REGISTRY,
+)
+LORA_ADAPTERS_RESIDENT = Gauge(
+    "minisgl_lora_adapters_resident",
+    "LoRA adapters in the device's adapter slots (at most max_loras).",
+    ["model_name"],
+    registry=REGISTRY,
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "minisgl_time_to_first_token_seconds",
     "From arrival to the first generated token.",

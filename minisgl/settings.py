@@ -41,6 +41,7 @@ from minisgl.config_fields import (
 )
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
+from minisgl.multimodal.config import MediaConfig
 from minisgl.scheduler.config import SchedulerConfig
 
 ENV_PREFIX = "MINISGL_"
@@ -198,7 +199,7 @@ class ServerConfig:
 
 
 # the configs whose setting fields make the settings, in the order the settings are listed
-CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig, ServerConfig)
+CONFIGS: tuple[type, ...] = (EngineConfig, SchedulerConfig, LaunchConfig, ServerConfig, MediaConfig)
 
 
 def setting_fields() -> dict[str, SettingField]:
@@ -347,19 +348,15 @@ class _Settings(BaseSettings):
                 f"yet (tp_size={self.tp_size}): leave speculative_method at 'none' or use tp_size 1 "
                 f"(speculative_method from {origins['speculative_method']}; tp_size from {origins['tp_size']})"
             )
-        if (config.lora_modules or config.allow_runtime_lora) and self.tp_size > 1:
-            origins = self.sources()
-            given = "lora_modules" if config.lora_modules else "allow_runtime_lora"
-            raise ValueError(
-                f"LoRA adapters are not served under tensor parallelism yet (tp_size={self.tp_size}): "
-                f"leave lora_modules and allow_runtime_lora unset or use tp_size 1 ({given} from "
-                f"{origins[given]}; tp_size from {origins['tp_size']})"
-            )
         return config
 
     def to_server_config(self) -> ServerConfig:
         """The frozen :class:`ServerConfig`."""
         return self.build(ServerConfig)
+
+    def to_media_config(self) -> MediaConfig:
+        """The frozen :class:`MediaConfig` (image inputs)."""
+        return self.build(MediaConfig)
 
 
 # -- the pydantic model, generated from the configs' fields -----------------------------------------

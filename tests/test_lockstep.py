@@ -98,8 +98,8 @@ def _follower_states(pair: Pair):
     seen = {}
     original = pair.follow.follow_add
 
-    def add(uid, prompt, params):
-        original(uid, prompt, params)
+    def add(uid, prompt, params, *rest):
+        original(uid, prompt, params, *rest)
         seen[uid] = pair.follow._by_uid[uid]
 
     pair.follow.follow_add = add

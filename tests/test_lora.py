@@ -83,20 +83,16 @@ def reference(smollm2_path, adapters):
     return tokens
 
 
+def _llm(smollm2_path, adapters, **settings) -> LLM:
+    """`LLM` of the default model in float32 with both adapters, pages of 4 tokens, rank 8 at most."""
+    base = dict(device="cpu", dtype="float32", page_size=4, lora_modules=adapters, max_lora_rank=8)
+    return LLM(str(smollm2_path), **{**base, **settings})
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_path, adapters):
     """One device slot for two adapters: a batch of both takes turns."""
-    with LLM(
-        str(smollm2_path),
-        device="cpu",
-        dtype="float32",
-        max_running_req=8,
-        page_size=4,
-        lora_modules=adapters,
-        max_loras=1,
-        max_lora_rank=8,
-        cpu_kv_budget_gib=0.25,
-    ) as llm:
+    with _llm(smollm2_path, adapters, max_running_req=8, max_loras=1, cpu_kv_budget_gib=0.25) as llm:
         yield llm
 
 
@@ -190,3 +186,34 @@ def test_an_engine_without_adapters_says_how_to_get_them(smollm2_path) -> None:
             llm.generate([PROMPTS[0]], GREEDY, lora="attn")
         with pytest.raises(ValueError, match="allow_runtime_lora"):
             llm.load_lora("attn", "/nowhere")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_chunks_and_ngram_speculation_keep_each_adapter(
+    smollm2_path, adapters, reference, overlap
+):
+    """Few KV pages (requests preempted and recomputed), prefill chunks of 8 tokens and n-gram
+    speculation, with and without overlap scheduling: every request still gets its own adapter's
+    tokens, the drafts verified under it."""
+    from minisgl import metrics
+
+    with _llm(
+        smollm2_path,
+        adapters,
+        max_running_req=6,
+        num_page_override=16,
+        max_prefill_tokens=8,
+        overlap_scheduling=overlap,
+        speculative_method="ngram",
+        max_loras=2,  # both adapters run together: the pages, not the slots, are short
+    ) as llm:
+        counted = {"model_name": llm.model_name}
+        accepted = metrics.REGISTRY.get_sample_value("minisgl_spec_accepted_tokens_total", counted) or 0
+        ids = [llm.tokenizer(p * 2)["input_ids"] for p in PROMPTS]  # repeats: the n-gram drafts find them
+        names = ["mlp", None, "attn", "attn", "mlp", None]
+        prompts = [ids[i % len(ids)] for i in range(len(names))]
+        got = llm.generate(prompts, GREEDY, lora=names)
+        assert [o.token_ids for o in got] == [reference(p, name) for p, name in zip(prompts, names)]
+        assert llm.scheduler.preemptions > 0
+        assert metrics.REGISTRY.get_sample_value("minisgl_spec_accepted_tokens_total", counted) > accepted
+        _clean(llm)

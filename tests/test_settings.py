@@ -16,6 +16,7 @@ from minisgl.config_fields import Setting, declaration
 from minisgl.distributed import DistributedInfo
 from minisgl.engine.config import EngineConfig
 from minisgl.models.config import ModelConfig
+from minisgl.multimodal.config import MediaConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.settings import CONFIGS as CONFIG_CLASSES
 from minisgl.settings import EngineSettings, LaunchConfig, ServerConfig, SettingsError, settings_markdown
@@ -71,9 +72,10 @@ def test_fields_mirror_the_configs() -> None:
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     scheduler = {f.name for f in dataclasses.fields(SchedulerConfig)}
     server = {f.name for f in dataclasses.fields(ServerConfig)}
+    media = {f.name for f in dataclasses.fields(MediaConfig)}
     launch = {"tp_size", "dp_size"}
     filled = {"tp_info", "enable_lora"}  # by the settings layer, from tp_size and the LoRA settings
-    assert set(EngineSettings.model_fields) == engine - filled | scheduler | launch | server
+    assert set(EngineSettings.model_fields) == engine - filled | scheduler | launch | server | media
     assert [f.name for f in dataclasses.fields(LaunchConfig)] == ["tp_size", "dp_size"]
 
 

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 import torch
-from conftest import llm_clean, make_tiny_model
+from conftest import llm_clean, make_peft_adapter, make_tiny_model
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -49,6 +49,36 @@ def test_llm_tp2_equals_tp1(tiny_qwen3):
     single = _generate(tiny_qwen3, 1, prompts, params)
     assert _generate(tiny_qwen3, 2, prompts, params) == single
     assert [len(t) for t in single] == [6, 8, 9, 4, 7]
+
+
+def test_lora_adapters_under_tp2_equal_tp1(tiny_qwen3, tmp_path):
+    """Adapters sharded like the projections they modify, loaded at start and at runtime (rank 0's load
+    and unload reach the other rank with the next step), requests of the base and two adapters in
+    one batch with one device slot: the same tokens as one rank."""
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    a = make_peft_adapter(tiny_qwen3, tmp_path / "a", 0, r=4, lora_alpha=8, target_modules=every)
+    some = dict(r=8, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"])
+    b = make_peft_adapter(tiny_qwen3, tmp_path / "b", 1, **some)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=gen).tolist() for n in (5, 19, 1, 12)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def run(tp: int) -> list[list[list[int]]]:
+        llm = _text_llm(tiny_qwen3, tp, lora_modules={"a": a}, max_loras=1, max_lora_rank=8)
+        try:
+            runs = [llm.generate(prompts, params, lora=[None, "a", "a", None])]
+            llm.load_lora("b", b)
+            runs.append(llm.generate(prompts, params, lora=["b", "a", None, "b"]))
+            llm.unload_lora("a")
+            runs.append(llm.generate(prompts, params, lora=["b", None, "b", None]))
+            return [[o.token_ids for o in outputs] for outputs in runs]
+        finally:
+            llm.shutdown()
+
+    single = run(1)
+    assert run(2) == single
+    # the adapters change the tokens (prompt 0 under the base, then b; prompt 1 under a, then the base)
+    assert single[0][0] != single[1][0] and single[1][1] != single[2][1]
 
 
 def test_dead_rank_is_a_clear_error(tiny_qwen3):

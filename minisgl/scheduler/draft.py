@@ -81,7 +81,8 @@ def draft_footprint(target_config: EngineConfig, draft_path: str) -> DraftFootpr
     without a config or (unless dummy weights) checkpoint, and a vocabulary other than the target's."""
     folder = _resolve_draft_path(draft_path)
     try:
-        config = dataclasses.replace(target_config, model_path=folder, cache_dir=None)
+        # the draft proposes for the base model: no LoRA adapter slots (their memory) of its own
+        config = dataclasses.replace(target_config, model_path=folder, cache_dir=None, enable_lora=False)
         model_config = config.model_config
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"{SETTING}={draft_path!r}: {e}") from e

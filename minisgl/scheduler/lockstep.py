@@ -1,7 +1,7 @@
 """Ranks in lockstep: every tensor-parallel rank runs its own `Scheduler` over the same request stream.
 
 Rank 0 (`Leader`) alone sees the outside world; each of its steps sends every follower (`Follower`) the
-events since the last step (add, finish, clear) and the step's plan, which the follower checks against
+events since the last step (add, finish, clear, an adapter loaded or unloaded) and the step's plan, which the follower checks against
 its own, so nothing about a batch travels. docs/tensor-parallel-and-moe.md, "Ranks in lockstep".
 """
 
@@ -94,7 +94,8 @@ class Leader:
     # -- what the scheduler tells it ------------------------------------------------------------
 
     def added(self, state: RequestState) -> None:
-        self._events.append(["add", state.uid, len(state.prompt_ids), _params_to_data(state.params)])
+        lora = None if state.lora is None else state.lora.name
+        self._events.append(["add", state.uid, len(state.prompt_ids), _params_to_data(state.params), lora])
         self._prompts.extend(state.prompt_ids)
 
     def finished(self, state: RequestState) -> None:
@@ -102,6 +103,10 @@ class Leader:
 
     def cleared(self) -> None:
         self._events.append(["clear"])
+
+    def lora_changed(self, name: str, path: str | None) -> None:
+        """Adapter `name` was loaded from `path` (None: unloaded): every rank does the same, in order."""
+        self._events.append(["lora", name, path])
 
     def begin(self, scheduler: Scheduler) -> None:
         """Marks the start of a step: what finishes from here to the plan (a request that failed at
@@ -234,6 +239,9 @@ class Follower:
     def cleared(self) -> None:
         pass
 
+    def lora_changed(self, name: str, path: str | None) -> None:
+        pass
+
     def begin(self, scheduler: Scheduler) -> None:
         """Applies the leader's events, in order, to this rank's scheduler."""
         header = self._header
@@ -246,12 +254,14 @@ class Follower:
         offset = 0
         for event in header["events"]:
             if event[0] == "add":
-                _, uid, length, params = event
+                _, uid, length, params, lora = event
                 prompt = self._prompts[offset : offset + length].tolist()
                 offset += length
-                scheduler.follow_add(uid, prompt, _params_from_data(params))
+                scheduler.follow_add(uid, prompt, _params_from_data(params), lora)
             elif event[0] == "clear":
                 scheduler.follow_clear()
+            elif event[0] == "lora":
+                scheduler.follow_lora(*event[1:])
             else:
                 _, uid, reason, error = event
                 scheduler.follow_finish(uid, reason, error)

@@ -58,10 +58,8 @@ class LoraManager:
     def resident(self) -> int:
         return sum(loaded is not None for loaded in self.slots)
 
-    def load(self, name: str, path: str) -> Loaded:
-        """Reads the adapter at `path` (a PEFT folder or a hub id) under `name`; raises LoraError (a
-        ValueError) naming what is wrong: a name already loaded, no adapter there, a rank above
-        max_lora_rank, a target the model lacks, DoRA, biases, modules_to_save."""
+    def check_name(self, name: str) -> None:
+        """Raises LoraError unless `name` can name a new adapter (non-empty, not loaded)."""
         if not isinstance(name, str) or not name.strip():
             raise LoraError(f"lora_name={name!r}: give the adapter a non-empty name")
         if name in self.by_name:
@@ -69,8 +67,16 @@ class LoraManager:
                 f"a LoRA adapter named {name!r} is already loaded (from {self.by_name[name].adapter.path}); "
                 "unload it first or pick another name"
             )
+
+    def load(self, name: str, path: str, adapter: LoraAdapter | None = None) -> Loaded:
+        """Reads the adapter at `path` (a PEFT folder or a hub id) under `name` (`adapter`: read already,
+        by `engine.read_lora`); raises LoraError (a ValueError) naming what is wrong: a name already
+        loaded, no adapter there, a rank above max_lora_rank, a target the model lacks, DoRA, biases,
+        modules_to_save."""
+        self.check_name(name)
         start = time.perf_counter()
-        adapter = self.engine.read_lora(name, path)  # for this engine's model, dtype, rank and TP rank
+        if adapter is None:  # for this engine's model, dtype, rank and TP rank
+            adapter = self.engine.read_lora(name, path)
         loaded = Loaded(self._next_id, adapter, time.perf_counter() - start)
         self._next_id += 1
         self.by_name[name] = loaded

@@ -17,6 +17,7 @@ from typing import Any
 
 from minisgl.core import FATAL_ERRORS, FatalEngineError, SamplingParams, as_token_ids
 from minisgl.engine import Engine
+from minisgl.lora import LoraAdapter
 from minisgl.scheduler.admission import Admission
 from minisgl.scheduler.batching import BatchPreparer
 from minisgl.scheduler.config import SchedulerConfig
@@ -78,6 +79,7 @@ class Scheduler:
         # LoRA adapters (docs/lora.md): with an engine that has a pool of adapter slots
         pool = getattr(engine, "lora_pool", None)
         self.lora = None if pool is None else LoraManager(engine, config.lora_module_paths())
+        self.metrics.lora_adapters(self.lora)
         # the parts
         self.admission = Admission(self.prep, self.metrics, speculator, link, self.lora)
         self.policy = StepPolicy(self.admission, config.prefill_tokens(engine.device.type), vocab_size)
@@ -194,6 +196,7 @@ class Scheduler:
         state = self._queue(prompt, params, self.output.detokenizer(params, stream))
         state.lora = adapter
         state.grammar = self.grammars.new_state(params)
+        self.metrics.lora_request(lora)
         if self.link is not None:
             self.link.added(state)
         return state
@@ -219,11 +222,53 @@ class Scheduler:
             loaded = ", ".join(sorted(self.lora.by_name)) or "none"
             raise KeyError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})") from None
 
-    def follow_add(self, uid: int, prompt: list[int], params: SamplingParams) -> None:
-        """A following rank: queues the request rank 0 added (checked there) under the same uid."""
+    def load_lora(self, name: str, path: str, adapter: LoraAdapter | None = None) -> None:
+        """Loads the LoRA adapter at `path` (a PEFT folder or a hub id) under `name` (`adapter`: read
+        from it already, by `engine.read_lora` on another thread); raises a LoraError (a ValueError)
+        naming what is wrong. Under tensor parallelism the other ranks load their part of it with the
+        next step."""
+        if self.follows:
+            raise RuntimeError("a following rank loads adapters when rank 0 says so")
+        if self.lora is None:
+            self.lora_adapter(name)  # raises: no adapter slots
+        self.lora.load(name, path, adapter)
+        if self.link is not None:
+            self.link.lora_changed(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads adapter `name` (a KeyError if it is not loaded): requests running on it finish with
+        it, new ones naming it are refused."""
+        if self.follows:
+            raise RuntimeError("a following rank unloads adapters when rank 0 says so")
+        self.lora_adapter(name)
+        self.lora.unload(name)
+        self.metrics.lora_unloaded(name)
+        if self.link is not None:
+            self.link.lora_changed(name, None)
+
+    def follow_lora(self, name: str, path: str | None) -> None:
+        """A following rank: loads (from `path`) or unloads (None) adapter `name` as rank 0 did."""
+        try:
+            if path is None:
+                self.lora.unload(name)
+            else:
+                self.lora.load(name, path)
+        except Exception as e:  # rank 0 succeeded: this rank can no longer follow it
+            action = "unload" if path is None else f"load (from {path})"
+            raise FatalEngineError(
+                f"a rank failed to {action} the LoRA adapter {name!r} that rank 0 did: {e}"
+            ) from e
+
+    def follow_add(
+        self, uid: int, prompt: list[int], params: SamplingParams, lora: str | None = None
+    ) -> None:
+        """A following rank: queues the request rank 0 added (checked there) under the same uid, under
+        adapter `lora` (its name, loaded on every rank by then)."""
         if uid != self._uids:
             raise FatalEngineError(f"rank 0 added request {uid} where this rank expected {self._uids}")
-        self._by_uid[uid] = self._queue(prompt, params, None)
+        state = self._queue(prompt, params, None)
+        state.lora = None if lora is None else self.lora.get(lora)
+        self._by_uid[uid] = state
 
     def follow_finish(self, uid: int, reason: FinishReason, error: str | None) -> None:
         """A following rank: finishes the request as rank 0 did (no-op if it already has, in the same

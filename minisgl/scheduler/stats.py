@@ -8,6 +8,7 @@ copy on the stream, so reading it waits for no work.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,3 +153,21 @@ class SchedulerMetrics:
 
     def waiting(self, waiting: int) -> None:
         metrics.REQUESTS_WAITING.labels(**self.labels).set(waiting)
+
+    def lora_adapters(self, manager: Any) -> None:
+        """The gauges of adapters loaded and resident read `manager` (the scheduler's LoraManager, or
+        None: 0) when scraped; the base model's requests get their series (lora_name '')."""
+        loaded = metrics.LORA_ADAPTERS_LOADED.labels(**self.labels)
+        resident = metrics.LORA_ADAPTERS_RESIDENT.labels(**self.labels)
+        loaded.set_function(lambda: 0 if manager is None else len(manager.by_name))
+        resident.set_function(lambda: 0 if manager is None else manager.resident)
+        metrics.LORA_REQUESTS.labels(lora_name="", **self.labels)
+
+    def lora_request(self, name: str | None) -> None:
+        """A request was added under adapter `name` (None: the base model)."""
+        metrics.LORA_REQUESTS.labels(lora_name=name or "", **self.labels).inc()
+
+    def lora_unloaded(self, name: str) -> None:
+        """Adapter `name` was unloaded: its requests' series goes (the label values stay bounded)."""
+        with contextlib.suppress(KeyError):
+            metrics.LORA_REQUESTS.remove(self.labels["model_name"], name)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
-from minisgl.server import native, openai_api
+from minisgl.server import adapters, native, openai_api
 from minisgl.server.connections import connection_cap, loop_exception_handler, protocol_class
 from minisgl.server.errors import APIError, error_body, short
 from minisgl.server.guards import Guard, error_response, why_unavailable
@@ -108,6 +108,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"freed_pages": pages})
 
     openai_api.add_routes(app, state)
+    adapters.add_routes(app, state)  # LoRA adapters loaded and unloaded while serving
     native.add_routes(app, state)  # SGLang's native API and what its router asks workers for
     return app
 

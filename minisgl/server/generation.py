@@ -30,7 +30,7 @@ from minisgl.server.worker import ids_frame
 LARGE_BODY_BYTES = 256 << 10  # bodies parsed and checked off the event loop past this size
 
 
-def _parse_body(parse: Any, raw: bytes, served_model: str, limits: protocol.Limits) -> Any:
+def _parse_body(parse: Any, raw: bytes, served_model: protocol.Served, limits: protocol.Limits) -> Any:
     """The checked request of the body `raw` (`parse`: protocol.parse_chat_request or _completion_,
     native.parse_generate)."""
     return parse(load_json(raw), served_model, limits)
@@ -48,7 +48,7 @@ async def prepare_request(
         if unavailable is not None:
             raise unavailable
         raw = await read_body(state, request)
-        args = (parse, raw, state.served_model, state.limits)
+        args = (parse, raw, state.served(), state.limits)
         if len(raw) <= LARGE_BODY_BYTES:
             req = _parse_body(*args)
         else:  # on a thread: the event loop goes on (but for json.loads itself, one C call)
@@ -86,10 +86,13 @@ def admit_job(
     params: list[SamplingParams],
     prompt_ids: list[int],
     keep_special_tokens: bool = False,
+    model: str | None = None,
 ) -> None:
     """Makes the job's choices, one per SamplingParams, and sends them to the scheduler (a replica's,
-    under data parallelism). `keep_special_tokens`: their text keeps special tokens (tool-call markup)."""
+    under data parallelism). `keep_special_tokens`: their text keeps special tokens (tool-call markup);
+    `model`: the request's `model` field (a LoRA adapter's name runs them on it)."""
     job.tokenized = time.perf_counter()
+    job.lora = None if model is None or model == state.served_model else model
     client = state.client
     skip = not keep_special_tokens
     job.choices = [
@@ -113,8 +116,11 @@ def admit_job(
     job.sent = time.perf_counter()
 
 
-def _check_rejected(choice: Choice) -> None:
+def check_rejected(choice: Choice) -> None:
+    """The error of a choice the scheduler rejected (a 400; a 404 for an adapter unloaded meanwhile)."""
     if choice.finish_reason == "rejected":
+        if choice.rejected_status == 404:  # its LoRA adapter was unloaded after the request was checked
+            raise APIError(choice.error or "", status=404, param="model", code="model_not_found")
         raise invalid_request(ValueError(choice.error))
 
 
@@ -122,7 +128,7 @@ async def wait_all(job: Job) -> None:
     """Until every choice of `job` has finished (a 400 for one the scheduler rejected)."""
     while True:
         for c in job.choices:
-            _check_rejected(c)
+            check_rejected(c)
         if all(c.finished for c in job.choices):
             return
         await job.wake.wait()

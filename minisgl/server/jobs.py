@@ -41,6 +41,7 @@ class Choice:
     emitted_logprobs: int = 0  # entries of `logprobs` already handed out (streaming)
     text_offset: int = 0  # characters of the text handed out with their logprobs (streamed completions)
     hidden_last: bool = False  # its last token (EOS or a stop token) is not part of the text
+    rejected_status: int = 400  # the HTTP status of a "rejected" finish (404: its adapter was unloaded)
     cost: int = 0  # tokens it adds to its scheduler's load while the front end holds it (prompt + max)
 
     @property
@@ -122,6 +123,7 @@ class Job:
         self.delay_max = 0.0  # the largest delay from step_time to a write
         # the delays summed, split: in the scheduler, the hop (a Unix socket), here (they add up to it)
         self.parts_sum = [0.0, 0.0, 0.0]
+        self.lora: str | None = None  # the LoRA adapter its choices run on (None: the base model)
 
     def news(self, step_time: float, sent: float, now: float) -> None:
         """A scheduler step (its tokens on the host at `step_time`, its message sent at `sent`)
@@ -192,6 +194,7 @@ def trace_record(job: Job, request_id: str, prompt_tokens: int, clock_offset: fl
         "prompt_tokens": prompt_tokens,
         "completion_tokens": sum(len(c.token_ids) for c in job.choices),
         "n": len(job.choices),
+        "lora": job.lora,
         "finish_reasons": [c.finish_reason for c in job.choices],
         "e2e_s": job.done - job.received,
         "stages_s": stages,

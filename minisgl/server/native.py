@@ -20,9 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.core import SamplingParams
-from minisgl.server import protocol, responses
-from minisgl.server.errors import APIError, error_body, invalid_request, short
-from minisgl.server.generation import admit_job, prepare_request, release_job, tokenize_prompt, wait_all
+from minisgl.server import generation, protocol, responses
+from minisgl.server.errors import APIError, error_body, short
 from minisgl.server.guards import error_response, why_unavailable
 from minisgl.server.jobs import Job
 from minisgl.server.sampling import sampling_params
@@ -190,11 +189,15 @@ def _json_schema_format(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": parsed}}
 
 
-def parse_generate(body: Any, served_model: str, limits: protocol.Limits | None = None) -> GenerateRequest:
-    """A `POST /generate` body (the decoded JSON) as a checked request; APIError 400 or 404."""
+def parse_generate(
+    body: Any, served_model: str | protocol.Served, limits: protocol.Limits | None = None
+) -> GenerateRequest:
+    """A `POST /generate` body (the decoded JSON) as a checked request; APIError 400 or 404. Its LoRA
+    adapter (`lora_name`, or `model`) is the request's `model`."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
-    _check_fields(body, {"text", "input_ids", "sampling_params", "stream", "rid", "model"}, _TOP_DEFAULTS, "")
+    known = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "lora_name"}
+    _check_fields(body, known, _TOP_DEFAULTS, "")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise APIError("give the prompt as exactly one of 'text' and 'input_ids'", param="text")
@@ -211,9 +214,21 @@ def parse_generate(body: Any, served_model: str, limits: protocol.Limits | None 
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise APIError(f"rid must be a string, got {short(rid)}", param="rid")
-    model = body.get("model")
+    model, lora = body.get("model"), body.get("lora_name")
+    if lora is not None:
+        if not isinstance(lora, str):
+            raise APIError(
+                f"lora_name must be a string (an adapter's name), got {short(lora)}", param="lora_name"
+            )
+        if model is not None and model != lora:
+            raise APIError(
+                f"model={short(model)} and lora_name={short(lora)} disagree: give the adapter in one of them",
+                param="lora_name",
+            )
+        model = lora
+    base = served_model.base if isinstance(served_model, protocol.Served) else served_model
     completion = {
-        "model": served_model if model is None else model,
+        "model": base if model is None else model,
         "prompt": ids if text is None else text,
         **{
             _SAMPLING[name]: value
@@ -288,8 +303,7 @@ async def stream_events(
         while True:
             await job.wake.wait()
             job.wake.clear()
-            if choice.finish_reason == "rejected":
-                raise invalid_request(ValueError(choice.error))
+            generation.check_rejected(choice)
             before = choice.emitted_ids
             delta, _ = choice.take()
             text += delta
@@ -389,19 +403,19 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 async def _generate(state: ServerState, request: Request) -> Response:
     """`POST /generate`: one choice, answered whole or streamed as the text and token ids so far."""
     job = Job(time.perf_counter())
-    prepared = await prepare_request(
+    prepared = await generation.prepare_request(
         state,
         request,
         parse_generate,
-        lambda req: req.checked(tokenize_prompt(state, req.request, "completion")),
+        lambda req: req.checked(generation.tokenize_prompt(state, req.request, "completion")),
         lambda req, prompt_len, max_context: req.sampling_params(prompt_len, max_context),
     )
     if isinstance(prepared, Response):
         return prepared
     req, prompt_ids, params = prepared
-    admit_job(state, job, params, prompt_ids)
+    generation.admit_job(state, job, params, prompt_ids, model=req.request.model)
     elapsed = lambda: time.perf_counter() - job.received  # noqa: E731
-    release = lambda: release_job(state, job, req.rid, len(prompt_ids))  # noqa: E731
+    release = lambda: generation.release_job(state, job, req.rid, len(prompt_ids))  # noqa: E731
     if req.stream:
         written = lambda: state.delivery.observe(job.written(time.perf_counter()))  # noqa: E731
         return StreamingResponse(
@@ -410,7 +424,7 @@ async def _generate(state: ServerState, request: Request) -> Response:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        await wait_all(job)
+        await generation.wait_all(job)
         [choice] = job.choices
         answer = generate_response(req, choice, choice.text, choice.token_ids, len(prompt_ids), elapsed())
         return JSONResponse(answer)

@@ -19,8 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minisgl.server import embeddings_api, protocol, responses
-from minisgl.server.errors import APIError, error_body, invalid_request
-from minisgl.server.generation import admit_job, prepare_request, release_job, tokenize_prompt, wait_all
+from minisgl.server.errors import APIError, error_body
+from minisgl.server.generation import (
+    admit_job,
+    check_rejected,
+    prepare_request,
+    release_job,
+    tokenize_prompt,
+    wait_all,
+)
 from minisgl.server.guards import error_response, why_unavailable
 from minisgl.server.jobs import Choice, Job
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -38,7 +45,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         unavailable = why_unavailable(state)
         if unavailable is not None:
             return error_response(unavailable)
-        return JSONResponse(responses.model_list(state.served_model))
+        return JSONResponse(responses.model_list(state.served_model, adapters=state.served().adapters))
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
@@ -46,10 +53,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if unavailable is not None:
             return error_response(unavailable)
         try:
-            protocol.check_model(model, state.served_model)
+            adapter = state.served().adapter(model)
         except APIError as e:
             return error_response(e)
-        return JSONResponse(responses.model_card(state.served_model))
+        parent = None if adapter is None else state.served_model
+        return JSONResponse(responses.model_card(model, parent=parent))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -85,7 +93,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     req, prompt_ids, params = prepared
     request_id = responses.new_request_id(kind)
     plan = None if tools is None else tools.plan
-    admit_job(state, job, params, prompt_ids, plan is not None and plan.fmt.keep_special_tokens)
+    admit_job(state, job, params, prompt_ids, plan is not None and plan.fmt.keep_special_tokens, req.model)
     thinking = _thinking(state, req, prompt_ids)
     echo = _echo(state, req, prompt_ids)
     created = int(time.time())
@@ -104,7 +112,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         return _json_response(
             respond(
                 request_id,
-                state.served_model,
+                req.model,
                 len(prompt_ids),
                 [
                     _Generation(c, thinking, echo, state.token_texts, kind, readers and readers[c.index])
@@ -267,7 +275,7 @@ async def _stream(
     `echo` (completions): each choice's first chunk is the prompt's text (with its log probabilities
     once the prefill has them). Chunks with log probabilities carry them as `RawJSON` (`_streamed_logprobs`)."""
     prompt_tokens = len(prompt_ids)
-    model = state.served_model
+    model = req.model  # the base model's name or a LoRA adapter's
     wants_ids = req.wants_token_ids
     choices = job.choices
     formats = [
@@ -293,8 +301,7 @@ async def _stream(
             for choice, fmt in zip(choices, formats):
                 if choice.reported:
                     continue
-                if choice.finish_reason == "rejected":
-                    raise invalid_request(ValueError(choice.error))
+                check_rejected(choice)
                 if echo is not None and not choice.text_offset:  # the prompt first, once scored
                     if choice.prompt_logprobs is not None and len(choice.prompt_logprobs) < prompt_tokens:
                         if not choice.finished:

@@ -32,11 +32,28 @@ from minisgl.templates import check_template_kwargs
 MAX_N = 128  # choices per request
 
 
-def check_model(requested: str, served: str) -> None:
-    """A 404 in OpenAI's "model_not_found" shape unless `requested` is the served model's name."""
-    if requested != served:
+@dataclass(frozen=True)
+class Served:
+    """The names the `model` field may take: the base model's, then its LoRA adapters' (docs/lora.md)."""
+
+    base: str
+    adapters: tuple[str, ...] = ()
+
+    def adapter(self, requested: str) -> str | None:
+        """The LoRA adapter `requested` names (None: the base model); `check_model`'s 404 if neither."""
+        check_model(requested, self)
+        return None if requested == self.base else requested
+
+
+def check_model(requested: str, served: str | Served) -> None:
+    """A 404 in OpenAI's "model_not_found" shape unless `requested` is the served model's name (or, with
+    `served` a `Served`, one of its adapters')."""
+    served = served if isinstance(served, Served) else Served(served)
+    if requested != served.base and requested not in served.adapters:
+        adapters = f" and the LoRA adapters {', '.join(served.adapters)}" if served.adapters else ""
         raise APIError(
-            f"The model {short(requested)} does not exist; this server serves `{served}` (see GET /v1/models)",
+            f"The model {short(requested)} does not exist; this server serves `{served.base}`{adapters} "
+            "(see GET /v1/models)",
             status=404,
             param="model",
             code="model_not_found",
@@ -384,7 +401,7 @@ def check_unsupported(name: str, value: Any, unsupported: Mapping[str, Callable[
 def _parse(
     cls: type[_GenerationRequest],
     body: Any,
-    served_model: str,
+    served_model: str | Served,
     unsupported: Mapping[str, Callable[[Any], bool]],
     limits: Limits | None,
 ) -> Any:
@@ -415,11 +432,15 @@ def _parse(
     return request
 
 
-def parse_completion_request(body: Any, served_model: str, limits: Limits | None = None) -> CompletionRequest:
+def parse_completion_request(
+    body: Any, served_model: str | Served, limits: Limits | None = None
+) -> CompletionRequest:
     """A `POST /v1/completions` body (the decoded JSON) as a checked request; APIError 400 or 404."""
     return _parse(CompletionRequest, body, served_model, _UNSUPPORTED_COMPLETION, limits)
 
 
-def parse_chat_request(body: Any, served_model: str, limits: Limits | None = None) -> ChatCompletionRequest:
+def parse_chat_request(
+    body: Any, served_model: str | Served, limits: Limits | None = None
+) -> ChatCompletionRequest:
     """A `POST /v1/chat/completions` body as a checked request; APIError 400 or 404."""
     return _parse(ChatCompletionRequest, body, served_model, _UNSUPPORTED_CHAT, limits)

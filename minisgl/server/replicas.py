@@ -154,6 +154,9 @@ class Replicas:
     crash_limit: int = 5  # deaths within crash_window_s that end a replica's restarts
     crash_window_s: float = 600.0
     replicas: list[Replica] = field(default_factory=list)
+    # the LoRA adapters every replica has loaded (name -> path), runtime loads included: a replica
+    # started again loads them all
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ready = asyncio.Event()
@@ -170,8 +173,11 @@ class Replicas:
     # -- lifetime
 
     def _start(self, replica: Replica) -> None:
+        settings = replica.settings
+        if self.info is not None:  # started again: with the adapters the others have now
+            settings = {**settings, "lora_modules": dict(self.adapters) or None}
         client = self.make_client(
-            replica.settings, self.config, replica.devices, f"minisgl-scheduler-dp{replica.rank}"
+            settings, self.config, replica.devices, f"minisgl-scheduler-dp{replica.rank}"
         )
         client.on_failure = functools.partial(self._down, replica, client)
         replica.client, replica.pid = client, client.proc.pid
@@ -192,6 +198,7 @@ class Replicas:
             info = dict(client.info)
             info["max_running_req"] = sum(r.client.info["max_running_req"] for r in self.replicas)
             self.info = info
+            self.adapters = dict(getattr(client, "adapters", {}))
             self.ready.set()
 
     def _down(self, replica: Replica, client: Any) -> None:
@@ -364,6 +371,39 @@ class Replicas:
             f"# TYPE minisgl_dp_replica_restarts_total counter\n{restarts}\n"
         )
         return merged + own
+
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Loads a LoRA adapter in every serving replica (`SchedulerClient.load_lora`'s answer: the first
+        error, after the replicas that did load it unloaded it again)."""
+        serving = [r.client for r in self.replicas if r.serving]
+        answers = await asyncio.gather(*(c.load_lora(name, path) for c in serving), return_exceptions=True)
+        failed = [a for a in answers if isinstance(a, BaseException) or a["error"] is not None]
+        if failed:
+            loaded = [
+                c for c, a in zip(serving, answers) if not isinstance(a, BaseException) and a["error"] is None
+            ]
+            await asyncio.gather(*(c.unload_lora(name) for c in loaded), return_exceptions=True)
+            first = failed[0]
+            if isinstance(first, BaseException):
+                return {"error": f"a replica did not answer ({type(first).__name__}: {first})", "status": 503}
+            return first
+        self.adapters[name] = path
+        return {"error": None, "status": 200}
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """Unloads a LoRA adapter from every serving replica (the first error, if any)."""
+        serving = [r.client for r in self.replicas if r.serving]
+        answers = await asyncio.gather(*(c.unload_lora(name) for c in serving), return_exceptions=True)
+        self.adapters.pop(name, None)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                return {
+                    "error": f"a replica did not answer ({type(answer).__name__}: {answer})",
+                    "status": 503,
+                }
+            if answer["error"] is not None:
+                return answer
+        return {"error": None, "status": 200}
 
     async def flush_cache(self) -> int:
         """Empties every serving replica's prefix cache; the KV pages freed in all."""

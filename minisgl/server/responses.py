@@ -216,19 +216,26 @@ def usage_chunk(
     }
 
 
-def model_card(model: str, *, created: int | None = None, owned_by: str = "minisgl") -> dict[str, Any]:
-    """One `model` object (`GET /v1/models/{model}`)."""
-    return {
+def model_card(
+    model: str, *, created: int | None = None, owned_by: str = "minisgl", parent: str | None = None
+) -> dict[str, Any]:
+    """One `model` object (`GET /v1/models/{model}`); a LoRA adapter's names its base model (`parent`)."""
+    card = {
         "id": model,
         "object": "model",
         "created": int(time.time()) if created is None else created,
         "owned_by": owned_by,
     }
+    return card if parent is None else {**card, "parent": parent}
 
 
-def model_list(model: str, *, created: int | None = None, owned_by: str = "minisgl") -> dict[str, Any]:
-    """The `GET /v1/models` list: the one served model."""
-    return {"object": "list", "data": [model_card(model, created=created, owned_by=owned_by)]}
+def model_list(
+    model: str, *, created: int | None = None, owned_by: str = "minisgl", adapters: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The `GET /v1/models` list: the served model, then its LoRA adapters (their `parent`: it)."""
+    created = int(time.time()) if created is None else created
+    cards = [model_card(name, created=created, owned_by=owned_by, parent=model) for name in adapters]
+    return {"object": "list", "data": [model_card(model, created=created, owned_by=owned_by), *cards]}
 
 
 @dataclass(frozen=True)

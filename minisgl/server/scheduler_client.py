@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 STOP_JOIN_S = 30.0  # how long the front end waits for the scheduler process to end at shutdown
 METRICS_TIMEOUT_S = 10.0
+LORA_TIMEOUT_S = 600.0  # loading a LoRA adapter (a hub id is downloaded first)
 
 
 def _scheduler_entry(devices: str | None, *args: Any) -> None:
@@ -74,6 +75,7 @@ class SchedulerClient:
     ) -> None:
         self.settings, self.config = settings, config
         self.info: dict[str, Any] | None = None
+        self.adapters: dict[str, str] = {}  # the LoRA adapters loaded: name -> path, in the order loaded
         self.failed: str | None = None
         self.on_failure: Any = None  # called once when the scheduler process fails or dies
         self.ready = asyncio.Event()
@@ -112,7 +114,11 @@ class SchedulerClient:
         `prompt`: the prompt's ids as a frame (`ids_frame`)."""
         self.choices[choice.rid] = choice
         params = replace(choice.params, stop=())  # stop strings are found here
-        self._send({"op": "add", "rid": choice.rid, "params": encode_params(params)}, prompt)
+        header = {"op": "add", "rid": choice.rid, "params": encode_params(params)}
+        lora = getattr(choice.job, "lora", None)
+        if lora is not None:
+            header["lora"] = lora
+        self._send(header, prompt)
 
     async def embed(self, inputs: list[list[int]], params: SamplingParams) -> list[list[float]]:
         """The pooled vectors of an embeddings request's inputs, queued in the scheduler together
@@ -178,14 +184,29 @@ class SchedulerClient:
         """Empties the scheduler's prefix cache; the KV pages freed."""
         return (await self._ask("flush"))["pages"]
 
-    async def _ask(self, op: str) -> dict[str, Any]:
+    async def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Loads a LoRA adapter in the scheduler process: its answer, {"error": None} or the error and
+        its HTTP status."""
+        answer = await self._ask("load_lora", LORA_TIMEOUT_S, name=name, path=path)
+        if answer["error"] is None:
+            self.adapters[name] = path
+        return answer
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """Unloads a LoRA adapter in the scheduler process (`load_lora`'s answer)."""
+        answer = await self._ask("unload_lora", LORA_TIMEOUT_S, name=name)
+        if answer["error"] is None:
+            self.adapters.pop(name, None)
+        return answer
+
+    async def _ask(self, op: str, timeout: float = METRICS_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
         """Sends a question to the scheduler process and waits for its answer (same op and id)."""
         key = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._answers[key] = future
-        self._send({"op": op, "id": key})
+        self._send({"op": op, "id": key, **fields})
         try:
-            return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
+            return await asyncio.wait_for(future, timeout)
         finally:
             self._answers.pop(key, None)
 
@@ -205,17 +226,19 @@ class SchedulerClient:
             choice = self.choices.pop(header["rid"], None)
             if choice is not None:
                 choice.end("rejected", header["error"])
+                choice.rejected_status = header.get("status", 400)
                 choice.job.wake.set()
         elif op == "embedded":
             future = self._embeds.get(header["rid"])
             if future is not None and not future.done():
                 future.set_result((header["error"], frames[1] if len(frames) > 1 else b""))
-        elif op in ("metrics", "flush"):  # answers to `_ask`
+        elif op in ("metrics", "flush", "load_lora", "unload_lora"):  # answers to `_ask`
             future = self._answers.get(header["id"])
             if future is not None and not future.done():
                 future.set_result(header)
         elif op == "ready":
             self.info = header
+            self.adapters = dict(header["lora_modules"])
             self.ready.set()
         elif op == "failed":
             self._fail(header["error"])

@@ -59,6 +59,7 @@ class ServerState:
         self.server = settings.to_server_config()
         self.explicit, self.config = explicit, config
         self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
+        self.allow_runtime_lora = settings.allow_runtime_lora  # POST /v1/load_lora_adapter and unload
         self.replicas = replica_settings(settings, explicit)  # per replica: settings, GPUs
         self.client: SchedulerClient | Replicas | None = None
         self.served_model = self.server.served_model_name
@@ -135,6 +136,10 @@ class ServerState:
         self.registry.register(self.delivery)
         self.ready = True
         logger.info("serving %s at http://%s:%d/v1", self.served_model, self.server.host, self.server.port)
+
+    def served(self) -> protocol.Served:
+        """The names the `model` field may take now: the served model's, then its LoRA adapters'."""
+        return protocol.Served(self.served_model, tuple(getattr(self.client, "adapters", ())))
 
     ready = False
     client_class = SchedulerClient  # what `start` makes (perf/cpu/test_front_end.py puts a fake here)

@@ -18,6 +18,7 @@ import struct
 import time
 from array import array
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -193,6 +194,7 @@ def scheduler_main(
                 "pooling": llm.pooling,
                 "pooling_error": llm.pooling_error,
                 "normalize_embeddings": llm.normalize_embeddings,
+                "lora_modules": _adapters(llm),
             },
         )
         _serve(llm, inbox, outbox, parent)
@@ -209,14 +211,84 @@ def scheduler_main(
         ctx.term()
 
 
+def _adapters(llm: Any) -> dict[str, str]:
+    """The LoRA adapters loaded: name -> path."""
+    lora = llm.scheduler.lora
+    return {} if lora is None else {name: loaded.adapter.path for name, loaded in lora.by_name.items()}
+
+
+def _lora_answer(header: dict[str, Any], change: Any, *args: Any) -> dict[str, Any]:
+    """The answer to a load_lora / unload_lora question once `change(*args)` ran: its error (None: done) and
+    the HTTP status that goes with it (404: no such adapter; 400: anything else wrong)."""
+    answer = {"op": header["op"], "id": header["id"], "error": None, "status": 200}
+    try:
+        change(*args)
+    except KeyError as e:
+        answer |= {"error": e.args[0] if e.args else str(e), "status": 404}
+    except (ValueError, OSError) as e:  # LoraError (a ValueError) names what is wrong
+        answer |= {"error": str(e), "status": 400}
+    return answer
+
+
+class _LoraReads:
+    """Runtime loads of LoRA adapters: each adapter's files are read on a thread while steps go on,
+    then it is added to the scheduler between steps (`finished`)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.pending: list[tuple[dict[str, Any], Future]] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start(self, header: dict[str, Any]) -> dict[str, Any] | None:
+        """Starts reading the adapter of a load_lora question; its answer now if it is refused at once."""
+        name, path, scheduler = header["name"], header["path"], self.scheduler
+
+        def check() -> None:
+            if scheduler.lora is None:
+                scheduler.lora_adapter(name)  # raises: no adapter slots
+            scheduler.lora.check_name(name)
+
+        refused = _lora_answer(header, check)
+        if refused["error"] is not None:
+            return refused
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-lora")
+        self.pending.append((header, self._pool.submit(scheduler.engine.read_lora, name, path)))
+        return None
+
+    def finished(self) -> list[dict[str, Any]]:
+        """The answers of the loads whose reading ended (each adapter added to the scheduler, in order)."""
+        answers = []
+        while self.pending and self.pending[0][1].done():
+            header, future = self.pending.pop(0)
+            answers.append(_lora_answer(header, self._add, header, future))
+        return answers
+
+    def _add(self, header: dict[str, Any], read: Future) -> None:
+        self.scheduler.load_lora(header["name"], header["path"], read.result())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
     """The loop: take every message waiting, run one step if there is work, send its tokens."""
     scheduler = llm.scheduler
     states: dict[int, Any] = {}  # rid -> RequestState of the unfinished requests
     rids: dict[int, int] = {}  # uid -> rid
-    embeds: dict[int, list[Any]] = {}  # rid -> the RequestStates of an embeddings request's inputs
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    reads = _LoraReads(scheduler)
+    try:
+        _loop(scheduler, inbox, outbox, parent, poller, states, rids, reads)
+    finally:
+        reads.close()
+
+
+def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller: zmq.Poller,
+          states: dict[int, Any], rids: dict[int, int], reads: _LoraReads) -> None:  # fmt: skip
+    embeds: dict[int, list[Any]] = {}  # rid -> the RequestStates of an embeddings request's inputs
     next_parent_check = 0.0
     while True:
         now = time.monotonic()
@@ -228,7 +300,8 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
         if outbox.backlog:
             outbox.flush()
         # idle: wait for a message, or (a backlog for the front end) for its socket to take more
-        timeout = 0 if scheduler.has_work() else BACKLOG_POLL_MS if outbox.backlog else IDLE_POLL_MS
+        waiting = outbox.backlog or reads.pending
+        timeout = 0 if scheduler.has_work() else BACKLOG_POLL_MS if waiting else IDLE_POLL_MS
         if poller.poll(timeout):
             while True:
                 try:
@@ -242,9 +315,13 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
                 if op == "add":
                     rid = header["rid"]
                     try:
-                        state = scheduler.add_request(frame_ids(frames[1]), decode_params(header["params"]))
+                        ids, params = frame_ids(frames[1]), decode_params(header["params"])
+                        state = scheduler.add_request(ids, params, lora=header.get("lora"))
                     except (TypeError, ValueError) as e:
                         outbox.send({"op": "rejected", "rid": rid, "error": str(e)})
+                        continue
+                    except KeyError as e:  # its LoRA adapter was unloaded after the front end checked it
+                        outbox.send({"op": "rejected", "rid": rid, "error": e.args[0], "status": 404})
                         continue
                     states[rid] = state
                     rids[state.uid] = rid
@@ -264,6 +341,14 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
                     outbox.send({"op": "metrics", "id": header["id"], "text": text})
                 elif op == "flush":
                     outbox.send({"op": "flush", "id": header["id"], "pages": scheduler.clear_prefix_cache()})
+                elif op == "load_lora":
+                    refused = reads.start(header)
+                    if refused is not None:
+                        outbox.send(refused)
+                elif op == "unload_lora":
+                    outbox.send(_lora_answer(header, scheduler.unload_lora, header["name"]))
+        for answer in reads.finished():
+            outbox.send(answer)
         if not scheduler.has_work():
             continue
         try:
