@@ -130,6 +130,17 @@ _LORA_OPTION = click.option(
 )
 
 
+def _texts_options(name: str, file_name: str, what: str) -> Callable[[Callable], Callable]:
+    """A command's texts: the arguments `name`, and --file (`file_name`) with one of `what` per line."""
+
+    def apply(command: Callable) -> Callable:
+        help = f"Read {what} from a file, one per line ('-' for stdin)."
+        command = click.option("--file", file_name, type=click.File("r"), default=None, help=help)(command)
+        return click.argument(name, nargs=-1)(command)
+
+    return apply
+
+
 def _message(e: Exception) -> str:
     """An exception's message (a KeyError's str() quotes it)."""
     return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
@@ -179,14 +190,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("prompts", nargs=-1)
-@click.option(
-    "--file",
-    "prompt_file",
-    type=click.File("r"),
-    default=None,
-    help="Read prompts from a file, one per line ('-' for stdin).",
-)
+@_texts_options("prompts", "prompt_file", "prompts")
 @click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template as a user message.")
 @click.option(
     "--image",
@@ -245,6 +249,28 @@ def generate(
                 click.echo(f"[{output.error}]", err=True)
             click.echo()
     except (TypeError, ValueError, KeyError, RequestError) as e:
+        raise click.ClickException(_message(e)) from e
+    finally:
+        llm.shutdown()
+
+
+@main.command()
+@_texts_options("texts", "text_file", "inputs")
+@click.option("--dimensions", type=int, default=None, help="Keep the first N values (Matryoshka truncation).")
+@_common
+def embed(texts: tuple[str, ...], text_file, dimensions: int | None, **kwargs: Any) -> None:
+    """Print the embedding of each of TEXTS (or --file) as a JSON line: {"index", "text", "embedding"}
+    (docs/embeddings.md)."""
+    inputs = list(texts)
+    if text_file is not None:
+        inputs += [line.rstrip("\n") for line in text_file if line.strip()]
+    if not inputs:
+        raise click.UsageError('give a text: minisgl-run embed "The capital of France is Paris."')
+    llm = _make_llm(kwargs)
+    try:
+        for i, (text, vector) in enumerate(zip(inputs, llm.embed(inputs, dimensions=dimensions))):
+            click.echo(json.dumps({"index": i, "text": text, "embedding": vector}))
+    except (TypeError, ValueError, RuntimeError) as e:
         raise click.ClickException(_message(e)) from e
     finally:
         llm.shutdown()

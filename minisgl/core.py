@@ -138,6 +138,9 @@ class SamplingParams:
     # `prompt_logprobs` k the same for every prompt token after the first (0..20; None: none)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # an embedding request (docs/embeddings.md): the prompt's final hidden states pooled as "last",
+    # "mean" or "cls" (its first token); with max_tokens 0, nothing is generated
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         # Python values are checked, not coerced: True is no token count, 2.0 no token id
@@ -174,6 +177,11 @@ class SamplingParams:
         object.__setattr__(self, "json_schema", _as_json_schema(self.json_schema))
         self._check_grammar()
         self._check_ranges()
+        if self.pooling is not None and (self.pooling not in POOLING_MODES or self.max_tokens != 0):
+            raise ValueError(
+                f"pooling must be one of {', '.join(POOLING_MODES)} with max_tokens=0 (an embedding "
+                f"request generates nothing), got pooling={self.pooling!r}, max_tokens={self.max_tokens}"
+            )
 
     def _check_grammar(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -261,6 +269,7 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 100.0
+POOLING_MODES = ("last", "mean", "cls")  # SamplingParams.pooling's values
 # the structured-output fields of SamplingParams, in the order of `SamplingParams.grammar`
 GRAMMAR_FIELDS = ("json_schema", "json_object", "regex", "ebnf")
 
@@ -403,6 +412,9 @@ class Req:
     # base model), which the engine ignores
     lora_slot: int = -1
     lora_id: int = 0
+    # an embedding request's pooled state so far on the device (mean: the sum of its rows; cls: its
+    # first row), kept by the engine across the chunks of its prefill
+    pooled: torch.Tensor | None = None
     # a vision-language request's images (`minisgl.multimodal.inputs.ImageInputs`: pixel rows, M-RoPE
     # positions, prefix-cache keys), and their encoder output while its prefill consumes it (set by the
     # scheduler side at the first chunk that reaches an image, dropped after the last); None: text only

@@ -22,7 +22,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from minisgl import embeddings
 from minisgl.core import SamplingParams, TokenLogprob, as_token_ids
+from minisgl.embeddings import resolve_pooling
 from minisgl.engine import Engine, check_tensor_parallel
 from minisgl.launch import TPGroup, launched_rank, start_workers
 from minisgl.models import DEFAULT_MODEL_ALIAS
@@ -172,6 +174,16 @@ class LLM:
         )
         if self.group is not None:
             self.group.start(self.scheduler)
+        # embeddings (docs/embeddings.md): the pooling and normalization served; pooling files minisgl
+        # cannot follow leave generation served and embeddings refused with the reason
+        self.pooling_error: str | None = None
+        try:
+            self.pooling, self.normalize_embeddings = resolve_pooling(
+                model_path, scheduler_config.pooling, scheduler_config.normalize_embeddings
+            )
+        except ValueError as e:
+            self.pooling, self.normalize_embeddings, self.pooling_error = None, True, str(e)
+            logger.warning("embeddings are off: %s", e)
         # one thread steps the scheduler at a time; a step serves the requests of every caller
         self._lock = threading.Lock()
         # streams dropped unfinished (their __del__ may run in any thread, even inside a step): aborted
@@ -437,6 +449,44 @@ class LLM:
             if name is not None:
                 self.scheduler.lora_adapter(name)
         return names
+
+    def embedding_requests(self, inputs: Any) -> tuple[list[list[int]], SamplingParams]:
+        """The token ids of each input of an embeddings request (`embeddings.split_inputs`'s forms;
+        strings tokenized as the tokenizer does by default) and their SamplingParams; a ValueError
+        naming a bad input."""
+        if self.pooling is None:
+            raise ValueError(f"this model serves no embeddings: {self.pooling_error}")
+        items = embeddings.split_inputs(inputs)
+        config = self.engine.config.model_config
+        ids = [self._encode(item)[1] if isinstance(item, str) else item for item in items]
+        for i, item_ids in enumerate(ids):
+            if not item_ids:
+                raise ValueError(f"input[{i}] has no tokens once tokenized: give some text")
+            embeddings.check_ids(item_ids, i, config.vocab_size, self.engine.max_seq_len)
+        return ids, SamplingParams(max_tokens=0, pooling=self.pooling)
+
+    def embed(self, inputs: str | Sequence[Any], dimensions: int | None = None) -> list[list[float]]:
+        """Embeddings of `inputs` (a string, a list of strings, a list of token ids or a list of those),
+        in order: the final hidden states pooled as the model folder says (docs/embeddings.md), the
+        first `dimensions` values when given, normalized when the model normalizes. A ValueError names
+        a bad input; a RuntimeError an input that failed in the engine."""
+        with self._lock:
+            self._check_open()
+            embeddings.check_options("float", dimensions, self.engine.config.model_config.hidden_size)
+            ids, params = self.embedding_requests(inputs)
+            for item in ids:
+                self.scheduler.check_request(item, params)
+            states = [self.scheduler.add_request(item, params) for item in ids]
+        try:
+            self._run_until_finished(states, progress=False)
+        finally:
+            self._abort_unfinished(states)
+        failed = next((state for state in states if state.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(
+                f"embedding input {states.index(failed)} failed: {failed.error or failed.finish_reason}"
+            )
+        return [embeddings.finish(state.embedding, self.normalize_embeddings, dimensions) for state in states]
 
     def load_lora(self, name: str, path: str) -> None:
         """Loads the LoRA adapter at `path` (a PEFT folder or a hub id) under `name`, for requests that

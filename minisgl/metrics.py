@@ -53,6 +53,18 @@ GENERATION_TOKENS = Counter(
 REQUESTS_FINISHED = Counter(
     "minisgl_requests_finished", "Requests finished, by reason.", ["model_name", "reason"], registry=REGISTRY
 )
+EMBEDDING_REQUESTS = Counter(
+    "minisgl_embedding_requests",
+    "Embedding inputs finished (each pooled prompt; not in minisgl_requests_finished), by reason.",
+    ["model_name", "reason"],
+    registry=REGISTRY,
+)
+EMBEDDING_TOKENS = Counter(
+    "minisgl_embedding_tokens",
+    "Prompt tokens of the embedding inputs served.",
+    ["model_name"],
+    registry=REGISTRY,
+)
 REQUESTS_RUNNING = Gauge(
     "minisgl_requests_running",
     "Requests admitted (holding a table_idx and KV pages).",

@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "minisgl.core",
             "minisgl.compile",
             "minisgl.config_fields",
+            "minisgl.embeddings",  # imports nothing from minisgl (pooling names, vector encodings)
             "minisgl.metrics",
             "minisgl.templates",
         ),

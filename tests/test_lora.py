@@ -83,20 +83,16 @@ def reference(smollm2_path, adapters):
     return tokens
 
 
+def _llm(smollm2_path, adapters, **settings) -> LLM:
+    """`LLM` of the default model in float32 with both adapters, pages of 4 tokens, rank 8 at most."""
+    base = dict(device="cpu", dtype="float32", page_size=4, lora_modules=adapters, max_lora_rank=8)
+    return LLM(str(smollm2_path), **{**base, **settings})
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_path, adapters):
     """One device slot for two adapters: a batch of both takes turns."""
-    with LLM(
-        str(smollm2_path),
-        device="cpu",
-        dtype="float32",
-        max_running_req=8,
-        page_size=4,
-        lora_modules=adapters,
-        max_loras=1,
-        max_lora_rank=8,
-        cpu_kv_budget_gib=0.25,
-    ) as llm:
+    with _llm(smollm2_path, adapters, max_running_req=8, max_loras=1, cpu_kv_budget_gib=0.25) as llm:
         yield llm
 
 
@@ -201,19 +197,15 @@ def test_preemption_chunks_and_ngram_speculation_keep_each_adapter(
     tokens, the drafts verified under it."""
     from minisgl import metrics
 
-    with LLM(
-        str(smollm2_path),
-        device="cpu",
-        dtype="float32",
+    with _llm(
+        smollm2_path,
+        adapters,
         max_running_req=6,
-        page_size=4,
         num_page_override=16,
         max_prefill_tokens=8,
         overlap_scheduling=overlap,
         speculative_method="ngram",
-        lora_modules=adapters,
         max_loras=2,  # both adapters run together: the pages, not the slots, are short
-        max_lora_rank=8,
     ) as llm:
         counted = {"model_name": llm.model_name}
         accepted = metrics.REGISTRY.get_sample_value("minisgl_spec_accepted_tokens_total", counted) or 0

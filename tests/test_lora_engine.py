@@ -128,10 +128,10 @@ def test_chunked_prefill_keeps_the_adapter(llama):
     assert rel_err(logits[0], refs["all"][1][0]) < 1e-4 and rel_err(logits[1], refs[None][3][0]) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe", "mistral"])
 def test_other_families_match_peft(tmp_path, arch):
-    """Qwen3 (q/k norms, head_dim != hidden / heads), Qwen2 (q/k/v biases: the unfused norm path) and
-    Qwen3-MoE (attention projections only)."""
+    """Qwen3 (q/k norms, head_dim != hidden / heads), Qwen2 (q/k/v biases: the unfused norm path),
+    Qwen3-MoE (attention projections only) and Mistral."""
     folder = make_tiny_model(tmp_path, arch)
     lora = ATTENTION if arch == "qwen3_moe" else ADAPTERS["all"]
     adapter = _save_adapter(folder, tmp_path / "adapter", 7, **lora)

@@ -144,6 +144,25 @@ def test_chat_n_and_generate_take_the_adapter(client, server, tokenizer, referen
     _at_rest(server)
 
 
+def test_structured_output_runs_under_an_adapter(client, server) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model="mlp",
+        messages=[{"role": "user", "content": "Give a number as JSON."}],
+        max_tokens=24,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )
+    assert answer.model == "mlp" and answer.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(answer.choices[0].message.content)["n"], int)
+    _at_rest(server)
+
+
 def test_load_serve_unload_reload_at_runtime(client, server, adapters, tokenizer, reference) -> None:
     ids = _ids(tokenizer, PROMPTS[0])
 
@@ -229,6 +248,15 @@ def test_every_refusal_has_its_status_and_says_why(client, server, adapters, tmp
             },
             400,
             "embed_tokens",
+        ),
+        (
+            load,
+            {
+                "lora_name": "x",
+                "lora_path": _broken(adapters, tmp_path, "f", target_modules=["q_proj", "fc1"]),
+            },
+            400,
+            "fc1",
         ),
         (unload, {"lora_name": "never"}, 404, "never"),
         (unload, {}, 400, "lora_name must be a non-empty string"),

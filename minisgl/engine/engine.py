@@ -56,6 +56,9 @@ class ForwardOutput(NamedTuple):
     # the host, valid with the tokens
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     mode: ForwardMode = "eager"  # how the forward ran (`Engine.forward_mode`)
+    # embedding requests (`SamplingParams.pooling`) whose prefill ended in this forward: their pooled
+    # vectors (E, hidden) float32 on the host in batch order, valid with the tokens
+    pooled: torch.Tensor | None = None
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -471,8 +474,14 @@ class Engine:
         `last_tokens`, by table_idx, for a pending decode batch to read)."""
         scoring = args.logprobs
         rows = None if scoring is None else scoring.rows
-        mode = self.forward_mode(batch, all_rows=rows is not None)
-        logits = self._forward(batch, rows=rows, mode=mode)
+        pool = [req.sampling_params.pooling is not None for req in batch.reqs]
+        pooled = None
+        if any(pool):  # embedding requests need the hidden states: the eager model gives them
+            mode: ForwardMode = "eager"
+            logits, pooled = self._forward_pooled(batch, pool, rows)
+        else:
+            mode = self.forward_mode(batch, all_rows=rows is not None)
+            logits = self._forward(batch, rows=rows, mode=mode)
         if scoring is not None and scoring.last is not None:  # more rows than the requests' last ones
             next_tokens = self.sampler.sample(logits[scoring.last], args)
         else:
@@ -485,7 +494,73 @@ class Engine:
         if table_idx is None:
             table_idx = torch.tensor([req.table_idx for req in batch.reqs]).to(self.device, non_blocking=True)
         self.last_tokens[table_idx] = next_tokens
-        return self._output(next_tokens, logprobs, mode)
+        return self._output(next_tokens, logprobs, mode, pooled)
+
+    def _forward_pooled(
+        self, batch: Batch, pool: list[bool], rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward` (eager) of a batch holding embedding requests (`pool`: which): the logits, and the
+        pooled vectors of those whose prefill ends here (docs/embeddings.md). Mean and CLS pooling keep
+        their sum or first row in `req.pooled` across chunks; everything stays on the device."""
+        self._check_batch(batch)
+        with self.ctx.forward_batch(batch):
+            if batch.attn_metadata is None:
+                self.attn_backend.prepare_metadata(batch)
+            if rows is not None:
+                batch.attn_metadata.last_indices = rows
+            lora = None if self.lora is None else self.lora.batch(batch)
+            images = {} if batch.images is None else {"images": batch.images}  # VL prefills in the batch
+            hidden = self.model.hidden_states(batch.input_ids, batch.positions, lora, **images)
+            logits = self.model.logits(self.model.final_norm(hidden[batch.attn_metadata.last_indices]))
+            pooled = self._pool(batch, pool, hidden)
+        for req in batch.reqs:
+            req.complete_one()
+        return logits, pooled
+
+    def _pool(self, batch: Batch, pool: list[bool], hidden: torch.Tensor) -> torch.Tensor | None:
+        """The pooled vectors (E, hidden) float32 of the embedding requests whose prefill ends in this
+        forward, in batch order: the rows they need normed in one gather and summed per request in one
+        `index_add_`, on the device. A chunked mean or CLS input carries its sum or first row over in
+        `req.pooled` (mean and CLS compute every position: they never start from a cached prefix)."""
+        take: list[int] = []  # rows of `hidden` pooled
+        segment: list[int] = []  # each one's request (its index among the pooled ones)
+        final: list[int] = []  # the requests whose prefill ends here
+        scale: list[float] = []  # ... and what their sum is multiplied by
+        pooled: list[Req] = []
+        start = 0
+        for req, pooling in zip(batch.reqs, pool):
+            end = start + req.extend_len
+            mode = req.sampling_params.pooling if pooling else None
+            if mode is not None:
+                if mode == "mean":
+                    rows = range(start, end)
+                elif mode == "cls":
+                    rows = range(start, start + 1) if req.cached_len == 0 else range(0)
+                else:
+                    rows = range(0) if req.is_partial else range(end - 1, end)
+                take += rows
+                segment += [len(pooled)] * len(rows)
+                if not req.is_partial:
+                    final.append(len(pooled))
+                    scale.append(1.0 / req.device_len if mode == "mean" else 1.0)
+                pooled.append(req)
+            start = end
+        host = torch.tensor([*take, *segment, *final], dtype=torch.int64)
+        ints = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        n, width = len(take), hidden.shape[-1]
+        sums = torch.zeros(len(pooled), width, dtype=torch.float32, device=self.device)
+        if n:
+            sums.index_add_(0, ints[n : 2 * n], self.model.final_norm(hidden[ints[:n]]).float())
+        for i, req in enumerate(pooled):
+            if req.pooled is not None:  # an earlier chunk's
+                sums[i] += req.pooled
+            req.pooled = sums[i] if req.is_partial else None
+        if not final:
+            return None
+        factors = torch.tensor(scale, dtype=torch.float32)
+        if self.device.type == "cuda":
+            factors = factors.pin_memory().to(self.device, non_blocking=True)
+        return sums[ints[2 * n :]] * factors[:, None]
 
     @torch.inference_mode()
     def encode_images(self, req: Req) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -562,17 +637,24 @@ class Engine:
         return self.graph_runner.can_replay_verify(batch) or isinstance(self.attn_backend, TorchAttnBackend)
 
     def _output(
-        self, next_tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None, mode: ForwardMode
+        self,
+        next_tokens: torch.Tensor,
+        logprobs: tuple[torch.Tensor, ...] | None,
+        mode: ForwardMode,
+        pooled: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        """The forward's output, its tokens (and log probabilities) copied to the host without blocking."""
+        """The forward's output, its tokens (log probabilities, pooled vectors) copied to the host
+        without blocking."""
         if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs, mode)
+            return ForwardOutput(next_tokens, next_tokens, _CompletedEvent(), logprobs, mode, pooled)
         next_tokens_cpu = _to_host(next_tokens)
         if logprobs is not None:
             logprobs = tuple(map(_to_host, logprobs))
+        if pooled is not None:
+            pooled = _to_host(pooled)
         copy_done_event = torch.cuda.Event()
         copy_done_event.record()
-        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event, logprobs, mode)
+        return ForwardOutput(next_tokens, next_tokens_cpu, copy_done_event, logprobs, mode, pooled)
 
     @torch.inference_mode()
     def forward_logits(self, batch: Batch) -> torch.Tensor:

@@ -27,6 +27,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    # the bare models (no LM head): checkpoints of embedding models such as Qwen3-Embedding
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
 # vision-language families (docs/vision.md) -> the text family whose decoder layers they use
 VL_TEXT_FAMILIES = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
@@ -127,6 +132,11 @@ class ModelConfig:
     def is_multimodal(self) -> bool:
         """Takes images (a vision-language model)."""
         return self.vision is not None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """False for a bare model's checkpoint (`Qwen3Model`, ...): it serves embeddings only."""
+        return not self.architecture.endswith("Model")
 
     def with_quantization(self, method: str | None) -> ModelConfig:
         """This config under the setting `quantization`: 'fp8' quantizes a model whose checkpoint is not

@@ -115,7 +115,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints."""
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM checkpoints, and
+    those of the bare models (LlamaModel, ...: no LM head, names without `model.`), for embeddings."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
@@ -127,7 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(vocab, cfg.hidden_size)
+        untied = cfg.has_lm_head and not cfg.tie_word_embeddings
+        self.lm_head = _param(vocab, cfg.hidden_size) if untied else None
+        self.prefix = "model." if cfg.has_lm_head else ""  # of the checkpoint's decoder names
         self.register_buffer(
             "cos_sin",
             build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope, self.embed_tokens.device),
@@ -148,19 +151,19 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_map(self) -> dict[str, torch.Tensor | Shard]:
         rank, size = self.tp.rank, self.tp.size
         out: dict[str, torch.Tensor | Shard] = {
-            "model.embed_tokens.weight": Shard(self.embed_tokens, 0, rank, size, self.cfg.vocab_size),
-            "model.norm.weight": self.norm,
+            f"{self.prefix}embed_tokens.weight": Shard(self.embed_tokens, 0, rank, size, self.cfg.vocab_size),
+            f"{self.prefix}norm.weight": self.norm,
         }
         if self.lm_head is not None:
             out["lm_head.weight"] = Shard(self.lm_head, 0, rank, size, self.cfg.vocab_size)
         for i, layer in enumerate(self.layers):
-            out.update(layer.checkpoint_map(f"model.layers.{i}", self.cfg))
+            out.update(layer.checkpoint_map(f"{self.prefix}layers.{i}", self.cfg))
         out.update(self._kv_scale_map())
         return out
 
     def _kv_scale_map(self) -> dict[str, KvScale]:
         return {
-            f"model.layers.{i}.self_attn.{kind}_scale": KvScale(self.kv_scales[i, j])
+            f"{self.prefix}layers.{i}.self_attn.{kind}_scale": KvScale(self.kv_scales[i, j])
             for i in range(len(self.layers))
             for j, kind in enumerate("kv")
         }
@@ -186,6 +189,30 @@ class LlamaForCausalLM(nn.Module):
         when `last_indices` is None). `lora`: each row's adapter slot of `lora_pool` (without a pool, or
         None: the base model, and not one op more). Vision-language models (minisgl.models.qwen_vl):
         positions may be (3, T) M-RoPE positions, and `images` the embeddings of the image tokens."""
+        hidden = self.hidden_states(input_ids, positions, lora, images)
+        if last_indices is not None:
+            hidden = hidden[last_indices]
+        return self.logits(self.final_norm(hidden))
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's last norm over rows of `hidden_states` (what transformers' `last_hidden_state` is)."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of rows after `final_norm` (a bare model's head is its tied embedding)."""
+        return lm_head(
+            hidden, self.embed_tokens if self.lm_head is None else self.lm_head, self.cfg.vocab_size
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        lora: LoraBatch | None = None,
+        images: ImageBatch | None = None,
+    ) -> torch.Tensor:
+        """Every row's hidden state after the last decoder layer, before the final norm (`images`: as
+        `forward` takes them)."""
         cfg = self.cfg
         lora = lora if self.lora_pool is not None else None
         hidden = embed(input_ids, self.embed_tokens)
@@ -208,11 +235,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self._mlp(layer, layer_id, hidden, residual, lora)
             if images is not None and layer_id < len(images.deepstack):  # Qwen3-VL's DeepStack features
                 hidden = hidden.index_add(0, images.rows, images.deepstack[layer_id].to(hidden.dtype))
-        hidden = residual + hidden
-        if last_indices is not None:
-            hidden = hidden[last_indices]
-        hidden = rms_norm(hidden, self.norm, cfg.rms_norm_eps)
-        return lm_head(hidden, self.embed_tokens if self.lm_head is None else self.lm_head, cfg.vocab_size)
+        return residual + hidden
 
     def _lora(
         self, lora: LoraBatch | None, layer_id: int, projection: str, x: torch.Tensor, out: torch.Tensor

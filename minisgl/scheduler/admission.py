@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 Fail = Callable[[list[RequestState], Exception, str], list[Update]]
 
 
+def computes_prefix(params: SamplingParams) -> bool:
+    """Whether a request may take its prompt's prefix from the prefix cache: it needs no logits or
+    hidden states of those positions (prompt log probabilities, mean or CLS pooling do)."""
+    return params.prompt_logprobs is None and params.pooling in (None, "last")
+
+
 class Admission:
     """Who waits and who runs: first come, first served admission while a request's prompt fits the
     pool, and preemption of the latest admitted when a step does not fit."""
@@ -58,10 +64,9 @@ class Admission:
             lora = (-1, 0) if state.lora is None else (self.lora.acquire(state.lora), state.lora.id)
             if lora[0] is None:
                 break
-            # a prompt scored for log probabilities is computed whole: it needs every position's logits
-            prefix = self.prep.match_prefix(
-                tokens if params.prompt_logprobs is None else [], lora[1], state.images
-            )
+            # a prompt scored for log probabilities, or pooled over its positions (mean, CLS), is
+            # computed whole: it needs every position's logits or hidden state
+            prefix = self.prep.match_prefix(tokens if computes_prefix(params) else [], lora[1], state.images)
             if not self.fits(state, prefix):
                 self.prep.unlock_prefix(prefix)
                 self._unpin(state)
@@ -162,7 +167,7 @@ class Admission:
         """As a request's prefill begins: a longer cached prefix than at its admission, if requests
         prefilled since then put one in the tree; counts the prompt tokens looked up and found."""
         req = state.req
-        if self.prep.cache is not None and req.sampling_params.prompt_logprobs is None:
+        if self.prep.cache is not None and computes_prefix(req.sampling_params):
             self.prep.rematch(req)
             state.held_pages = self.prep.pages_needed(req.cached_len)
         state.prefix_found = req.cached_len

@@ -15,6 +15,7 @@ from minisgl.config_fields import check_fields, setting
 AUTO_MAX_PREFILL_TOKENS = {"cpu": 512, "cuda": 8192}
 CACHE_TYPES = ("radix", "naive")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
+POOLING_SETTINGS = ("auto", "last", "mean", "cls")
 
 
 def _lora_modules(value: object) -> object:
@@ -91,6 +92,16 @@ class SchedulerConfig:
         False,
         "Allow loading and unloading LoRA adapters while serving: POST /v1/load_lora_adapter and "
         "/v1/unload_lora_adapter (off: 403). Also gives an engine without lora_modules its adapter slots.",
+    )
+    pooling: str = setting(
+        "auto",
+        "Embeddings' pooling (docs/embeddings.md): 'auto' follows the folder's sentence-transformers files "
+        "(modules.json, 1_Pooling), else the last token; or 'last', 'mean', 'cls'.",
+        choices=POOLING_SETTINGS,
+    )
+    normalize_embeddings: bool | None = setting(
+        None,
+        "L2-normalize embeddings; unset = what the folder's modules.json says (a Normalize module), else true.",
     )
 
     def __post_init__(self) -> None:

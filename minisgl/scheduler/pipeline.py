@@ -259,17 +259,22 @@ class Pipeline:
             return read.failed
         now = self.sched.tokens_time = read.read_at
         scored = Scored(launched) if launched.output.logprobs is not None else None
+        pooled = iter(()) if launched.output.pooled is None else iter(launched.output.pooled.tolist())
         updates, failed = [], []
         for i, (state, req, token, produces) in enumerate(
             zip(launched.states, launched.reqs, read.tokens, launched.produces)
         ):
             row = None if scored is None else scored.take(i, state, req)
+            if produces and state.params.pooling is not None:  # its vector, in batch order
+                vector = next(pooled)
+                if takes(state, req, produces):
+                    state.embedding = vector
             if takes(state, req, produces):
                 try:
                     updates.append(self.process(state, token, now, scored, row))
                 except Exception as e:  # this request's own output processing: it alone fails
                     failed += self.sched.fail([state], e, "processing its token")
-        self.record(launched, len(updates), read)
+        self.record(launched, sum(len(update.token_ids) for update in updates), read)  # embeddings: none
         return updates + failed
 
     def record(self, launched: InFlight, num_generated: int, read: Read) -> None:
@@ -314,7 +319,7 @@ class Pipeline:
             return Update(state, [token], "", False)
         prompt_logprobs = state.prompt_logprobs if state.output_ids == [] else None
         if state.params.max_tokens == 0:  # the prompt was all it asked for (scored): no output token
-            sched.finish(state, "length", now)
+            sched.finish(state, "length" if state.params.pooling is None else "stop", now)
             return Update(state, [], "", True, None, prompt_logprobs)
         if state.grammar is not None:  # raises when the grammar refuses it: the request fails alone
             state.grammar.accept(token)

@@ -55,6 +55,8 @@ class RequestState:
     spec_backoff: int = 0
     # its LoRA adapter (`minisgl.scheduler.lora`), None for the base model; pinned while it is admitted
     lora: Loaded | None = None
+    # an embedding request's pooled vector (SamplingParams.pooling), float32 on the host, once done
+    embedding: list[float] | None = None
     # a vision-language prompt's images (`minisgl.multimodal.inputs.ImageInputs`), None for text
     images: ImageInputs | None = None
     admit_time: float | None = None  # first admission (not moved by a preemption)

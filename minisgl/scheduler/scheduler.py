@@ -166,6 +166,12 @@ class Scheduler:
         request could never run; queues nothing. `prompt_ids`: a list of ints (`as_token_ids`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        model_config = self.engine.config.model_config
+        if params.pooling is None and not model_config.has_lm_head:
+            raise ValueError(
+                f"the model has no LM head ({model_config.architecture}, a bare model's checkpoint): it "
+                "serves embeddings only (POST /v1/embeddings, LLM.embed)"
+            )
         self.prep.check_request(prompt_ids, params)
         self.output.check(params, stream, self.engine.config.model_config.vocab_size)
         self.grammars.check(params)

@@ -73,6 +73,8 @@ class SchedulerMetrics:
         self._cache_pages = metrics.PREFIX_CACHE_PAGES.labels(**self.labels)
         self._evicted = metrics.PREFIX_EVICTED_PAGES.labels(**self.labels)
         self._evicted_seen = 0
+        self._embedding_tokens = metrics.EMBEDDING_TOKENS.labels(**self.labels)
+        metrics.EMBEDDING_REQUESTS.labels(reason="stop", **self.labels)
         # speculative decoding's series (minisgl.scheduler.speculative counts into them): a sample (0)
         # from the start, with or without speculation
         for series in (
@@ -105,6 +107,13 @@ class SchedulerMetrics:
         state.last_token_time = now
 
     def finished(self, state: RequestState, reason: FinishReason, now: float) -> None:
+        if state.params.pooling is not None:  # an embedding input: counted apart from generation
+            metrics.EMBEDDING_REQUESTS.labels(
+                reason="error" if reason == "error" else "stop", **self.labels
+            ).inc()
+            if state.embedding is not None:
+                self._embedding_tokens.inc(len(state.prompt_ids))
+            return
         metrics.REQUESTS_FINISHED.labels(reason=reason, **self.labels).inc()
         metrics.E2E_LATENCY.labels(**self.labels).observe(now - state.arrival_time)
         admitted, first = state.admit_time, state.first_token_time

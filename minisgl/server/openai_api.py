@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minisgl.server import protocol, responses
+from minisgl.server import embeddings_api, protocol, responses
 from minisgl.server.errors import APIError, error_body
 from minisgl.server.generation import (
     admit_job,
@@ -66,6 +66,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _generate(state, request, "chat")
+
+    embeddings_api.add_routes(app, state)  # POST /v1/embeddings
 
 
 def _json_response(body: dict[str, Any]) -> Response:

@@ -336,6 +336,13 @@ class Replicas:
             self._owner[choice.rid] = client
         client.submit(choices, prompt, prompt_len)
 
+    async def embed(self, inputs: list[list[int]], params: Any) -> list[list[float]]:
+        """An embeddings request on the serving replica with the fewest outstanding tokens."""
+        serving = [r for r in self.replicas if r.serving]
+        if not serving:
+            raise RuntimeError(self.failed or "no replica is serving")
+        return await min(serving, key=lambda r: r.client.load_tokens).client.embed(inputs, params)
+
     def release(self, choice: Any, abort: bool) -> None:
         client = self._owner.pop(choice.rid, None)
         if client is not None:

@@ -19,6 +19,7 @@ import signal
 import socket
 import tempfile
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -26,11 +27,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from minisgl.core import SamplingParams
 from minisgl.server.jobs import Choice
 from minisgl.server.replicas import kill_process_group
 from minisgl.server.worker import (
     encode_params,
     frame_ids,
+    ids_frame,
     read_logprobs,
     scheduler_main,
     set_parent_death_signal,
@@ -80,6 +83,7 @@ class SchedulerClient:
         self.rids = itertools.count()
         self._answers: dict[int, asyncio.Future] = {}  # `_ask` questions waiting for the scheduler
         self._metrics: asyncio.Future | None = None  # the metrics question in flight
+        self._embeds: dict[int, asyncio.Future] = {}  # embeddings requests waiting for their vectors
         self._ids = itertools.count()
         self._dir = tempfile.mkdtemp(prefix="minisgl-serve-")  # private (0700): the sockets live here
         self._ctx = zmq.asyncio.Context()
@@ -116,6 +120,30 @@ class SchedulerClient:
             header["lora"] = lora
         images = getattr(choice.job, "images", None)  # a third frame: the prompt's images (docs/vision.md)
         self._send(header, prompt, *([images] if images is not None else []))
+
+    async def embed(self, inputs: list[list[int]], params: SamplingParams) -> list[list[float]]:
+        """The pooled vectors of an embeddings request's inputs, queued in the scheduler together
+        (one message); a ValueError with the scheduler's reason when it refuses or fails them."""
+        rid = next(self.rids)
+        future = asyncio.get_running_loop().create_future()
+        self._embeds[rid] = future
+        lens = [len(item) for item in inputs]
+        self.load_tokens += sum(lens)
+        try:
+            header = {"op": "embed", "rid": rid, "params": encode_params(params), "lens": lens}
+            self._send(header, ids_frame([t for item in inputs for t in item]))
+            if self.failed is not None:
+                raise RuntimeError(self.failed)
+            error, frame = await future
+        finally:
+            self._embeds.pop(rid, None)
+            self.load_tokens -= sum(lens)
+        if error is not None:
+            raise ValueError(error)
+        values = array("f")
+        values.frombytes(frame)
+        size = len(values) // len(inputs)
+        return [values[i * size : (i + 1) * size].tolist() for i in range(len(inputs))]
 
     def abort(self, rid: int) -> None:
         if self.choices.pop(rid, None) is not None:
@@ -201,6 +229,10 @@ class SchedulerClient:
                 choice.end("rejected", header["error"])
                 choice.rejected_status = header.get("status", 400)
                 choice.job.wake.set()
+        elif op == "embedded":
+            future = self._embeds.get(header["rid"])
+            if future is not None and not future.done():
+                future.set_result((header["error"], frames[1] if len(frames) > 1 else b""))
         elif op in ("metrics", "flush", "load_lora", "unload_lora"):  # answers to `_ask`
             future = self._answers.get(header["id"])
             if future is not None and not future.done():
@@ -269,6 +301,9 @@ class SchedulerClient:
             choice.end("engine_died", error)
             choice.job.wake.set()
         self.choices.clear()
+        for future in self._embeds.values():
+            if not future.done():
+                future.set_exception(RuntimeError(error))
         if self.on_failure is not None:
             self.on_failure()
 

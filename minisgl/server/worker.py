@@ -8,6 +8,7 @@ stream socket (`Outbox`) that it never waits on. The messages and why: docs/serv
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -190,6 +191,10 @@ def scheduler_main(
                 "max_running_req": engine.config.max_running_req,
                 "vocab_size": engine.config.model_config.vocab_size,
                 "eos_token_ids": sorted(llm.scheduler.output.eos_token_ids),
+                "hidden_size": engine.config.model_config.hidden_size,
+                "pooling": llm.pooling,
+                "pooling_error": llm.pooling_error,
+                "normalize_embeddings": llm.normalize_embeddings,
                 "lora_modules": _adapters(llm),
             },
         )
@@ -284,6 +289,7 @@ def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
 
 def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller: zmq.Poller,
           states: dict[int, Any], rids: dict[int, int], reads: _LoraReads) -> None:  # fmt: skip
+    embeds: dict[int, list[Any]] = {}  # rid -> the RequestStates of an embeddings request's inputs
     next_parent_check = 0.0
     while True:
         now = time.monotonic()
@@ -322,6 +328,8 @@ def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller
                         continue
                     states[rid] = state
                     rids[state.uid] = rid
+                elif op == "embed":
+                    embed_request(scheduler, header, frames[1], embeds, outbox)
                 elif op == "abort":
                     state = states.pop(header["rid"], None)
                     if state is not None:
@@ -350,11 +358,50 @@ def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller
             updates = scheduler.step()
         except FATAL_ERRORS:
             raise
+        if embeds:
+            send_embeddings(embeds, outbox)
         if not updates:
             continue
         message = step_message(updates, rids, states, scheduler.tokens_time)
         if message is not None:
             outbox.send(*message)
+
+
+def embed_request(
+    scheduler: Any, header: dict[str, Any], frame: bytes, embeds: dict[int, list[Any]], outbox: Outbox
+) -> None:
+    """Queues an embeddings request's inputs together (the front end sent their ids in one frame,
+    `header["lens"]` each), all checked before any is queued; a bad one rejects the request."""
+    rid, params, ids = header["rid"], decode_params(header["params"]), frame_ids(frame)
+    starts = [0, *itertools.accumulate(header["lens"])]
+    inputs = [ids[a:b] for a, b in zip(starts, starts[1:])]
+    try:
+        for i, item in enumerate(inputs):
+            try:
+                scheduler.check_request(item, params)
+            except ValueError as e:
+                raise ValueError(f"input[{i}]: {e}") from None
+    except (TypeError, ValueError) as e:
+        outbox.send({"op": "embedded", "rid": rid, "error": str(e)})
+        return
+    embeds[rid] = [scheduler.add_request(item, params) for item in inputs]
+
+
+def send_embeddings(embeds: dict[int, list[Any]], outbox: Outbox) -> None:
+    """Sends each embeddings request whose inputs have all finished: their pooled vectors as one float32
+    frame, input after input (or the error of the first that failed)."""
+    for rid, states in list(embeds.items()):
+        if not all(state.finished for state in states):
+            continue
+        del embeds[rid]
+        failed = next((i for i, state in enumerate(states) if state.embedding is None), None)
+        if failed is not None:
+            state = states[failed]
+            error = f"input[{failed}] failed: {state.error or state.finish_reason}"
+            outbox.send({"op": "embedded", "rid": rid, "error": error})
+            continue
+        vectors = array("f", [x for state in states for x in state.embedding])
+        outbox.send({"op": "embedded", "rid": rid, "error": None}, vectors.tobytes())
 
 
 def step_message(
