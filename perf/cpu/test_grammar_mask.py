@@ -4,6 +4,9 @@ thread pool, then the min_tokens and dead-row checks) and accepting each request
 matchers stand at different places of their outputs (each has accepted a different prefix of a valid
 document). The default model's tokenizer (49,152 tokens); no model runs.
 
+`test_grammar_step`: a decode step's whole host work (the batch's accepts, then its mask) at batch 1 / 16
+/ 64, for the JSON schema and for a forced tool call's grammar (`minisgl.server.tool_grammar`).
+
 Run with `nox -s perf -- -k grammar_mask` (or `python -m pytest perf/cpu/test_grammar_mask.py
 --benchmark-only`); the microseconds per request are in extra_info.
 """
@@ -114,3 +117,66 @@ def test_grammar_accept_64(benchmark, grammars, kind: str) -> None:
 
     benchmark.pedantic(accept, rounds=50, warmup_rounds=3)
     benchmark.extra_info["us_per_request"] = benchmark.stats.stats.median / BATCH * 1e6
+
+
+# the per-step host work of a decode step at batch 1 / 16 / 64: each request's matcher accepts its newest
+# token (`Grammars.accept_ahead`, one xgrammar call, as the overlapped scheduler does) and the batch's
+# mask is filled (`Grammars.token_mask`); the tokens are the real tokenization of a valid output, EOS last
+TOOL_PARAMETERS = json.dumps(
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    }
+)
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+def _step_case(kind: str) -> tuple[SamplingParams, str]:
+    if kind == "json_schema":
+        return PARAMS[kind], DOCUMENTS[kind]
+    from minisgl.server.tool_grammar import forced_grammar
+    from minisgl.server.tool_parsers import FORMATS
+
+    ebnf = forced_grammar(FORMATS["hermes"], (("get_weather", TOOL_PARAMETERS),), False)
+    return SamplingParams(ebnf=ebnf, max_tokens=512), TOOL_CALL
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
+def test_grammar_step(benchmark, grammars, kind: str, batch: int) -> None:
+    """A forced tool call's (hermes, one function) or the JSON schema's step: accepting B tokens then
+    filling the (B, words) mask, rolled back after each round. Request i stands 7 * i tokens into the
+    output (modulo its length), so the batch mixes free strings, fixed keys and punctuation."""
+    params, document = _step_case(kind)
+    ids = grammars.tokenizer.encode(document, add_special_tokens=False) + [EOS]
+    grammars.check(params)
+    states, tokens = [], []
+    for i in range(batch):
+        state = RequestState(i, [1] * 16, params, 0.0)
+        state.grammar = grammars.new_state(params)
+        cut = (i * 7) % (len(ids) - 1)
+        for token in ids[:cut]:
+            assert state.grammar.matcher.accept_token(token)
+        state.req = Req(
+            input_ids=[1] * 16, table_idx=i, cached_len=16, output_len=512, uid=i, sampling_params=params
+        )
+        state.req.device_len = 17
+        states.append(state)
+        tokens.append(ids[cut])
+    cpu = torch.device("cpu")
+
+    def step() -> torch.Tensor | None:
+        grammars.accept_ahead(zip(states, tokens))
+        mask = grammars.token_mask(states, cpu)
+        for state in states:
+            state.grammar.ahead = None
+            state.grammar.matcher.rollback(1)
+        return mask
+
+    mask = step()
+    assert mask is not None and all(s.grammar.dead is None for s in states)
+    allowed = unpack_mask(mask, VOCAB).sum(dim=1)
+    benchmark.pedantic(step, rounds=50, warmup_rounds=3)
+    benchmark.extra_info["us_per_request"] = benchmark.stats.stats.median / batch * 1e6
+    benchmark.extra_info["single_token_rows"] = int((allowed == 1).sum())
