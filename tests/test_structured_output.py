@@ -429,6 +429,41 @@ def test_the_token_mask_allows_only_the_grammars_tokens(llm32) -> None:
     assert torch.equal(masked[allowed], logits[allowed]) and (masked[~allowed] == float("-inf")).all()
 
 
+def test_a_large_batchs_mask_is_each_requests_own(llm32) -> None:
+    """From `BATCH_FILL_ROWS` constrained rows on, xgrammar fills them in one call: each row is still
+    exactly the mask of that request's matcher alone (mixed grammars, places, an unconstrained row)."""
+    from minisgl.scheduler import BatchPreparer, RequestState
+    from minisgl.scheduler.grammar import BATCH_FILL_ROWS
+
+    sched = llm32.scheduler
+    grammars = sched.grammars
+    prefixes = ['{"name": "Ad', '{"name": "Ada", "age": 3', "", "12, 3", '{"name', "1"]
+    params = [SamplingParams(json_schema=PERSON), SamplingParams(regex=r"[0-9]+(, [0-9]+)*")]
+    states = []
+    for i, prefix in enumerate(prefixes):
+        state = RequestState(i, [1, 2, 3], params[prefix[:1].isdigit()], 0.0)
+        state.grammar = grammars.new_state(state.params)
+        assert state.grammar.matcher.accept_string(prefix)
+        states.append(state)
+    states.insert(2, RequestState(9, [1, 2, 3], SamplingParams(), 0.0))
+    assert len(prefixes) >= BATCH_FILL_ROWS
+    prep = BatchPreparer(llm32.engine)
+    for state in states:
+        state.req = prep.add_request(state.prompt_ids, state.params)
+    try:
+        mask = grammars.token_mask(states, torch.device("cpu"))
+    finally:
+        prep.release([s.req for s in states])
+    for i, state in enumerate(states):
+        if state.grammar is None:
+            assert (mask[i] == -1).all()
+            continue
+        alone = torch.empty((1, grammars.words), dtype=torch.int32)
+        state.grammar.matcher.fill_next_token_bitmask(alone, 0)
+        grammars._clear_tail(alone)
+        assert torch.equal(mask[i], alone[0]) and alone.any()
+
+
 def test_request_fields_map_onto_sampling_params() -> None:
     from minisgl.server.protocol import parse_chat_request, parse_completion_request
     from minisgl.server.sampling import sampling_params

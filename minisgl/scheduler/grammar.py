@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
@@ -24,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 128  # distinct compiled grammars kept (least recently used out first)
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # json_object: any JSON object
-# from this many constrained rows on, their masks are filled by xgrammar's threads (when it has two or
-# more: `threads`); else one after the other in the scheduler's own thread
+# from this many constrained rows on, their masks are filled in one call to xgrammar (its threads when it
+# has two or more: `threads`; with one, in the scheduler's own thread, without the per-row Python calls);
+# below it one after the other
 BATCH_FILL_ROWS = 4
 # "[12:00:00] /project/cpp/regex_converter.cc:94: " before xgrammar's own words
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -128,6 +130,7 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled grammar or error str
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first large batch
+        self._fill_threads = threads(half=True)  # os.cpu_count() once, not at every step
         self._lock = threading.Lock()  # the server's front end checks from several threads
         self.compiled = 0  # grammars compiled so far (cache misses)
 
@@ -253,11 +256,11 @@ class Grammars:
             constrained = set(rows)
             mask.numpy()[[i for i in range(len(states)) if i not in constrained]] = -1
         matchers = [states[i].grammar.matcher for i in rows]
-        if len(rows) >= BATCH_FILL_ROWS and threads(half=True) > 1:  # one thread: no hand-off to a pool
+        if len(rows) >= BATCH_FILL_ROWS:  # one thread fills them in the calling thread, no pool
             if self._batch is None:
                 import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher(threads(half=True))
+                self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
         else:
             for i, matcher in zip(rows, matchers):
@@ -267,8 +270,8 @@ class Grammars:
             state = states[i]
             if _accepted(state) < state.params.min_tokens:  # min_tokens holds the end back
                 self._clear(mask[i], self._held_back(state.params))
-        empty = ~mask.numpy()[rows].any(axis=1)  # rows that allow no token: never drawn from
-        for i in (rows[j] for j in empty.nonzero()[0]):
+        # rows that allow no token (never drawn from); the unconstrained rows allow every one
+        for i in np.flatnonzero(~mask.numpy().any(axis=1)).tolist():
             state = states[i]
             mask[i] = -1
             state.grammar.dead = self._dead_message(state)
