@@ -234,13 +234,19 @@ class Scheduler:
         from it already, by `engine.read_lora` on another thread); raises a LoraError (a ValueError)
         naming what is wrong. Under tensor parallelism the other ranks load their part of it with the
         next step."""
+        self.check_new_lora(name)
+        self.lora.load(name, path, adapter)
+        if self.link is not None:
+            self.link.lora_changed(name, path)
+
+    def check_new_lora(self, name: str) -> None:
+        """Raises unless `name` can name a new adapter here: a ValueError without adapter slots, a
+        LoraError for an empty name or one already loaded (a RuntimeError on a following rank)."""
         if self.follows:
             raise RuntimeError("a following rank loads adapters when rank 0 says so")
         if self.lora is None:
             self.lora_adapter(name)  # raises: no adapter slots
-        self.lora.load(name, path, adapter)
-        if self.link is not None:
-            self.link.lora_changed(name, path)
+        self.lora.check_name(name)
 
     def unload_lora(self, name: str) -> None:
         """Unloads adapter `name` (a KeyError if it is not loaded): requests running on it finish with

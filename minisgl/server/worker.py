@@ -243,13 +243,7 @@ class _LoraReads:
     def start(self, header: dict[str, Any]) -> dict[str, Any] | None:
         """Starts reading the adapter of a load_lora question; its answer now if it is refused at once."""
         name, path, scheduler = header["name"], header["path"], self.scheduler
-
-        def check() -> None:
-            if scheduler.lora is None:
-                scheduler.lora_adapter(name)  # raises: no adapter slots
-            scheduler.lora.check_name(name)
-
-        refused = _lora_answer(header, check)
+        refused = _lora_answer(header, scheduler.check_new_lora, name)
         if refused["error"] is not None:
             return refused
         if self._pool is None:
@@ -275,20 +269,18 @@ class _LoraReads:
 
 def _serve(llm: Any, inbox: zmq.Socket, outbox: Outbox, parent: int) -> None:
     """The loop: take every message waiting, run one step if there is work, send its tokens."""
-    scheduler = llm.scheduler
-    states: dict[int, Any] = {}  # rid -> RequestState of the unfinished requests
-    rids: dict[int, int] = {}  # uid -> rid
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    reads = _LoraReads(scheduler)
+    reads = _LoraReads(llm.scheduler)
     try:
-        _loop(scheduler, inbox, outbox, parent, poller, states, rids, reads)
+        _loop(llm.scheduler, inbox, outbox, parent, reads)
     finally:
         reads.close()
 
 
-def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, poller: zmq.Poller,
-          states: dict[int, Any], rids: dict[int, int], reads: _LoraReads) -> None:  # fmt: skip
+def _loop(scheduler: Any, inbox: zmq.Socket, outbox: Outbox, parent: int, reads: _LoraReads) -> None:
+    states: dict[int, Any] = {}  # rid -> RequestState of the unfinished requests
+    rids: dict[int, int] = {}  # uid -> rid
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
     embeds: dict[int, list[Any]] = {}  # rid -> the RequestStates of an embeddings request's inputs
     next_parent_check = 0.0
     while True:
