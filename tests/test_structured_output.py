@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 
 import httpx2 as httpx
 import jsonschema
@@ -462,6 +463,110 @@ def test_a_large_batchs_mask_is_each_requests_own(llm32) -> None:
         state.grammar.matcher.fill_next_token_bitmask(alone, 0)
         grammars._clear_tail(alone)
         assert torch.equal(mask[i], alone[0]) and alone.any()
+
+
+# Grammars' pool (`Grammars.threads` >= 2): the accepts and fills of a step split in chunks over threads
+POOL_DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36})  # an output of PERSON
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def _pool_batch(grammars: Grammars) -> tuple[list, list[int]]:
+    """66 decode-step requests under PERSON and their next tokens: 64 standing at different places of a
+    valid output with its next token (every 9th: a token the grammar refuses there, EOS mid-document;
+    every 8th holds its end back with min_tokens), one at the output's end (only EOS allowed) and one at
+    the end with min_tokens (dead), then an unconstrained request."""
+    from minisgl.core import Req
+    from minisgl.scheduler import RequestState
+
+    ids = grammars.tokenizer.encode(POOL_DOCUMENT, add_special_tokens=False)
+    eos = min(grammars.eos_token_ids)
+    plain, held = SamplingParams(json_schema=PERSON), SamplingParams(json_schema=PERSON, min_tokens=500)
+    places = [(i * 5) % len(ids) for i in range(64)] + [len(ids), len(ids)]
+    states, tokens = [], []
+    for i, cut in enumerate([*places, None]):
+        params = SamplingParams() if cut is None else held if i % 8 == 7 or i == 65 else plain
+        state = RequestState(i, [1, 2, 3], params, 0.0)
+        state.req = Req(
+            input_ids=[1, 2, 3], table_idx=i, cached_len=3, output_len=64, uid=i, sampling_params=params
+        )
+        state.req.device_len = 4  # a decode step's request
+        states.append(state)
+        if cut is None:
+            continue
+        state.grammar = grammars.new_state(params)
+        for token in ids[:cut]:
+            assert state.grammar.matcher.accept_token(token)
+        tokens.append(eos if cut == len(ids) or i % 9 == 4 else ids[cut])
+    return states, tokens
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_the_pool_gives_the_masks_and_accepts_of_one_thread(tokenizer, threads) -> None:
+    """With `threads` >= 2 the 66 rows are split in chunks over a pool (named minisgl-grammar); the masks
+    are bitwise those of one thread (`threads=1`, no pool), before and after the accepts, and so are the
+    accepts (refused tokens, the dead row left alone) and the dead rows."""
+    cpu = torch.device("cpu")
+    vocab = len(tokenizer)
+    runs = []
+    for grammars in (
+        Grammars(tokenizer, vocab, [2], threads=1),
+        Grammars(tokenizer, vocab, [2], threads=threads),
+    ):
+        states, tokens = _pool_batch(grammars)
+        first = grammars.token_mask(states, cpu)
+        grammars.accept_ahead(zip(states, tokens))
+        second = grammars.token_mask(states, cpu)
+        runs.append(
+            (first, second, [(s.grammar and s.grammar.ahead, s.grammar and s.grammar.dead) for s in states])
+        )
+        assert (grammars._pool is None) == (grammars.threads == 1)
+    assert any(t.name.startswith("minisgl-grammar") for t in threading.enumerate())
+    (first, second, outcomes), (pooled_first, pooled_second, pooled_outcomes) = runs
+    assert torch.equal(first, pooled_first) and torch.equal(second, pooled_second)
+    assert outcomes == pooled_outcomes
+    aheads = [ahead for ahead, _ in outcomes[:66]]
+    assert aheads[65] is None and outcomes[65][1] and aheads.count(None) == 1  # only the dead row's
+    assert {ok for _, ok in aheads[:65]} == {True, False}  # accepted and refused tokens
+    assert (first[65] == -1).all() and (first[66] == -1).all()  # dead, unconstrained
+
+
+class _Broken:
+    """A matcher xgrammar cannot use (no handle): its chunk raises in the pool's thread."""
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_a_chunks_exception_reaches_the_caller_once_every_chunk_is_done(tokenizer) -> None:
+    """A worker's exception is raised by the step's call; chunk 0's (the calling thread's) too, once the
+    workers' chunks have finished (none still writes the mask)."""
+    grammars = Grammars(tokenizer, len(tokenizer), [2], threads=4)
+    states, tokens = _pool_batch(grammars)
+    states[63].grammar.matcher = _Broken()  # the last chunk's: a worker's
+    with pytest.raises(AttributeError):
+        grammars.token_mask(states, torch.device("cpu"))
+    with pytest.raises(AttributeError):
+        grammars.accept_ahead(zip(states, tokens))
+    assert all(s.grammar is None or s.grammar.ahead is None for s in states)
+    # chunk 0 (the calling thread) raises only once the workers' chunks have begun: they still finish first
+    begun, done = threading.Event(), []
+
+    def run(k: int, start: int, stop: int) -> None:
+        if k == 0:
+            begun.set()
+            raise RuntimeError("chunk 0")
+        assert begun.wait(30)
+        done.append(k)
+
+    with pytest.raises(RuntimeError, match="chunk 0"):
+        grammars._spread(16, run)
+    assert sorted(done) == [1, 2, 3]
 
 
 def test_request_fields_map_onto_sampling_params() -> None:

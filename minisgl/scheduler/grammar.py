@@ -12,7 +12,8 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -25,16 +26,20 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 128  # distinct compiled grammars kept (least recently used out first)
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # json_object: any JSON object
-# from this many constrained rows on, their masks are filled in one call to xgrammar (its threads when it
-# has two or more: `threads`; with one, in the scheduler's own thread, without the per-row Python calls);
+# from this many constrained rows on, their masks are filled in one call to xgrammar (a one-thread
+# `BatchGrammarMatcher`, without the per-row Python calls; a chunk of them on each thread of the pool);
 # below it one after the other
 BATCH_FILL_ROWS = 4
+# the pool's rows a chunk, at least: a step's accepts or fills go to the pool from two chunks (8 rows) on,
+# in at most `Grammars.threads` chunks; fewer rows run in the calling thread (a hand-off costs more)
+CHUNK_ROWS = 4
 # "[12:00:00] /project/cpp/regex_converter.cc:94: " before xgrammar's own words
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-def threads(half: bool = False) -> int:
-    """xgrammar's threads: the host's cores (half of them to fill masks, as xgrammar's "auto"), 1 to 8."""
+def host_threads(half: bool = False) -> int:
+    """xgrammar's threads: the host's cores (half of them for `Grammars`' pool, as xgrammar's "auto"),
+    1 to 8."""
     cores = os.cpu_count() or 1
     return max(1, min(8, cores // 2 if half else cores))
 
@@ -111,7 +116,11 @@ class Grammars:
     `GrammarState` and fills the token mask of each batch that has one (see the module docstring).
     `tokenizer`: the model's (a Hugging Face tokenizer; None: grammars are refused); `vocab_size`: the
     model's; `eos_token_ids`: the engine's, the grammars' stop tokens; `tensor_parallel`: the engine runs
-    over several ranks (grammars are refused: the following ranks have no tokenizer)."""
+    over several ranks (grammars are refused: the following ranks have no tokenizer). `threads`: how many
+    threads accept a step's tokens and fill its masks (None: half the cores, `host_threads(half=True)`); with
+    2 or more, a pool of that many less one (the calling thread takes a chunk too), made at the first
+    large batch; with 1, everything runs in the calling thread (a 2-core host: a hand-off to another
+    thread costs more than it saves there). An attribute: a benchmark may change it between steps."""
 
     def __init__(
         self,
@@ -120,6 +129,7 @@ class Grammars:
         eos_token_ids: Iterable[int],
         cache_size: int = GRAMMAR_CACHE_SIZE,
         tensor_parallel: bool = False,
+        threads: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.tensor_parallel = tensor_parallel
@@ -129,8 +139,11 @@ class Grammars:
         self.words = mask_words(vocab_size)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled grammar or error str
         self._compiler: Any = None
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first large batch
-        self._fill_threads = threads(half=True)  # os.cpu_count() once, not at every step
+        self.threads = host_threads(half=True) if threads is None else threads  # os.cpu_count() once
+        # the pool (made for `threads`) and a one-thread BatchGrammarMatcher per chunk (xgrammar's with
+        # two or more threads starts them at every call), made at the first large batch
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        self._fillers: list[Any] = []
         self._lock = threading.Lock()  # the server's front end checks from several threads
         self.compiled = 0  # grammars compiled so far (cache misses)
 
@@ -213,15 +226,15 @@ class Grammars:
             import xgrammar as xgr
 
             info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=threads(), cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=host_threads(), cache_enabled=False)
             logger.info("structured output: xgrammar compiler ready (%d tokens)", self.vocab_size)
         return self._compiler
 
     def accept_ahead(self, pairs: Iterable[tuple[Any, int]]) -> None:
-        """Advances the matchers of (`RequestState`, its new token) pairs in one call to xgrammar, before
-        the tokens are processed (the next step's masks need them first, see `Scheduler._deferred_mask`);
-        `GrammarState.accept` reports the outcome when each token is processed. A dead grammar's matcher
-        is left alone (its token fails the request)."""
+        """Advances the matchers of (`RequestState`, its new token) pairs in one call to xgrammar (with
+        the pool, one a chunk: `_spread`), before the tokens are processed (the next step's masks need them
+        first, see `Pipeline.deferred_mask`); `GrammarState.accept` reports the outcome when each token
+        is processed. A dead grammar's matcher is left alone (its token fails the request)."""
         pairs = [(state.grammar, token) for state, token in pairs if state.grammar.dead is None]
         if not pairs:
             return
@@ -229,7 +242,10 @@ class Grammars:
 
         matchers = [grammar.matcher for grammar, _ in pairs]
         tokens = [token for _, token in pairs]
-        for (grammar, token), ok in zip(pairs, xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)):
+        chunks = self._spread(
+            len(pairs), lambda _, a, b: xgr.BatchGrammarMatcher.batch_accept_token(matchers[a:b], tokens[a:b])
+        )
+        for (grammar, token), ok in zip(pairs, (ok for chunk in chunks for ok in chunk)):
             grammar.ahead = (token, ok)
 
     def token_mask(self, states: Sequence[Any], device: torch.device) -> torch.Tensor | None:
@@ -256,12 +272,12 @@ class Grammars:
             constrained = set(rows)
             mask.numpy()[[i for i in range(len(states)) if i not in constrained]] = -1
         matchers = [states[i].grammar.matcher for i in rows]
-        if len(rows) >= BATCH_FILL_ROWS:  # one thread fills them in the calling thread, no pool
-            if self._batch is None:
-                import xgrammar as xgr
-
-                self._batch = xgr.BatchGrammarMatcher(self._fill_threads)
-            self._batch.batch_fill_next_token_bitmask(matchers, mask, rows)
+        if len(rows) >= BATCH_FILL_ROWS:  # a one-thread BatchGrammarMatcher a chunk (chunk k: filler k)
+            fillers = self._get_fillers()
+            self._spread(
+                len(rows),
+                lambda k, a, b: fillers[k].batch_fill_next_token_bitmask(matchers[a:b], mask, rows[a:b]),
+            )
         else:
             for i, matcher in zip(rows, matchers):
                 matcher.fill_next_token_bitmask(mask, i)
@@ -276,6 +292,41 @@ class Grammars:
             mask[i] = -1
             state.grammar.dead = self._dead_message(state)
         return mask.to(device, non_blocking=True)
+
+    def _spread(self, n: int, run: Callable[[int, int, int], Any]) -> list[Any]:
+        """`run(k, start, stop)` over n rows in contiguous chunks, their results in order: one chunk
+        (`run(0, 0, n)` in the calling thread, as without a pool) below two chunks of `CHUNK_ROWS` rows
+        or with `threads` < 2; else up to `threads` chunks, chunk 0 in the calling thread and the others
+        on the pool (xgrammar's calls release the GIL). Returns, or raises a chunk's exception, once
+        every chunk has finished."""
+        parts = max(1, min(self.threads, n // CHUNK_ROWS))
+        if parts == 1:
+            return [run(0, 0, n)]
+        pool = self._get_pool()
+        futures = [pool.submit(run, k, n * k // parts, n * (k + 1) // parts) for k in range(1, parts)]
+        try:
+            first = run(0, 0, n // parts)
+        finally:
+            wait(futures)  # no worker still writes when this returns or raises
+        return [first, *(future.result() for future in futures)]
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        """The pool of `threads` - 1 workers, made again when `threads` changed."""
+        if self._pool is None or self._pool[0] != self.threads:
+            if self._pool is not None:
+                self._pool[1].shutdown(wait=False)
+            pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="minisgl-grammar")
+            self._pool = (self.threads, pool)
+        return self._pool[1]
+
+    def _get_fillers(self) -> list[Any]:
+        """A one-thread BatchGrammarMatcher a chunk (chunk k's is filler k: none fills in two threads)."""
+        missing = max(1, self.threads) - len(self._fillers)
+        if missing > 0:
+            import xgrammar as xgr
+
+            self._fillers += [xgr.BatchGrammarMatcher(1) for _ in range(missing)]
+        return self._fillers
 
     def verify_mask(
         self, states: Sequence[Any], drafts: Sequence[Sequence[int]], device: torch.device
