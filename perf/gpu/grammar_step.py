@@ -4,7 +4,7 @@ same 64 requests unconstrained (goal: the constrained step at most 1.25x the unc
 are that schema: hermes's format, the grammar the server builds, docs/tools.md; goal at most 1.5x).
 
     python -m perf.gpu.grammar_step [--model PATH | --config YAML] [--batch 64 [16 1 ...]] [--steps 32]
-                                    [--tools]
+                                    [--tools] [--threads 1 [8 ...]]
 
 The measured setting is the 0.6B preset's dummy weights with the SmolLM2 tokenizer: `--config` a copy of
 configs/h200-qwen3-0.6b.yaml whose model folder holds its config.json beside SmolLM2's tokenizer files.
@@ -18,7 +18,9 @@ unconstrained steps overlap (the default); the constrained ones too, with their 
 forward is launched (docs/structured-output.md), so the difference is the mask's device work
 (`apply_token_mask`, timed alone) plus the host work the forward does not cover: reading the previous
 step's tokens, accepting them and filling the 64 masks (`Grammars.token_mask`, timed alone) before the
-sampler can run. A plain script, not a test.
+sampler can run. `--threads`: the constrained variant once with each of these `Grammars.threads` (1: the
+accepts and fills in the scheduler's thread; 2 or more: over its pool), alternating with the others
+(default: the host's choice, half the cores). A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="a settings YAML (its model_path needs a tokenizer)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Grammars.threads, each timed (default: the host's)",
+    )
     args = parser.parse_args()
     llm = LLM(
         args.model, config=args.config, device=args.device, dtype=args.dtype, max_running_req=max(args.batch)
@@ -136,24 +145,35 @@ def main() -> None:
             name, constrained, goal = "forced call", SamplingParams(ebnf=grammar, max_tokens=400), TOOLS_GOAL
         else:
             name, constrained, goal = "json_schema", SamplingParams(json_schema=SCHEMA, max_tokens=400), GOAL
+        grammars = llm.scheduler.grammars
+        # (label, params, Grammars.threads): the unconstrained variant, then the constrained one per count
+        variants = [("unconstrained", free, grammars.threads)] + [
+            (f"{name}, {n} thread{'s' * (n != 1)}", constrained, n)
+            for n in args.threads or [grammars.threads]
+        ]
         for batch in args.batch:
             batch_prompts = prompts[:batch]
-            time_steps(llm, batch_prompts, free, 4)  # warm-up: graphs, compiled paths, the grammar's compile
-            time_steps(llm, batch_prompts, constrained, 4)
-            results = {"unconstrained": [], name: []}
+            for _, params, threads in variants:  # warm-up: graphs, compiled paths, the grammar, the pool
+                grammars.threads = threads
+                time_steps(llm, batch_prompts, params, 4)
+            results = {label: [] for label, _, _ in variants}
             for _ in range(3):  # alternating, the median of three
-                for variant, params in (("unconstrained", free), (name, constrained)):
-                    results[variant].append(time_steps(llm, batch_prompts, params, args.steps) * 1e3)
-            results = {variant: statistics.median(ms) for variant, ms in results.items()}
-            fill_ms, apply_ms = mask_costs(llm, batch_prompts, constrained)
-            ratio = results[name] / results["unconstrained"]
+                for label, params, threads in variants:
+                    grammars.threads = threads
+                    results[label].append(time_steps(llm, batch_prompts, params, args.steps) * 1e3)
+            results = {label: statistics.median(ms) for label, ms in results.items()}
             print(f"{batch} requests, {llm.model_name}, {args.dtype}, {llm.engine.device}")
-            for variant, ms in results.items():
-                print(f"  {variant:>14}: {ms:7.3f} ms a decode step ({args.steps} steps, median of 3 runs)")
-            print(f"  ratio {ratio:.3f}x" + goal_note(ratio, goal, at_most=True))
-            print(
-                f"  of which: filling the {batch} masks {fill_ms:.3f} ms (host), applying them {apply_ms:.3f} ms"
-            )
+            for label, ms in results.items():
+                print(f"  {label:>26}: {ms:7.3f} ms a decode step ({args.steps} steps, median of 3 runs)")
+            for label, _, threads in variants[1:]:
+                grammars.threads = threads
+                fill_ms, apply_ms = mask_costs(llm, batch_prompts, constrained)
+                ratio = results[label] / results["unconstrained"]
+                print(f"  {label}: ratio {ratio:.3f}x" + goal_note(ratio, goal, at_most=True))
+                print(
+                    f"    of which: filling the {batch} masks {fill_ms:.3f} ms (host), "
+                    f"applying them {apply_ms:.3f} ms"
+                )
     finally:
         llm.shutdown()
 
