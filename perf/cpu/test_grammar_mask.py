@@ -1,6 +1,6 @@
 """Structured output's host cost per step at 64 constrained requests (`minisgl.scheduler.grammar`): filling
-the batch's token mask (`Grammars.token_mask`: xgrammar's matchers write 64 rows of packed bits, with its
-thread pool, then the min_tokens and dead-row checks) and accepting each request's sampled token. The
+the batch's token mask (`Grammars.token_mask`: xgrammar's matchers write 64 rows of packed bits, over
+`Grammars`' pool where the host has one, then the min_tokens and dead-row checks) and accepting each request's sampled token. The
 matchers stand at different places of their outputs (each has accepted a different prefix of a valid
 document). The default model's tokenizer (49,152 tokens); no model runs.
 
