@@ -281,6 +281,38 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server: Server) ->
     assert server.metrics().get("minisgl_requests_finished_total,reason=abort", 0) >= 1
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/completions", {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 6000}),
+        ("/generate", {"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 6000}}),
+    ],
+    ids=["completions", "generate"],
+)
+def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server: Server, path: str, body: dict) -> None:
+    """A non-streamed request whose client stops waiting (its read timeout closes the connection) is
+    aborted: it leaves the running set and its pages are freed, long before its 6,000 tokens (at least a
+    minute of decoding here), and it counts as finished with reason abort."""
+    if path == "/completions":
+        body = {**body, "ignore_eos": True}
+    else:
+        body = {**body, "sampling_params": {**body["sampling_params"], "ignore_eos": True}}
+    aborts = server.metrics().get("minisgl_requests_finished_total,reason=abort", 0)
+    url = server.url + path if path == "/completions" else server.base + path
+    with httpx.Client(timeout=httpx.Timeout(60, read=3)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(url, json=body)
+    _wait_for(
+        lambda: (
+            server.metrics()["minisgl_kv_cache_usage_ratio"] == 0
+            and server.metrics()["minisgl_requests_running"] == 0
+        ),
+        30,
+        "the abandoned request's pages to be freed",
+    )
+    assert server.metrics().get("minisgl_requests_finished_total,reason=abort", 0) == aborts + 1
+
+
 def test_prefix_cache_over_http_and_flush_cache(server: Server, client: openai.OpenAI) -> None:
     """A repeated prompt finds its prefix in the server's radix cache (same greedy text); POST
     /flush_cache empties the cache, and the next request computes its whole prompt again."""

@@ -76,8 +76,7 @@ async def prepare_request(
     except APIError as e:
         return error_response(e, {"Retry-After": "1"} if e.status == 503 else None)
     except ClientDisconnect:  # nobody to answer
-        log_limited("disconnect", logging.INFO, "a client disconnected before its request arrived in full")
-        return Response(status_code=400)
+        return client_gone("before its request arrived in full")
 
 
 def admit_job(
@@ -126,15 +125,37 @@ def check_rejected(choice: Choice) -> None:
         raise invalid_request(ValueError(choice.error))
 
 
-async def wait_all(job: Job) -> None:
-    """Until every choice of `job` has finished (a 400 for one the scheduler rejected)."""
-    while True:
-        for c in job.choices:
-            check_rejected(c)
-        if all(c.finished for c in job.choices):
-            return
-        await job.wake.wait()
-        job.wake.clear()
+async def wait_all(job: Job, request: Request) -> None:
+    """Until every choice of `job` has finished (a 400 for one the scheduler rejected). A client that
+    disconnects first raises ClientDisconnect: the caller's `release_job` then aborts the choices, so an
+    abandoned answer stops taking steps and pages (`client_gone` is the response)."""
+    gone = asyncio.ensure_future(_watch_disconnect(request, job))
+    try:
+        while True:
+            for c in job.choices:
+                check_rejected(c)
+            if all(c.finished for c in job.choices):
+                return
+            if gone.done():
+                raise ClientDisconnect()
+            await job.wake.wait()
+            job.wake.clear()
+    finally:
+        gone.cancel()
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Returns (waking the job) once the ASGI server says the client is gone; the body is read already,
+    so nothing else comes from `receive` before that."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.wake.set()
+
+
+def client_gone(what: str = "before its answer was ready") -> Response:
+    """What a route returns for a client that is gone (nobody reads it), logged without a traceback."""
+    log_limited("disconnect", logging.INFO, "a client disconnected %s", what)
+    return Response(status_code=400)
 
 
 def release_job(state: ServerState, job: Job, request_id: str, prompt_tokens: int) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
 from minisgl.server import generation, protocol, responses
@@ -451,12 +452,14 @@ async def _generate(state: ServerState, request: Request) -> Response:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        await generation.wait_all(job)
+        await generation.wait_all(job, request)
         [choice] = job.choices
         answer = generate_response(req, choice, choice.text, choice.token_ids, len(prompt_ids), elapsed())
         return JSONResponse(answer)
     except APIError as e:
         return error_response(e)
+    except ClientDisconnect:  # its choice is aborted below
+        return generation.client_gone()
     finally:
         release()
 

@@ -17,12 +17,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from minisgl.server import embeddings_api, protocol, responses
 from minisgl.server.errors import APIError, error_body
 from minisgl.server.generation import (
     admit_job,
     check_rejected,
+    client_gone,
     prepare_request,
     release_job,
     tokenize_prompt,
@@ -107,7 +109,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        await wait_all(job)
+        await wait_all(job, request)
         respond = responses.chat_response if kind == "chat" else responses.completion_response
         return _json_response(
             respond(
@@ -124,6 +126,8 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
         )
     except APIError as e:
         return error_response(e)
+    except ClientDisconnect:  # its choices are aborted below
+        return client_gone()
     finally:
         release_job(state, job, request_id, len(prompt_ids))
 
