@@ -139,6 +139,18 @@ def _wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _wait_until_idle(server: Server, what: str) -> None:
+    """Until no request runs and no page is in use (30 s at most)."""
+    _wait_for(
+        lambda: (
+            server.metrics()["minisgl_kv_cache_usage_ratio"] == 0
+            and server.metrics()["minisgl_requests_running"] == 0
+        ),
+        30,
+        what,
+    )
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_server: Server) -> Server:
     """The session's server of the default model (conftest.py; 16 requests at a time, bodies up to
@@ -270,14 +282,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server: Server) ->
             assert received
             _wait_for(lambda: server.metrics()["minisgl_kv_cache_usage_ratio"] > 0, 10, "pages in use")
         # closing the response closes the connection: the request is aborted
-    _wait_for(
-        lambda: (
-            server.metrics()["minisgl_kv_cache_usage_ratio"] == 0
-            and server.metrics()["minisgl_requests_running"] == 0
-        ),
-        30,
-        "the aborted request's pages to be freed",
-    )
+    _wait_until_idle(server, "the aborted request's pages to be freed")
     assert server.metrics().get("minisgl_requests_finished_total,reason=abort", 0) >= 1
 
 
@@ -302,14 +307,7 @@ def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server: Server, path
     with httpx.Client(timeout=httpx.Timeout(60, read=3)) as http:
         with pytest.raises(httpx.ReadTimeout):
             http.post(url, json=body)
-    _wait_for(
-        lambda: (
-            server.metrics()["minisgl_kv_cache_usage_ratio"] == 0
-            and server.metrics()["minisgl_requests_running"] == 0
-        ),
-        30,
-        "the abandoned request's pages to be freed",
-    )
+    _wait_until_idle(server, "the abandoned request's pages to be freed")
     assert server.metrics().get("minisgl_requests_finished_total,reason=abort", 0) == aborts + 1
 
 
