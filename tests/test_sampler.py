@@ -27,6 +27,7 @@ from minisgl.engine.draw import (
 )
 from minisgl.engine.sample import Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs, LogprobArgs
+from minisgl.kernels import draw as draw_kernels
 
 CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
@@ -377,3 +378,61 @@ def test_compiled_sampler_equals_eager() -> None:
             need_filter,
         )
     assert counter.frame_count == 2  # one graph per need_filter value
+
+
+# --- the draw without filters as Triton kernels (minisgl.kernels.draw; Triton's interpreter here) -------
+
+
+def unfiltered_args(batch: int, rng: random.Random) -> BatchSamplingArgs:
+    """Temperature-only requests, every third greedy, seeded at random offsets."""
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 3 == 2 else rng.choice([0.3, 0.6, 1.0, 1.7]), seed=rng.randrange(2**63)
+        )
+        for i in range(batch)
+    ]
+    args = BatchSamplingArgs.from_reqs(
+        [make_req(i, p, rng.randrange(1, 10**6)) for i, p in enumerate(params)], CPU
+    )
+    assert not args.need_filter
+    return args
+
+
+@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+@pytest.mark.parametrize("vocab", [40, 2047, 2048, 2049, 6000])
+def test_triton_draw_equals_sample_rows(vocab: int) -> None:
+    """`draw_unfiltered` (what a CUDA sampler runs for a batch without top-k / top-p / min-p) draws
+    `sample_rows`' tokens: greedy and sampled rows mixed, rows of several blocks and a partial last one,
+    suppressed (-inf) tokens, bf16 logits, a slice of wider rows; the sampled rows are not the argmax."""
+    rng = random.Random(vocab)
+    gen = torch.Generator().manual_seed(vocab)
+    for batch, scale in [(1, 1.0), (5, 3.0), (9, 0.5)]:
+        args = unfiltered_args(batch, rng)
+        logits = torch.randn(batch, vocab + 7, generator=gen) * scale
+        logits[:, rng.randrange(vocab)] = float("-inf")
+        for rows in (logits[:, :vocab], logits[:, :vocab].to(torch.bfloat16)):
+            want = sample_rows(rows, args.floats, args.ints, False)
+            got = draw_kernels.draw_unfiltered(rows, args.floats, args.ints)
+            assert got.dtype == torch.int32 and torch.equal(got, want), (vocab, batch, rows.dtype)
+    sampled = args.floats[0] > 0
+    assert not torch.equal(got[sampled], rows.float().argmax(dim=-1).to(torch.int32)[sampled])
+
+
+@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+def test_triton_draw_greedy_ties_and_flat_rows() -> None:
+    """A greedy row whose max appears in several blocks takes its first token (argmax's); a row of equal
+    logits draws by the hash alone, as `sample_rows` does; nothing lands past the vocabulary."""
+    vocab = 3 * draw_kernels.BLOCK + 5
+    logits = torch.zeros(4, vocab)
+    logits[0, [draw_kernels.BLOCK + 3, 7, 2 * draw_kernels.BLOCK]] = 2.0  # greedy: 7
+    logits[1, vocab - 1] = 1.0  # greedy: the last token, in the partial block
+    args = BatchSamplingArgs.from_reqs(
+        [
+            make_req(i, SamplingParams(temperature=t, seed=i), 11 + i)
+            for i, t in enumerate([0.0, 0.0, 1.0, 0.2])
+        ],
+        CPU,
+    )
+    got = draw_kernels.draw_unfiltered(logits, args.floats, args.ints)
+    assert got[:2].tolist() == [7, vocab - 1]
+    assert torch.equal(got, sample_rows(logits, args.floats, args.ints, False))

@@ -2,7 +2,8 @@
 
 The transforms (grammar mask, logit_bias, penalties, suppressed tokens) run eagerly; the draw
 (`minisgl.engine.draw.sample_rows`) runs as one ``torch.compile``d function on CUDA (eager on CPU and
-with ``compile_sampler: false``). Launching it costs the host more than a small batch's forward, so a
+with ``compile_sampler: false``), or without top-k / top-p / min-p as three Triton kernels
+(`minisgl.kernels.draw`, the same tokens). Launching it costs the host more than a small batch's forward, so a
 plain decode step of up to `GRAPH_MAX_BS` requests replays a CUDA graph of it (`capture_graphs`).
 Details: docs/gpu.md#the-sampler and docs/gpu.md#sampler-graphs.
 """
@@ -18,6 +19,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.draw import TOP_K_ALL, mark_batch_unbacked, sample_rows
 from minisgl.engine.sampling_args import BatchSamplingArgs, LogprobArgs, PenaltyArgs
 from minisgl.engine.token_mask import apply_token_mask
+from minisgl.kernels import draw as draw_kernels
 
 # the largest decode batch whose sampling replays a CUDA graph (the host's launch cost matters where the
 # forward is short)
@@ -43,6 +45,8 @@ class Sampler:
             tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
         self._compiled = None
+        # the draw without filters on CUDA: the Triton kernels (False: the compiled function, to compare)
+        self.fused_draw = device.type == "cuda" and compile and draw_kernels.AVAILABLE
         if device.type == "cuda" and compile:
             # one graph per need_filter value (for every batch size: `mark_batch_unbacked`), per vocabulary
             raise_recompile_limit()
@@ -97,6 +101,8 @@ class Sampler:
             assert args.floats is not None and args.ints is not None
             if self._compiled is None:
                 tokens = sample_rows(logits, args.floats, args.ints, args.need_filter)
+            elif self.fused_draw and not args.need_filter:
+                tokens = draw_kernels.draw_unfiltered(logits, args.floats, args.ints)
             else:
                 mark_batch_unbacked(logits, args.floats, args.ints)
                 tokens = self._compiled(logits, args.floats, args.ints, args.need_filter)

@@ -14,10 +14,11 @@ from test_sampler import (
     make_req,
     random_params,
     spread_logits,
+    unfiltered_args,
 )
 
 from minisgl.core import SamplingParams
-from minisgl.engine.draw import token_weights
+from minisgl.engine.draw import sample_rows, token_weights
 from minisgl.engine.sample import GRAPH_MAX_BS, Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs
 
@@ -150,3 +151,19 @@ def test_sampler_graphs_draw_the_compiled_tokens() -> None:
     args.suppress = torch.tensor([[int(static[1][0].argmax())]], device=CUDA)
     tokens = sampler.sample(static[1][:1], args, graph_bs=1)
     assert tokens.data_ptr() != sampler._graphs[(1, False)][3].data_ptr()
+
+
+def test_triton_draw_equals_the_eager_function_at_qwen3_vocab() -> None:
+    """A CUDA sampler draws a batch without filters with the Triton kernels (`minisgl.kernels.draw`):
+    the tokens of `sample_rows` run eagerly, greedy and sampled rows mixed, at batches of 1 to 256."""
+    sampler = Sampler(CUDA, VOCAB)
+    assert sampler.fused_draw
+    rng = random.Random(9)
+    gen = torch.Generator(device=CUDA).manual_seed(9)
+    for batch_size in (1, 2, 8, 64, 256):
+        args = unfiltered_args(batch_size, rng)
+        args = dataclasses.replace(args, floats=args.floats.to(CUDA), ints=args.ints.to(CUDA))
+        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 3.0])
+        for rows in (logits, logits.to(torch.bfloat16)):
+            want = sample_rows(rows, args.floats, args.ints, False)
+            assert torch.equal(sampler.sample(rows, args), want), (batch_size, rows.dtype)
