@@ -1,9 +1,10 @@
 """Device time of the sampler's draw at Qwen3's vocabulary (151,936), one CUDA graph replay per call, by
 batch size: greedy (argmax), temperature only on the Triton kernels (`minisgl.kernels.draw`, what a
 CUDA sampler runs) and on the compiled `sample_rows` (before them), and with top-k / top-p (compiled).
-Each batch's two unfiltered draws are checked to give the same tokens.
+Each batch's unfiltered draws must give the same tokens (else it stops with an error). `--blocks` also times the Triton
+draw at other block sizes (`minisgl.kernels.draw.BLOCK`).
 
-    python -m perf.gpu.sampler [--batches 1 2 4 8 64]
+    python -m perf.gpu.sampler [--batches 1 2 4 8 64] [--blocks 1024 4096]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.sample import Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs
+from minisgl.kernels import draw as draw_kernels
 from perf.gpu.timing import graph_us
 
 VOCAB = 151_936
@@ -38,27 +40,36 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    parser.add_argument("--blocks", type=int, nargs="*", default=[], help="other Triton block sizes")
     args = parser.parse_args()
     with torch.inference_mode():
         sampler = Sampler(CUDA, VOCAB)
         sampler.warm_up()
+        others = "".join(f" {'T ' + str(b):>9}" for b in args.blocks)
         print(
-            f"{'batch':>5} {'greedy':>8} {'T triton':>9} {'T compiled':>11} {'T+top_p/k':>10}  us/draw, same tokens"
+            f"{'batch':>5} {'greedy':>8} {'T triton':>9} {'T compiled':>11} {'T+top_p/k':>10}{others}  us/draw"
         )
+        default_block = draw_kernels.BLOCK
         for batch in args.batches:
             logits = torch.randn(batch, VOCAB, device=CUDA, dtype=torch.bfloat16) * 3
             greedy, plain = _args(batch, temperature=0.0), _args(batch, temperature=0.6)
             filtered = _args(batch, temperature=0.6, top_p=0.95, top_k=50)
+            runs = [
+                (False, greedy, default_block),
+                (True, plain, default_block),
+                (False, plain, default_block),
+            ]
+            runs += [(False, filtered, default_block)] + [(True, plain, b) for b in args.blocks]
             times, tokens = [], []
-            for fused, sampling in [(False, greedy), (True, plain), (False, plain), (False, filtered)]:
-                sampler.fused_draw = fused
+            for fused, sampling, block in runs:
+                sampler.fused_draw, draw_kernels.BLOCK = fused, block
                 times.append(graph_us(lambda x=logits, s=sampling: sampler.sample(x, s)))
                 if sampling is plain:
                     tokens.append(sampler.sample(logits, plain))
-            same = bool(torch.equal(*tokens))
-            print(
-                f"{batch:>5} " + " ".join(f"{t:>{w}.1f}" for t, w in zip(times, (8, 9, 11, 10))) + f"  {same}"
-            )
+            draw_kernels.BLOCK = default_block
+            if not all(torch.equal(tokens[0], t) for t in tokens):
+                raise AssertionError(f"batch {batch}: the unfiltered draws differ")
+            print(f"{batch:>5} " + " ".join(f"{t:>{w}.1f}" for t, w in zip(times, (8, 9, 11, 10, *[9] * 8))))
 
 
 if __name__ == "__main__":
