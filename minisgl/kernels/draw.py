@@ -32,10 +32,12 @@ AVAILABLE = triton is not None
 if triton is not None:
     import triton.language as tl
 
+    _WEIGHT_SCALE = tl.constexpr(float(2**WEIGHT_BITS))  # (a kernel reads only constexpr globals)
+
     @triton.jit
     def _weights(x, top, temperature):
         """int64 weights of float32 logits ``x`` (-inf where absent) under the row max and T."""
-        w = tl.exp((x - top) / temperature) * float(2**WEIGHT_BITS)
+        w = tl.exp((x - top) / temperature) * _WEIGHT_SCALE
         # round half to even (torch.round) by adding and taking away 2**23: below it the sum's float32
         # rounding is the integer one; from it on every float32 is an integer already
         w = tl.where(w < 8388608.0, (w + 8388608.0) - 8388608.0, w)
