@@ -37,13 +37,6 @@ CHUNK_ROWS = 4
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-def host_threads(half: bool = False) -> int:
-    """xgrammar's threads: the host's cores (half of them for `Grammars`' pool, as xgrammar's "auto"),
-    1 to 8."""
-    cores = os.cpu_count() or 1
-    return max(1, min(8, cores // 2 if half else cores))
-
-
 def xgrammar_reason(error: Exception) -> str:
     """xgrammar's message without its time and source location, on one line."""
     text = " ".join(str(error).split("\n"))
@@ -117,10 +110,10 @@ class Grammars:
     `tokenizer`: the model's (a Hugging Face tokenizer; None: grammars are refused); `vocab_size`: the
     model's; `eos_token_ids`: the engine's, the grammars' stop tokens; `tensor_parallel`: the engine runs
     over several ranks (grammars are refused: the following ranks have no tokenizer). `threads`: how many
-    threads accept a step's tokens and fill its masks (None: half the cores, `host_threads(half=True)`); with
-    2 or more, a pool of that many less one (the calling thread takes a chunk too), made at the first
-    large batch; with 1, everything runs in the calling thread (a 2-core host: a hand-off to another
-    thread costs more than it saves there). An attribute: a benchmark may change it between steps."""
+    threads accept a step's tokens and fill its masks (None: 1, everything in the calling thread: on the
+    H100 host's 16 cores a pool of 8 made the step slower, docs/structured-output.md); with 2 or more, a
+    pool of that many less one (the calling thread takes a chunk too), made at the first large batch. An
+    attribute: a benchmark may change it between steps."""
 
     def __init__(
         self,
@@ -139,7 +132,7 @@ class Grammars:
         self.words = mask_words(vocab_size)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # compiled grammar or error str
         self._compiler: Any = None
-        self.threads = host_threads(half=True) if threads is None else threads  # os.cpu_count() once
+        self.threads = 1 if threads is None else threads
         # the pool (made for `threads`) and a one-thread BatchGrammarMatcher per chunk (xgrammar's with
         # two or more threads starts them at every call), made at the first large batch
         self._pool: tuple[int, ThreadPoolExecutor] | None = None
@@ -226,7 +219,9 @@ class Grammars:
             import xgrammar as xgr
 
             info = tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=host_threads(), cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(
+                info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_enabled=False
+            )
             logger.info("structured output: xgrammar compiler ready (%d tokens)", self.vocab_size)
         return self._compiler
 

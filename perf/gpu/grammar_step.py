@@ -20,7 +20,7 @@ forward is launched (docs/structured-output.md), so the difference is the mask's
 step's tokens, accepting them and filling the 64 masks (`Grammars.token_mask`, timed alone) before the
 sampler can run. `--threads`: the constrained variant once with each of these `Grammars.threads` (1: the
 accepts and fills in the scheduler's thread; 2 or more: over its pool), alternating with the others
-(default: the host's choice, half the cores). A plain script, not a test.
+(default: `Grammars`' own, 1). A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=None,
-        help="Grammars.threads, each timed (default: the host's)",
+        help="Grammars.threads, each timed (default: Grammars' own, 1)",
     )
     args = parser.parse_args()
     llm = LLM(
