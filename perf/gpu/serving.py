@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,8 @@ from perf.common import (
 )
 
 LOW_RATE, LOW_PROMPTS = 4.0, 128
+# a light-load run (128 requests at 4 per second, about 35 s) is stopped past this and reported stalled
+LOW_RUN_TIMEOUT_S = 150
 
 
 # -------------------------------------------------------------------------------------------- the parts
@@ -416,29 +420,62 @@ def _peer_server(args: argparse.Namespace, out: Path, port: int, *extra: str) ->
     return proc
 
 
+def _start_both(*starts: Callable[[], ServerProcess]) -> list[ServerProcess]:
+    """Servers started side by side (each start blocks until its server answers); if one fails, those
+    up are stopped and its error raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+        wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
 def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Both servers up at once (memory_ratio 0.4 each), chat at 4 requests/s against each in turn."""
+    """Both servers up at once (started side by side, memory_ratio 0.4 each), chat at 4 requests/s
+    against each in turn. Each step is stamped with the seconds since the part began; a run past
+    `LOW_RUN_TIMEOUT_S` is stopped and recorded as stalled (`"stalled"`: its server and round)."""
     model = str(Path(args.model).resolve())
     low = ["--endpoint", "chat", "--tokenizer", model, "--num-prompts", str(args.low_prompts)]
     low += [*args.workload[2:], "--request-rate", str(LOW_RATE)]
-    result: dict[str, Any] = {"minisgl": [], "peer": []}
+    result: dict[str, Any] = {"minisgl": [], "peer": [], "stalled": []}
     peer_port, port = free_port(), free_port()
-    with (
-        _peer_server(args, out, peer_port, "--memory-ratio", "0.4") as peer,
-        _serve(
+    began = time.monotonic()
+
+    def stamp(what: str) -> None:
+        print(f"[light +{time.monotonic() - began:.0f} s] {what}", flush=True)
+
+    stamp("starting both servers")
+    peer, server = _start_both(
+        lambda: _peer_server(args, out, peer_port, "--memory-ratio", "0.4"),
+        lambda: _serve(
             args, out, "minisgl-serve-light", port, "--memory-ratio", "0.4", "--served-model-name", model
-        ) as server,
-    ):
+        ),
+    )
+    with peer, server:
         result["start_s"] = {"minisgl": server.start_s, "peer": peer.start_s}
         bases = {"minisgl": f"http://127.0.0.1:{port}/v1", "peer": f"http://127.0.0.1:{peer_port}/v1"}
-        for base in bases.values():
-            bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP)
+        for name, base in bases.items():
+            stamp(f"warm-up {name}")
+            bench_serving(
+                base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP, timeout=LOW_RUN_TIMEOUT_S
+            )
         for i in range(args.low_reps):
             for name, base in bases.items():
-                report = bench_serving(base, *low)
-                result[name].append(report)
-                print(report_line(f"light {name} #{i + 1}", report), flush=True)
+                stamp(f"light {name} #{i + 1}")
+                report = bench_serving(base, *low, timeout=LOW_RUN_TIMEOUT_S, on_timeout=lambda pid: None)
+                if report is None:
+                    result["stalled"].append(f"{name} #{i + 1}")
+                    print(f"light {name} #{i + 1}: stopped after {LOW_RUN_TIMEOUT_S} s", flush=True)
+                else:
+                    result[name].append(report)
+                    print(report_line(f"light {name} #{i + 1}", report), flush=True)
                 (out / "light.json").write_text(json.dumps(result, indent=1))
+    stamp("done")
     return result
 
 
