@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.decorators import mark_unbacked
 
+from minisgl.kernels.draw import WEIGHT_BITS
+
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)
 TOP_K_ALL = 2**62
 
 _MASK32 = 0xFFFFFFFF
 
-# fixed point of the token weights: the most likely token weighs 2**WEIGHT_BITS; a vocabulary of up to
-# 2**21 tokens sums to less than 2**62
-WEIGHT_BITS = 40
 # tokens per block of the two-level search and cumulative sums (no scan is longer than this)
 SAMPLE_BLOCK = 1024
 

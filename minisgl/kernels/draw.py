@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.engine.draw import WEIGHT_BITS
 from minisgl.kernels.decode_attention import triton
 
+# fixed point of the token weights (`minisgl.engine.draw` and these kernels): the most likely token weighs
+# 2**WEIGHT_BITS; a vocabulary of up to 2**21 tokens sums to less than 2**62
+WEIGHT_BITS = 40
 # tokens per program of the block passes
 BLOCK = 2048
 # False on CPU-only installs without Triton (the sampler then runs `sample_rows`)
