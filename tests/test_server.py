@@ -289,8 +289,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_pages(server: Server) ->
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/completions", {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 6000}),
-        ("/generate", {"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 6000}}),
+        (
+            "/completions",
+            {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 6000, "ignore_eos": True},
+        ),
+        (
+            "/generate",
+            {
+                "text": "Tell me a long story.",
+                "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True},
+            },
+        ),
     ],
     ids=["completions", "generate"],
 )
@@ -298,10 +307,6 @@ def test_a_client_that_gives_up_on_a_whole_answer_aborts_it(server: Server, path
     """A non-streamed request whose client stops waiting (its read timeout closes the connection) is
     aborted: it leaves the running set and its pages are freed, long before its 6,000 tokens (at least a
     minute of decoding here), and it counts as finished with reason abort."""
-    if path == "/completions":
-        body = {**body, "ignore_eos": True}
-    else:
-        body = {**body, "sampling_params": {**body["sampling_params"], "ignore_eos": True}}
     aborts = server.metrics().get("minisgl_requests_finished_total,reason=abort", 0)
     url = server.url + path if path == "/completions" else server.base + path
     with httpx.Client(timeout=httpx.Timeout(60, read=3)) as http:

@@ -3,8 +3,9 @@
 The transforms (grammar mask, logit_bias, penalties, suppressed tokens) run eagerly; the draw
 (`minisgl.engine.draw.sample_rows`) runs as one ``torch.compile``d function on CUDA (eager on CPU and
 with ``compile_sampler: false``), or without top-k / top-p / min-p as three Triton kernels
-(`minisgl.kernels.draw`, the same tokens). Launching it costs the host more than a small batch's forward, so a
-plain decode step of up to `GRAPH_MAX_BS` requests replays a CUDA graph of it (`capture_graphs`).
+(`minisgl.kernels.draw`, the same tokens). Launching it costs the host more than a small batch's
+forward, so a plain decode step of up to `GRAPH_MAX_BS` requests replays a CUDA graph of it
+(`capture_graphs`).
 Details: docs/gpu.md#the-sampler and docs/gpu.md#sampler-graphs.
 """
 
