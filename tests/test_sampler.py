@@ -513,28 +513,33 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minisgl.kernels import draw as D
 
-common = {"logits_ptr": "*bf16", "stride": "i32", "V": "i32", "max_ptr": "*fp32", "NB": "i32", "arg_ptr": "*i32"}
-common |= {"floats_ptr": "*fp32", "sum_ptr": "*i64", "ints_ptr": "*i64", "istride": "i32", "out_ptr": "*i32"}
-for kernel in (D._block_max_kernel, D._block_weight_kernel, D._pick_kernel):
-    constexprs = {n: v for n, v in {"BLOCK": D.BLOCK, "NB_POW2": 128}.items() if n in kernel.arg_names}
-    signature = {n: "constexpr" if n in constexprs else common[n] for n in kernel.arg_names}
+types = {"logits_ptr": "*bf16", "stride": "i32", "V": "i32", "max_ptr": "*fp32", "NB": "i32", "arg_ptr": "*i32"}
+types |= {"floats_ptr": "*fp32", "sum_ptr": "*i64", "ints_ptr": "*i64", "istride": "i32", "out_ptr": "*i32"}
+types |= {"fstride": "i32", "bounds_ptr": "*i64", "cnt_ptr": "*i32", "wsum_ptr": "*i64", "least_ptr": "*i64"}
+types |= {"gt_sum_ptr": "*i64", "gt_cnt_ptr": "*i32", "tie_ptr": "*i32"}
+values = {"BLOCK": D.BLOCK, "NB_POW2": 128, "PIVOTS": D.PIVOTS, "PIVOTS_POW2": 64, "FIRST": False}
+for name in KERNELS:
+    kernel = getattr(D, name)
+    constexprs = {n: v for n, v in values.items() if n in kernel.arg_names}
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-    print("compiled", kernel.fn.__name__)
+    print("compiled", name)
 """
+_DRAW_KERNELS = ("_block_max_kernel", "_block_weight_kernel", "_pick_kernel", "_search_block_kernel")
+_DRAW_KERNELS += ("_search_row_kernel", "_least_kept_kernel", "_tie_block_kernel", "_filtered_pick_kernel")
 
 
 @pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton")
 def test_triton_draw_kernels_compile_for_an_h100() -> None:
-    """The three kernels compile to sm_90 machine code with Triton's own ptxas, no GPU needed (in a
+    """The draws' kernels compile to sm_90 machine code with Triton's own ptxas, no GPU needed (in a
     process without the interpreter): the tests above run their Python, but only the compiler refuses
     what a GPU build cannot take (a global that is not a constexpr, a type the hardware lacks)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (Triton's default; set, so that it does not warn)
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_DRAW], env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", f"KERNELS = {_DRAW_KERNELS!r}\n" + _COMPILE_DRAW],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == [
-        f"compiled {k}" for k in ("_block_max_kernel", "_block_weight_kernel", "_pick_kernel")
-    ]
+    assert done.stdout.split("\n")[: len(_DRAW_KERNELS)] == [f"compiled {k}" for k in _DRAW_KERNELS]
