@@ -435,7 +435,6 @@ def test_triton_draw_equals_sample_rows(vocab: int) -> None:
 
 
 @pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
-@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
 @pytest.mark.parametrize("vocab", [40, 3000])
 def test_triton_filtered_draw_equals_sample_rows(vocab: int) -> None:
     """`draw_filtered` (what a CUDA sampler runs when a request uses top-k, top-p or min-p) draws
@@ -486,6 +485,25 @@ def test_triton_filtered_draw_at_the_filters_edges() -> None:
     argmax = logits.argmax(dim=-1)
     assert got[0] == argmax[0] and got[2] == argmax[2] and got[5] == argmax[5]
     assert int(got[4]) in (5, 77, 200)
+
+
+@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+def test_triton_filtered_draw_finds_the_boundary_among_close_weights() -> None:
+    """Top-p's boundary inside a cluster of 2,999 weights that differ by about 1e5 (a 2**-23 step of the
+    logit), closer than one search pass's interval: the search must narrow down to the exact weight
+    (every pass, none skipped), or the cluster's lighter tokens are kept and the draws change."""
+    vocab, rows = 3000, 12
+    logits = -1.0 - torch.arange(vocab, dtype=torch.float32) * 2.0**-22
+    logits[0] = 0.0
+    params = [SamplingParams(temperature=1.0, top_p=0.5, seed=s) for s in range(rows)]
+    args = BatchSamplingArgs.from_reqs([make_req(i, p, 5) for i, p in enumerate(params)], CPU)
+    batch = logits.expand(rows, -1).contiguous()
+    got = draw_kernels.draw_filtered(batch, args.floats, args.ints)
+    assert torch.equal(got, sample_rows(batch, args.floats, args.ints, True))
+    weights = token_weights(batch[:1], args.floats[0, :1])
+    kept = keep_mask(weights, args.ints[0, :1], args.floats[1, :1], args.floats[2, :1])[0]
+    assert 1000 < int(kept.sum()) < 2000  # the boundary is inside the cluster
+    assert bool(kept[got.long()].all()) and len(set(got.tolist())) > rows // 2
 
 
 def test_triton_draw_greedy_ties_and_flat_rows() -> None:

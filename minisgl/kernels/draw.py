@@ -24,7 +24,8 @@ condition ``C(v) < top_k and (S(v) < top_p * total or C(v) == 0 or top_p >= 1) a
 holds for heavy weights and fails from some weight down, so `draw_filtered` searches the integers for
 the smallest ``u`` where it holds, without sorting: each pass evaluates it at `PIVOTS` thresholds
 spread over the interval left (one kernel counts and sums the weights above each threshold per block,
-a second one per row adds the blocks and narrows the interval), and `SEARCH_PASSES` passes take the
+the tokens above the interval once and the others only while one is above the threshold, a second one
+per row adds the blocks and narrows the interval), and `SEARCH_PASSES` passes take the
 2**WEIGHT_BITS + 1 weights down to one. The lightest kept weight ``v*`` is then the smallest weight
 >= ``u``; of the tokens that weigh exactly ``v*``, the first ``n`` by id are kept, ``n`` the count the
 condition allows for the next ranks (found per row by bisection). The draw then runs over the kept
@@ -170,17 +171,21 @@ if triton is not None:
             x = tl.load(logits_ptr + b * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             w = _weights(x, _row_max(max_ptr, b, NB, NB_POW2), _temperature(floats_ptr, b))
             w = tl.where(cols < V, w, -1)
-            heaviest = tl.max(w, axis=0)
+            # the tokens above hi are above every threshold: counted once; the loop sees the rest
+            top = w > hi
+            inner = tl.where(top, -1, w)
+            heaviest = tl.max(inner, axis=0)
             js = tl.arange(0, PIVOTS_POW2)
-            count = tl.zeros([PIVOTS_POW2], tl.int32)
-            weight = tl.zeros([PIVOTS_POW2], tl.int64)
-            # thresholds from the least up, while some token is above (most blocks: none is)
+            count = tl.full([PIVOTS_POW2], tl.sum(top.to(tl.int32), axis=0), tl.int32)
+            weight = tl.full([PIVOTS_POW2], tl.sum(tl.where(top, w, 0), axis=0), tl.int64)
+            # thresholds from the least up, while some token of the interval is above (few are, past
+            # the first passes)
             j = 0
             q = lo + (hi - lo) // (PIVOTS + 1)
             while (j < PIVOTS) & (q < heaviest):
-                above = w > q
-                count = tl.where(js == j, tl.sum(above.to(tl.int32), axis=0), count)
-                weight = tl.where(js == j, tl.sum(tl.where(above, w, 0), axis=0), weight)
+                above = inner > q
+                count += tl.where(js == j, tl.sum(above.to(tl.int32), axis=0), 0)
+                weight += tl.where(js == j, tl.sum(tl.where(above, inner, 0), axis=0), 0)
                 j += 1
                 q = lo + ((hi - lo) * (j + 1)) // (PIVOTS + 1)
             at = (b * NB + nb) * PIVOTS_POW2 + tl.arange(0, PIVOTS_POW2)
@@ -221,7 +226,8 @@ if triton is not None:
             count = tl.sum(tl.load(cnt_ptr + at, mask=live, other=0).to(tl.int64), axis=0)
             weight = tl.sum(tl.load(sum_ptr + at, mask=live, other=0), axis=0)
             top_k, limit, min_weight = _filters(floats_ptr, ints_ptr, wsum_ptr, b, NB, fstride, NB_POW2)
-            keeps = _keeps(count, weight, q, top_k, limit, min_weight)
+            # (the padding past PIVOTS is no threshold: its q is lo, with nothing counted above it)
+            keeps = _keeps(count, weight, q, top_k, limit, min_weight) & (tl.arange(0, PIVOTS_POW2) < PIVOTS)
             new_hi = tl.min(tl.where(keeps, q, hi), axis=0)
             new_lo = tl.max(tl.where(keeps | (q >= new_hi), lo, q), axis=0)
             tl.store(bounds_ptr + 2 * b, new_lo)
