@@ -24,6 +24,7 @@ from minisgl.engine.draw import (
     WEIGHT_BITS,
     blocked_cumsum,
     draw,
+    keep_mask,
     mark_batch_unbacked,
     sample_rows,
     token_weights,
@@ -386,6 +387,18 @@ def test_compiled_sampler_equals_eager() -> None:
 # --- the draw without filters as Triton kernels (minisgl.kernels.draw; Triton's interpreter here) -------
 
 
+def filtered_args(batch: int, rng: random.Random) -> BatchSamplingArgs:
+    """Requests of every kind (`random_params`), seeded at random offsets, one of them filtered."""
+    params = [random_params(rng) for _ in range(batch)]
+    params[0] = SamplingParams(
+        temperature=0.8, top_k=rng.choice([1, 3, 50]), top_p=0.9, seed=rng.randrange(2**63)
+    )
+    reqs = [make_req(i, p, rng.randrange(1, 10**6)) for i, p in enumerate(params)]
+    args = BatchSamplingArgs.from_reqs(reqs, CPU)
+    assert args.need_filter
+    return args
+
+
 def unfiltered_args(batch: int, rng: random.Random) -> BatchSamplingArgs:
     """Temperature-only requests, every third greedy, seeded at random offsets."""
     params = [
@@ -422,6 +435,77 @@ def test_triton_draw_equals_sample_rows(vocab: int) -> None:
 
 
 @pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+@pytest.mark.parametrize("vocab", [40, 3000])
+def test_triton_filtered_draw_equals_sample_rows(vocab: int) -> None:
+    """`draw_filtered` (what a CUDA sampler runs when a request uses top-k, top-p or min-p) draws
+    `sample_rows`' tokens: every kind of request mixed (`random_params`), rows of several blocks and a
+    partial last one, bf16 logits, a suppressed token, and rows whose weights tie at the filters'
+    boundary (logits on a coarse grid), so that only some of the tied tokens, the first by id, are kept."""
+    rng = random.Random(vocab)
+    gen = torch.Generator().manual_seed(vocab)
+    split_ties = 0
+    for batch, scale, grid in [(6, 3.0, 0.0), (5, 1.0, 0.5), (4, 8.0, 2.0)]:
+        args = filtered_args(batch, rng)
+        logits = torch.randn(batch, vocab, generator=gen) * scale
+        if grid:  # many tokens of equal logit, hence equal weight
+            logits = (logits / grid).round() * grid
+        logits[:, rng.randrange(vocab)] = float("-inf")
+        for rows in (logits, logits.to(torch.bfloat16)):
+            want = sample_rows(rows, args.floats, args.ints, True)
+            got = draw_kernels.draw_filtered(rows, args.floats, args.ints)
+            assert torch.equal(got, want), (batch, scale, grid, rows.dtype, got, want)
+        temperature, top_p, min_p = args.floats.unbind(0)
+        weights = token_weights(logits, torch.where(temperature == 0, 1.0, temperature))
+        kept = keep_mask(weights, args.ints[0], top_p, min_p)
+        for w, k in zip(weights, kept):  # the least kept weight: some of its tokens kept, not all?
+            least = w[k].min()
+            split_ties += bool(k[w == least].sum() < (w == least).sum())
+    assert split_ties >= 2
+
+
+@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+def test_triton_filtered_draw_at_the_filters_edges() -> None:
+    """Top-k of 1 and of more than the vocabulary, top-p so small only the top token stays, min-p 1
+    (only the tokens as heavy as the top one: a tie of three), every filter at once: `sample_rows`'
+    tokens, and the kept set is what each filter says (top-k 1 and the tiny top-p give the argmax)."""
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    logits[4, [5, 77, 200]] = logits[4].max() + 1.0  # three tokens tie at the top
+    params = [
+        SamplingParams(temperature=1.0, top_k=1, seed=1),
+        SamplingParams(temperature=1.0, top_k=10**6, seed=2),
+        SamplingParams(temperature=1.0, top_p=1e-9, seed=3),
+        SamplingParams(temperature=0.3, top_k=7, top_p=0.6, min_p=0.01, seed=4),
+        SamplingParams(temperature=1.0, min_p=1.0, seed=5),
+        SamplingParams(temperature=0.0, top_k=3),
+    ]
+    args = BatchSamplingArgs.from_reqs([make_req(i, p, 17 + i) for i, p in enumerate(params)], CPU)
+    got = draw_kernels.draw_filtered(logits, args.floats, args.ints)
+    assert torch.equal(got, sample_rows(logits, args.floats, args.ints, True))
+    argmax = logits.argmax(dim=-1)
+    assert got[0] == argmax[0] and got[2] == argmax[2] and got[5] == argmax[5]
+    assert int(got[4]) in (5, 77, 200)
+
+
+@pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton (its interpreter on a CPU)")
+def test_triton_filtered_draw_finds_the_boundary_among_close_weights() -> None:
+    """Top-p's boundary inside a cluster of 2,999 weights that differ by about 1e5 (a 2**-23 step of the
+    logit), closer than one search pass's interval: the search must narrow down to the exact weight
+    (every pass, none skipped), or the cluster's lighter tokens are kept and the draws change."""
+    vocab, rows = 3000, 12
+    logits = -1.0 - torch.arange(vocab, dtype=torch.float32) * 2.0**-22
+    logits[0] = 0.0
+    params = [SamplingParams(temperature=1.0, top_p=0.5, seed=s) for s in range(rows)]
+    args = BatchSamplingArgs.from_reqs([make_req(i, p, 5) for i, p in enumerate(params)], CPU)
+    batch = logits.expand(rows, -1).contiguous()
+    got = draw_kernels.draw_filtered(batch, args.floats, args.ints)
+    assert torch.equal(got, sample_rows(batch, args.floats, args.ints, True))
+    weights = token_weights(batch[:1], args.floats[0, :1])
+    kept = keep_mask(weights, args.ints[0, :1], args.floats[1, :1], args.floats[2, :1])[0]
+    assert 1000 < int(kept.sum()) < 2000  # the boundary is inside the cluster
+    assert bool(kept[got.long()].all()) and len(set(got.tolist())) > rows // 2
+
+
 def test_triton_draw_greedy_ties_and_flat_rows() -> None:
     """A greedy row whose max appears in several blocks takes its first token (argmax's); a row of equal
     logits draws by the hash alone, as `sample_rows` does; nothing lands past the vocabulary."""
@@ -447,28 +531,33 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from minisgl.kernels import draw as D
 
-common = {"logits_ptr": "*bf16", "stride": "i32", "V": "i32", "max_ptr": "*fp32", "NB": "i32", "arg_ptr": "*i32"}
-common |= {"floats_ptr": "*fp32", "sum_ptr": "*i64", "ints_ptr": "*i64", "istride": "i32", "out_ptr": "*i32"}
-for kernel in (D._block_max_kernel, D._block_weight_kernel, D._pick_kernel):
-    constexprs = {n: v for n, v in {"BLOCK": D.BLOCK, "NB_POW2": 128}.items() if n in kernel.arg_names}
-    signature = {n: "constexpr" if n in constexprs else common[n] for n in kernel.arg_names}
+types = {"logits_ptr": "*bf16", "stride": "i32", "V": "i32", "max_ptr": "*fp32", "NB": "i32", "arg_ptr": "*i32"}
+types |= {"floats_ptr": "*fp32", "sum_ptr": "*i64", "ints_ptr": "*i64", "istride": "i32", "out_ptr": "*i32"}
+types |= {"fstride": "i32", "bounds_ptr": "*i64", "cnt_ptr": "*i32", "wsum_ptr": "*i64", "least_ptr": "*i64"}
+types |= {"gt_sum_ptr": "*i64", "gt_cnt_ptr": "*i32", "tie_ptr": "*i32"}
+values = {"BLOCK": D.BLOCK, "NB_POW2": 128, "PIVOTS": D.PIVOTS, "PIVOTS_POW2": 64, "FIRST": False}
+for name in KERNELS:
+    kernel = getattr(D, name)
+    constexprs = {n: v for n, v in values.items() if n in kernel.arg_names}
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-    print("compiled", kernel.fn.__name__)
+    print("compiled", name)
 """
+_DRAW_KERNELS = ("_block_max_kernel", "_block_weight_kernel", "_pick_kernel", "_search_block_kernel")
+_DRAW_KERNELS += ("_search_row_kernel", "_least_kept_kernel", "_tie_block_kernel", "_filtered_pick_kernel")
 
 
 @pytest.mark.skipif(draw_kernels.triton is None, reason="needs triton")
 def test_triton_draw_kernels_compile_for_an_h100() -> None:
-    """The three kernels compile to sm_90 machine code with Triton's own ptxas, no GPU needed (in a
+    """The draws' kernels compile to sm_90 machine code with Triton's own ptxas, no GPU needed (in a
     process without the interpreter): the tests above run their Python, but only the compiler refuses
     what a GPU build cannot take (a global that is not a constexpr, a type the hardware lacks)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (Triton's default; set, so that it does not warn)
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_DRAW], env=env, capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", f"KERNELS = {_DRAW_KERNELS!r}\n" + _COMPILE_DRAW],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == [
-        f"compiled {k}" for k in ("_block_max_kernel", "_block_weight_kernel", "_pick_kernel")
-    ]
+    assert done.stdout.split("\n")[: len(_DRAW_KERNELS)] == [f"compiled {k}" for k in _DRAW_KERNELS]

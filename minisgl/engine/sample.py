@@ -1,9 +1,9 @@
 """`Sampler`: the device work that turns a batch's logits into next tokens, then log probabilities.
 
 The transforms (grammar mask, logit_bias, penalties, suppressed tokens) run eagerly; the draw
-(`minisgl.engine.draw.sample_rows`) runs as one ``torch.compile``d function on CUDA (eager on CPU and
-with ``compile_sampler: false``), or without top-k / top-p / min-p as three Triton kernels
-(`minisgl.kernels.draw`, the same tokens). Launching it costs the host more than a small batch's
+(`minisgl.engine.draw.sample_rows`) runs eagerly on CPU and with ``compile_sampler: false``; on CUDA
+as Triton kernels (`minisgl.kernels.draw`, the same tokens; ``Sampler.fused_draw = False``: as one
+``torch.compile``d function, to compare). Launching it costs the host more than a small batch's
 forward, so a plain decode step of up to `GRAPH_MAX_BS` requests replays a CUDA graph of it
 (`capture_graphs`).
 Details: docs/gpu.md#the-sampler and docs/gpu.md#sampler-graphs.
@@ -46,7 +46,7 @@ class Sampler:
             tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]
         ] = {}
         self._compiled = None
-        # the draw without filters on CUDA: the Triton kernels (False: the compiled function, to compare)
+        # the draw on CUDA: the Triton kernels (False: the compiled function, to compare)
         self.fused_draw = device.type == "cuda" and compile and draw_kernels.AVAILABLE
         if device.type == "cuda" and compile:
             # one graph per need_filter value (for every batch size: `mark_batch_unbacked`), per vocabulary
@@ -102,8 +102,9 @@ class Sampler:
             assert args.floats is not None and args.ints is not None
             if self._compiled is None:
                 tokens = sample_rows(logits, args.floats, args.ints, args.need_filter)
-            elif self.fused_draw and not args.need_filter:
-                tokens = draw_kernels.draw_unfiltered(logits, args.floats, args.ints)
+            elif self.fused_draw:
+                draw = draw_kernels.draw_filtered if args.need_filter else draw_kernels.draw_unfiltered
+                tokens = draw(logits, args.floats, args.ints)
             else:
                 mark_batch_unbacked(logits, args.floats, args.ints)
                 tokens = self._compiled(logits, args.floats, args.ints, args.need_filter)

@@ -1,8 +1,8 @@
 """Device time of the sampler's draw at Qwen3's vocabulary (151,936), one CUDA graph replay per call, by
-batch size: greedy (argmax), temperature only on the Triton kernels (`minisgl.kernels.draw`, what a
-CUDA sampler runs) and on the compiled `sample_rows` (before them), and with top-k / top-p (compiled).
-Each batch's unfiltered draws must give the same tokens (else it stops with an error). `--blocks` also times the Triton
-draw at other block sizes (`minisgl.kernels.draw.BLOCK`).
+batch size: greedy (argmax), temperature only and with top-p 0.95 / top-k 50, each on the Triton kernels
+(`minisgl.kernels.draw`, what a CUDA sampler runs) and on the compiled `sample_rows` (before them).
+Each batch's draws must give the same tokens on both (else it stops with an error). `--blocks` also
+times the unfiltered Triton draw at other block sizes (`minisgl.kernels.draw.BLOCK`).
 
     python -m perf.gpu.sampler [--batches 1 2 4 8 64] [--blocks 1024 4096]
 """
@@ -47,7 +47,8 @@ def main() -> None:
         sampler.warm_up()
         others = "".join(f" {'T ' + str(b):>9}" for b in args.blocks)
         print(
-            f"{'batch':>5} {'greedy':>8} {'T triton':>9} {'T compiled':>11} {'T+top_p/k':>10}{others}  us/draw"
+            f"{'batch':>5} {'greedy':>8} {'T triton':>9} {'T compiled':>11} {'T+p/k triton':>13} "
+            f"{'T+p/k compiled':>15}{others}  us/draw"
         )
         default_block = draw_kernels.BLOCK
         for batch in args.batches:
@@ -59,17 +60,20 @@ def main() -> None:
                 (True, plain, default_block),
                 (False, plain, default_block),
             ]
-            runs += [(False, filtered, default_block)] + [(True, plain, b) for b in args.blocks]
-            times, tokens = [], []
+            runs += [(True, filtered, default_block), (False, filtered, default_block)]
+            runs += [(True, plain, b) for b in args.blocks]
+            times, tokens = [], {id(plain): [], id(filtered): []}
             for fused, sampling, block in runs:
                 sampler.fused_draw, draw_kernels.BLOCK = fused, block
                 times.append(graph_us(lambda x=logits, s=sampling: sampler.sample(x, s)))
-                if sampling is plain:
-                    tokens.append(sampler.sample(logits, plain))
+                if sampling is not greedy:
+                    tokens[id(sampling)].append(sampler.sample(logits, sampling))
             draw_kernels.BLOCK = default_block
-            if not all(torch.equal(tokens[0], t) for t in tokens):
-                raise AssertionError(f"batch {batch}: the unfiltered draws differ")
-            print(f"{batch:>5} " + " ".join(f"{t:>{w}.1f}" for t, w in zip(times, (8, 9, 11, 10, *[9] * 8))))
+            for name, drawn in zip(("unfiltered", "filtered"), tokens.values()):
+                if not all(torch.equal(drawn[0], t) for t in drawn):
+                    raise AssertionError(f"batch {batch}: the {name} draws differ")
+            widths = (8, 9, 11, 13, 15, *[9] * 8)
+            print(f"{batch:>5} " + " ".join(f"{t:>{w}.1f}" for t, w in zip(times, widths)))
 
 
 if __name__ == "__main__":

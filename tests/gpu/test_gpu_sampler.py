@@ -11,6 +11,7 @@ from test_sampler import (
     NUM_DRAWS,
     check_distribution,
     expected_distribution,
+    filtered_args,
     make_req,
     random_params,
     spread_logits,
@@ -166,4 +167,20 @@ def test_triton_draw_equals_the_eager_function_at_qwen3_vocab() -> None:
         logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 3.0])
         for rows in (logits, logits.to(torch.bfloat16)):
             want = sample_rows(rows, args.floats, args.ints, False)
+            assert torch.equal(sampler.sample(rows, args), want), (batch_size, rows.dtype)
+
+
+def test_triton_filtered_draw_equals_the_eager_function_at_qwen3_vocab() -> None:
+    """With top-k / top-p / min-p the Triton kernels (`draw_filtered`) draw the tokens of `sample_rows`
+    run eagerly, every kind of request mixed, at batches of 1 to 256, float32 and bf16 logits."""
+    sampler = Sampler(CUDA, VOCAB)
+    assert sampler.fused_draw
+    rng = random.Random(10)
+    gen = torch.Generator(device=CUDA).manual_seed(10)
+    for batch_size in (1, 2, 8, 64, 256):
+        args = filtered_args(batch_size, rng)
+        args = dataclasses.replace(args, floats=args.floats.to(CUDA), ints=args.ints.to(CUDA))
+        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 3.0, 8.0])
+        for rows in (logits, logits.to(torch.bfloat16)):
+            want = sample_rows(rows, args.floats, args.ints, True)
             assert torch.equal(sampler.sample(rows, args), want), (batch_size, rows.dtype)
