@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -155,6 +156,19 @@ def process_tree(pid: int) -> list[int]:
     for child in children(pid):
         pids += process_tree(child)
     return pids
+
+
+def dump_stalled(server_pid: int, client_pid: int, base: str, out: Path, name: str) -> None:
+    """What a stalled run leaves to read: the stacks of the server's and the client's processes (py-spy
+    dump, where py-spy is on PATH) and the server's /metrics, in out/NAME-timeout-*.txt."""
+    spy = shutil.which("py-spy")
+    if spy is not None:
+        for pid in process_tree(server_pid) + process_tree(client_pid):
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+            )
+            (out / f"{name}-timeout-spy-{pid}.txt").write_text(done.stdout + done.stderr)
+    (out / f"{name}-timeout-metrics.txt").write_text(http_get(base.removesuffix("/v1") + "/metrics")[1])
 
 
 def stop_servers_on_sigterm() -> None:

@@ -392,3 +392,18 @@ def test_the_policy_backs_off_and_skips_large_batches():
     assert state.spec_wait == 0 and spec.wanted([state])
     assert not spec.wanted([request() for _ in range(spec.max_batch + 1)])
     assert not spec.wanted([request(min_tokens=10)]) and spec.wanted([request(min_tokens=5)])
+
+
+def test_the_spec_benchmark_times_a_verify_step_and_its_parts(smollm2_path) -> None:
+    """`perf.gpu.spec`'s `StepTimes` wraps the scheduler's parts by name (the speculator's proposal, the
+    batch's preparation, the verify forward, the pipeline's read): each is timed in the verify steps of a
+    request whose drafts are accepted, so a renamed part fails here, not on the GPU machine."""
+    from perf.gpu.spec import StepTimes
+
+    with LLM(str(smollm2_path), speculative_method="ngram", speculative_num_tokens=K, **COMMON) as on:
+        times = StepTimes(on)
+        on.generate([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]], SamplingParams(max_tokens=24, ignore_eos=True))
+        assert times.steps["verify"] and times.steps["plain"]
+        for part in ("propose", "prefill", "forward_verify", "read"):
+            assert times.parts[part] > 0, part
+        llm_clean(on)

@@ -307,25 +307,31 @@ if triton is not None:
         tl.store(out_ptr + b, tl.where(tl.load(floats_ptr + b) == 0.0, greedy, drawn).to(tl.int32))
 
 
-def _check(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+def _weigh_blocks(
+    logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Both draws' start: the arguments checked, the tokens' buffer, and (kernels 1 and 2) the block
+    count, its power of two and the blocks' maxima, argmaxima and weight totals; None for an empty
+    batch."""
     if logits.stride(1) != 1 or floats.stride(1) != 1 or ints.stride(1) != 1:
         raise ValueError(
             f"rows must be contiguous, got strides {logits.stride()}, {floats.stride()}, {ints.stride()}"
         )
-
-
-def _blocks(logits: torch.Tensor) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block count, its power of two, and the blocks' maxima, argmaxima and weight totals buffers."""
     batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
+    if batch == 0:
+        return out, None
     nb = triton.cdiv(vocab, BLOCK)
-    empty = lambda dtype: torch.empty(batch, nb, dtype=dtype, device=logits.device)  # noqa: E731
-    return (
-        nb,
-        max(triton.next_power_of_2(nb), 2),
-        empty(torch.float32),
-        empty(torch.int32),
-        empty(torch.int64),
+    nb_pow2 = max(triton.next_power_of_2(nb), 2)
+    tops = torch.empty(batch, nb, dtype=torch.float32, device=logits.device)
+    args = torch.empty(batch, nb, dtype=torch.int32, device=logits.device)
+    sums = torch.empty(batch, nb, dtype=torch.int64, device=logits.device)
+    stride = logits.stride(0)
+    _block_max_kernel[(batch, nb)](logits, stride, vocab, tops, args, nb, BLOCK=BLOCK)
+    _block_weight_kernel[(batch, nb)](
+        logits, stride, vocab, tops, floats, sums, nb, BLOCK=BLOCK, NB_POW2=nb_pow2
     )
+    return out, (nb, nb_pow2, tops, args, sums)
 
 
 def draw_unfiltered(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
@@ -333,18 +339,11 @@ def draw_unfiltered(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tens
     `BatchSamplingArgs` (``floats`` (3, B) float32, ``ints`` (3, B) int64), without the
     top-k / top-p / min-p filters: `sample_rows(logits, floats, ints, False)`'s tokens (see the module
     docstring). No host sync; capturable in a CUDA graph."""
-    _check(logits, floats, ints)
-    batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
-    if batch == 0:
+    out, blocks = _weigh_blocks(logits, floats, ints)
+    if blocks is None:
         return out
-    nb, nb_pow2, tops, args, sums = _blocks(logits)
-    stride = logits.stride(0)
-    _block_max_kernel[(batch, nb)](logits, stride, vocab, tops, args, nb, BLOCK=BLOCK)
-    _block_weight_kernel[(batch, nb)](
-        logits, stride, vocab, tops, floats, sums, nb, BLOCK=BLOCK, NB_POW2=nb_pow2
-    )
-    istride = ints.stride(0)
+    nb, nb_pow2, tops, args, sums = blocks
+    (batch, vocab), stride, istride = logits.shape, logits.stride(0), ints.stride(0)
     _pick_kernel[(batch,)](
         logits, stride, vocab, tops, args, sums, floats, ints, istride, out, nb, BLOCK=BLOCK, NB_POW2=nb_pow2
     )  # fmt: skip
@@ -355,12 +354,11 @@ def draw_filtered(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
     """`draw_unfiltered` with the top-k / top-p / min-p filters of each row's arguments:
     `sample_rows(logits, floats, ints, True)`'s tokens, by the threshold search of the module docstring
     (`SEARCH_PASSES` passes of two kernels, then four). No host sync; capturable in a CUDA graph."""
-    _check(logits, floats, ints)
-    batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int32, device=logits.device)
-    if batch == 0:
+    out, blocks = _weigh_blocks(logits, floats, ints)
+    if blocks is None:
         return out
-    nb, nb_pow2, tops, args, sums = _blocks(logits)
+    nb, nb_pow2, tops, args, sums = blocks
+    batch, vocab = logits.shape
     pivots_pow2 = triton.next_power_of_2(PIVOTS + 1)
     device, stride, fstride, istride = logits.device, logits.stride(0), floats.stride(0), ints.stride(0)
     bounds = torch.empty(batch, 2, dtype=torch.int64, device=device)
@@ -368,10 +366,6 @@ def draw_filtered(logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor
     weights = torch.empty(batch, nb, pivots_pow2, dtype=torch.int64, device=device)
     least, gt_sums = torch.empty_like(sums), torch.empty_like(sums)
     gt_counts, ties = torch.empty_like(args), torch.empty_like(args)
-    _block_max_kernel[(batch, nb)](logits, stride, vocab, tops, args, nb, BLOCK=BLOCK)
-    _block_weight_kernel[(batch, nb)](
-        logits, stride, vocab, tops, floats, sums, nb, BLOCK=BLOCK, NB_POW2=nb_pow2
-    )
     search = dict(NB_POW2=nb_pow2, PIVOTS=PIVOTS, PIVOTS_POW2=pivots_pow2)
     for i in range(SEARCH_PASSES):
         _search_block_kernel[(batch, nb)](

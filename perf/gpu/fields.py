@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 from perf.common import (
@@ -24,10 +22,9 @@ from perf.common import (
     WARM_UP,
     ServerProcess,
     bench_serving,
+    dump_stalled,
     free_port,
-    http_get,
     model_parser,
-    process_tree,
     ratio_lines,
     report_line,
     serve_command,
@@ -51,14 +48,7 @@ def bench_or_dump(
     name = key.replace("/", "-")
 
     def dump(client: int) -> None:
-        spy = shutil.which("py-spy")
-        if spy is not None:
-            for pid in process_tree(server.proc.pid) + process_tree(client):
-                done = subprocess.run(
-                    [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
-                )
-                (out / f"{name}-timeout-spy-{pid}.txt").write_text(done.stdout + done.stderr)
-        (out / f"{name}-timeout-metrics.txt").write_text(http_get(base.removesuffix("/v1") + "/metrics")[1])
+        dump_stalled(server.proc.pid, client, base, out, name)
 
     report = bench_serving(base, *extra, timeout=timeout, on_timeout=dump)
     if report is None:

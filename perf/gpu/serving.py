@@ -37,6 +37,7 @@ from perf.common import (
     ServerProcess,
     bench_serving,
     children,
+    dump_stalled,
     free_port,
     http_get,
     last_json,
@@ -50,6 +51,8 @@ from perf.common import (
 LOW_RATE, LOW_PROMPTS = 4.0, 128
 # a light-load run (128 requests at 4 per second, about 35 s) is stopped past this and reported stalled
 LOW_RUN_TIMEOUT_S = 150
+# a warm-up (a server's first requests, which may compile kernels) past this is stopped and reported
+WARM_UP_TIMEOUT_S = 400
 
 
 # -------------------------------------------------------------------------------------------- the parts
@@ -437,8 +440,9 @@ def _start_both(*starts: Callable[[], ServerProcess]) -> list[ServerProcess]:
 
 def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Both servers up at once (started side by side, memory_ratio 0.4 each), chat at 4 requests/s
-    against each in turn. Each step is stamped with the seconds since the part began; a run past
-    `LOW_RUN_TIMEOUT_S` is stopped and recorded as stalled (`"stalled"`: its server and round)."""
+    against each in turn. Each step is stamped with the seconds since the part began; a round past
+    `LOW_RUN_TIMEOUT_S` (a warm-up past `WARM_UP_TIMEOUT_S`) is stopped and recorded as stalled
+    (`"stalled"`: its server and run), the servers' stacks (py-spy) and metrics written to out/ first."""
     model = str(Path(args.model).resolve())
     low = ["--endpoint", "chat", "--tokenizer", model, "--num-prompts", str(args.low_prompts)]
     low += [*args.workload[2:], "--request-rate", str(LOW_RATE)]
@@ -458,19 +462,39 @@ def part_light(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     )
     with peer, server:
         result["start_s"] = {"minisgl": server.start_s, "peer": peer.start_s}
-        bases = {"minisgl": f"http://127.0.0.1:{port}/v1", "peer": f"http://127.0.0.1:{peer_port}/v1"}
-        for name, base in bases.items():
-            stamp(f"warm-up {name}")
-            # (no tight bound: a server's first requests may compile kernels, Mini-SGLang's for minutes)
-            bench_serving(base, "--endpoint", "chat", "--tokenizer", model, *WARM_UP)
+        servers = {
+            "minisgl": (server, f"http://127.0.0.1:{port}/v1"),
+            "peer": (peer, f"http://127.0.0.1:{peer_port}/v1"),
+        }
+
+        def run(name: str, what: str, flags: list[str], timeout: float) -> dict[str, Any] | None:
+            """One bench-serving run; past `timeout` the stacks and metrics go to out/ and None comes back."""
+            proc, base = servers[name]
+            stamp(f"{what} {name}")
+            tag = f"light-{name}-{what.replace(' ', '-').replace('#', '')}"
+            report = bench_serving(
+                base,
+                *flags,
+                timeout=timeout,
+                on_timeout=lambda c: dump_stalled(proc.proc.pid, c, base, out, tag),
+            )
+            if report is None:
+                result["stalled"].append(f"{name} {what}")
+                print(
+                    f"{what} {name}: stopped after {timeout:.0f} s (stacks and metrics: {tag}-timeout-*)",
+                    flush=True,
+                )
+            return report
+
+        # both at once (a loose bound: a server's first requests may compile kernels, Mini-SGLang's for
+        # minutes)
+        warm_up = ["--endpoint", "chat", "--tokenizer", model, *WARM_UP]
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda name: run(name, "warm-up", warm_up, WARM_UP_TIMEOUT_S), servers))
         for i in range(args.low_reps):
-            for name, base in bases.items():
-                stamp(f"light {name} #{i + 1}")
-                report = bench_serving(base, *low, timeout=LOW_RUN_TIMEOUT_S, on_timeout=lambda pid: None)
-                if report is None:
-                    result["stalled"].append(f"{name} #{i + 1}")
-                    print(f"light {name} #{i + 1}: stopped after {LOW_RUN_TIMEOUT_S} s", flush=True)
-                else:
+            for name in servers:
+                report = run(name, f"light #{i + 1}", low, LOW_RUN_TIMEOUT_S)
+                if report is not None:
                     result[name].append(report)
                     print(report_line(f"light {name} #{i + 1}", report), flush=True)
                 (out / "light.json").write_text(json.dumps(result, indent=1))

@@ -50,7 +50,7 @@ class StepTimes:
         ("spec", "propose_after"),
         ("prep", "prefill"),
         ("engine", "forward_verify"),
-        ("", "_read"),
+        ("pipeline", "read"),
     )
 
     def __init__(self, llm: LLM) -> None:
@@ -74,8 +74,8 @@ class StepTimes:
 
         sched.step = timed_step
         for owner, name in self.PARTS:
-            if not owner or getattr(sched, owner) is not None:
-                self._wrap(getattr(sched, owner) if owner else sched, name)
+            if getattr(sched, owner) is not None:
+                self._wrap(getattr(sched, owner), name)
 
     def _wrap(self, owner, name: str) -> None:
         fn = getattr(owner, name)

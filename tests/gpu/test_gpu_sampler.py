@@ -154,33 +154,22 @@ def test_sampler_graphs_draw_the_compiled_tokens() -> None:
     assert tokens.data_ptr() != sampler._graphs[(1, False)][3].data_ptr()
 
 
-def test_triton_draw_equals_the_eager_function_at_qwen3_vocab() -> None:
-    """A CUDA sampler draws a batch without filters with the Triton kernels (`minisgl.kernels.draw`):
-    the tokens of `sample_rows` run eagerly, greedy and sampled rows mixed, at batches of 1 to 256."""
+@pytest.mark.parametrize("need_filter", [False, True], ids=["unfiltered", "filtered"])
+def test_triton_draws_equal_the_eager_function_at_qwen3_vocab(need_filter: bool) -> None:
+    """A CUDA sampler draws with the Triton kernels (`minisgl.kernels.draw`): without filters
+    (`draw_unfiltered`, greedy and sampled rows mixed) and with top-k / top-p / min-p (`draw_filtered`,
+    every kind of request mixed), the tokens of `sample_rows` run eagerly, at batches of 1 to 256,
+    float32 and bf16 logits."""
     sampler = Sampler(CUDA, VOCAB)
     assert sampler.fused_draw
-    rng = random.Random(9)
-    gen = torch.Generator(device=CUDA).manual_seed(9)
+    rng = random.Random(10 if need_filter else 9)
+    gen = torch.Generator(device=CUDA).manual_seed(10 if need_filter else 9)
     for batch_size in (1, 2, 8, 64, 256):
-        args = unfiltered_args(batch_size, rng)
+        args = (filtered_args if need_filter else unfiltered_args)(batch_size, rng)
+        assert args.need_filter == need_filter
         args = dataclasses.replace(args, floats=args.floats.to(CUDA), ints=args.ints.to(CUDA))
-        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 3.0])
+        scales = [1.0, 3.0, 8.0] if need_filter else [1.0, 3.0]
+        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice(scales)
         for rows in (logits, logits.to(torch.bfloat16)):
-            want = sample_rows(rows, args.floats, args.ints, False)
-            assert torch.equal(sampler.sample(rows, args), want), (batch_size, rows.dtype)
-
-
-def test_triton_filtered_draw_equals_the_eager_function_at_qwen3_vocab() -> None:
-    """With top-k / top-p / min-p the Triton kernels (`draw_filtered`) draw the tokens of `sample_rows`
-    run eagerly, every kind of request mixed, at batches of 1 to 256, float32 and bf16 logits."""
-    sampler = Sampler(CUDA, VOCAB)
-    assert sampler.fused_draw
-    rng = random.Random(10)
-    gen = torch.Generator(device=CUDA).manual_seed(10)
-    for batch_size in (1, 2, 8, 64, 256):
-        args = filtered_args(batch_size, rng)
-        args = dataclasses.replace(args, floats=args.floats.to(CUDA), ints=args.ints.to(CUDA))
-        logits = torch.randn(batch_size, VOCAB, generator=gen, device=CUDA) * rng.choice([1.0, 3.0, 8.0])
-        for rows in (logits, logits.to(torch.bfloat16)):
-            want = sample_rows(rows, args.floats, args.ints, True)
+            want = sample_rows(rows, args.floats, args.ints, need_filter)
             assert torch.equal(sampler.sample(rows, args), want), (batch_size, rows.dtype)
