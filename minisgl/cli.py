@@ -580,6 +580,10 @@ def bench_serving_command(
     except (RuntimeError, TimeoutError, OSError) as e:
         raise click.ClickException(f"cannot benchmark {base_url}: {type(e).__name__}: {e}") from e
     click.echo(dumps(report) if as_json else format_report(report))
+    if report["interrupted"]:  # a partial report, then the exit status the signal's default gives
+        import signal
+
+        sys.exit(128 + signal.Signals[report["interrupted"]])
 
 
 @main.command("chat")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -710,3 +712,104 @@ def test_cli_chat_options(stub_server, smollm2_path) -> None:
     assert "return_token_ids" not in stub.bodies[-1]
     result = CliRunner().invoke(main, [*args, "--endpoint", "chat"])
     assert result.exit_code == 2 and "--tokenizer" in result.output
+
+
+# -- the command's end: after its report, and on SIGTERM / SIGINT ---------------------------------------
+
+EXIT_BOUND_S = (
+    60  # a hung exit (the bug this guards against) lasted minutes; a loaded 2-core host needs seconds
+)
+
+
+def _cli_process(url: str, *args: str) -> subprocess.Popen:
+    """`python -m minisgl.cli bench-serving --json` in a session of its own (its process group: what is
+    left of it after it exits is found there)."""
+    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", url, "--json", *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _ended(proc: subprocess.Popen) -> tuple[str, str]:
+    """The output once the process and everything holding its pipes are gone (bounded); no process of
+    its group may outlive it."""
+    try:
+        out, err = proc.communicate(timeout=EXIT_BOUND_S)
+    finally:
+        survivors = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout
+        if proc.poll() is None or survivors:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not survivors, f"processes left behind: {survivors.split()}"
+    return out, err
+
+
+def test_cli_with_client_processes_exits_after_its_report(stub_server) -> None:
+    stub, url = stub_server
+    proc = _cli_process(
+        url,
+        "--num-prompts",
+        "12",
+        "--min-input",
+        "3",
+        "--max-input",
+        "9",
+        "--min-output",
+        "2",
+        "--max-output",
+        "6",
+        "--client-processes",
+        "4",
+        "--timeout",
+        "120",
+    )
+    out, err = _ended(proc)
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["client_processes"] == 4 and report["completed"] == 12 and report["failed"] == 0
+    assert report["interrupted"] is None and not report["timed_out"]
+    assert report["total_output_tokens"] == stub.tokens_sent
+
+
+@pytest.mark.parametrize(
+    ("sig", "group", "processes"),
+    [(signal.SIGTERM, False, 4), (signal.SIGINT, True, 4), (signal.SIGINT, False, 1)],
+    ids=["sigterm-4-processes", "ctrl-c-to-the-group-4-processes", "sigint-1-process"],
+)
+def test_a_signal_mid_run_ends_it_with_a_partial_report(stub_server, sig, group, processes) -> None:
+    stub, url = stub_server
+    stub.hang = True  # streams that never end: only the signal stops the run
+    n = 8
+    drawn = workload(n, 3, 9, 2, 6, seed=0)
+    stub.fail_http = {drawn[0].prompt[0], drawn[1].prompt[0]}  # two requests fail at once, in two processes
+    failing = sum(r.prompt[0] in stub.fail_http for r in drawn)
+    proc = _cli_process(
+        url,
+        "--num-prompts",
+        str(n),
+        "--min-input",
+        "3",
+        "--max-input",
+        "9",
+        "--min-output",
+        "2",
+        "--max-output",
+        "6",
+        "--client-processes",
+        str(processes),
+        "--timeout",
+        "300",
+    )
+    deadline = time.monotonic() + EXIT_BOUND_S
+    while stub.requests < n:  # every request sent: the run is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    (os.killpg if group else os.kill)(proc.pid, sig)
+    out, err = _ended(proc)
+    assert proc.returncode == 128 + sig, err
+    report = json.loads(out)
+    assert report["interrupted"] == sig.name and not report["timed_out"]
+    assert report["client_processes"] == processes and report["completed"] == 0 and report["failed"] == n
+    errors = report["errors"]
+    assert errors.pop(f"cancelled: {sig.name} stopped the run") == n - failing
+    assert sum(errors.values()) == failing and all("500" in e for e in errors)

@@ -16,16 +16,19 @@ processes. The whole run is bounded by `timeout`. The metrics, options and repor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-import multiprocessing
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
+from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
 from minisgl.bench.client import (
@@ -62,6 +65,7 @@ ENDPOINTS = ("completions", "chat")
 PROMPT_FORMATS = ("ids", "text")
 START_MARGIN = 0.05  # seconds between the start signal and the common start time of client processes
 REPORT_GRACE = 10.0  # seconds client processes get after the deadline to send their results
+STOP_GRACE = 1.0  # seconds client processes get to send what they have once SIGINT or SIGTERM stopped the run
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,11 @@ async def _run_share(
     deadline: float,
     max_concurrency: int | None,
     progress: Callable[[], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> tuple[dict[int, RequestResult], bool, float]:
     """Sends `items` at t0 + their offsets (perf_counter times, shared by all processes of the host),
-    at most `max_concurrency` in flight; cancels what still runs at `deadline`. Returns (the results
-    by index, whether the deadline stopped it, the perf_counter time it ended)."""
+    at most `max_concurrency` in flight; cancels what still runs at `deadline` or once `stop` is set.
+    Returns (the results by index, whether it was cut short, the perf_counter time it ended)."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: dict[int, RequestResult] = {}
 
@@ -239,42 +244,60 @@ async def _run_share(
             tasks.append(asyncio.create_task(one(item)))
         await asyncio.gather(*tasks)
 
-    timed_out = False
-    try:
-        await asyncio.wait_for(send_all(), max(0.0, deadline - time.perf_counter()))
-    except asyncio.TimeoutError:
-        timed_out = True
+    sending = asyncio.ensure_future(send_all())
+    waiters: set[asyncio.Future] = {sending}
+    if stop is not None:
+        waiters.add(asyncio.ensure_future(stop.wait()))
+    await asyncio.wait(
+        waiters, timeout=max(0.0, deadline - time.perf_counter()), return_when="FIRST_COMPLETED"
+    )
+    cut = not sending.done()
+    for waiter in waiters:
+        waiter.cancel()
+    if cut:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return results, timed_out, time.perf_counter()
+    await asyncio.gather(*waiters, *tasks, return_exceptions=True)
+    return results, cut, time.perf_counter()
 
 
-def _client_process(
-    conn: Any,
-    counts: Any,
-    slot: int,
-    server: Server,
-    items: list[_Item],
-    max_concurrency: int | None,
-    use_uvloop: bool,
-) -> None:
-    """A client process: says it is ready, waits for (start, t0, deadline), sends its share, returns
-    its results through `conn`; counts its finished requests in `counts[slot]` (the progress bar)."""
+async def _child_share(
+    conn: Connection, server: Server, items: list[_Item], t0: float, deadline: float, limit: int | None
+) -> tuple[dict[int, RequestResult], bool, float]:
+    """A client process's share: `_run_share`, a progress message per finished request, stopped by a
+    ("stop",) from the parent or by the parent's end (EOF on `conn`)."""
+    stop = asyncio.Event()
+
+    def readable() -> None:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = ("stop",)
+        if message[0] == "stop":
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+            stop.set()
+
+    asyncio.get_running_loop().add_reader(conn.fileno(), readable)
+    return await _run_share(server, items, t0, deadline, limit, lambda: conn.send(("progress",)), stop)
+
+
+def _client_process(fd: int) -> None:
+    """A client process (`python -m minisgl.bench.serving FD`, started by `_run_processes`; it imports
+    no more than this module): reads its share from the connection on `fd`, says it is ready, waits for
+    ("start", t0, deadline), sends its share and returns the results through the connection. Ctrl-C
+    reaches the whole process group: the parent decides, so SIGINT is ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
     try:
+        server, items, limit, use_uvloop = conn.recv()
         conn.send(("ready",))
         message = conn.recv()
         if message[0] != "start":
             return
         _, t0, deadline = message
-
-        def progress() -> None:
-            counts[slot] += 1
-
-        share = _run_share(server, items, t0, deadline, max_concurrency, progress)
-        results, timed_out, end = run_loop(share, use_uvloop)
-        conn.send(("done", sorted(results.items()), timed_out, end))
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone or stopping
+        results, cut, end = run_loop(_child_share(conn, server, items, t0, deadline, limit), use_uvloop)
+        conn.send(("done", sorted(results.items()), cut, end))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone
         pass
     except BaseException:
         try:
@@ -292,6 +315,42 @@ def split_concurrency(max_concurrency: int | None, processes: int) -> list[int |
     return [base + (1 if p < extra else 0) for p in range(processes)]
 
 
+class _Client:
+    """One client process and the parent's end of its connection."""
+
+    def __init__(self, index: int, share: list[_Item], setup: tuple) -> None:
+        self.index = index
+        self.conn, child = Pipe()
+        cmd = [sys.executable, "-m", "minisgl.bench.serving", str(child.fileno())]
+        # its own output stays off the parent's (a pipe the caller reads to its end), stderr kept for
+        # a failure's message; the share goes after the start so that a large one cannot block it
+        self.proc = subprocess.Popen(
+            cmd,
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        child.close()
+        self.share = (setup[0], share, *setup[1:])
+
+    def failure(self) -> str:
+        """Why the process ended without its results: its exit code and the end of its stderr."""
+        code = self.proc.poll()
+        tail = self.proc.stderr.read().decode(errors="replace").strip()[-800:] if code is not None else ""
+        return f"client process {self.index} exited with code {code}" + (f": {tail}" if tail else "")
+
+    def end(self, grace: float) -> None:
+        """Waits up to `grace` seconds for the process to exit, then kills it; closes the pipes."""
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stderr.close()
+        self.conn.close()
+
+
 async def _run_processes(
     server: Server,
     items: list[_Item],
@@ -300,94 +359,114 @@ async def _run_processes(
     deadline: float,
     use_uvloop: bool,
     bar: Any,
+    stop: asyncio.Event,
 ) -> tuple[dict[int, RequestResult], bool, float, float, list[str]]:
-    """The items over `processes` spawned client processes, request i to process i % processes.
-    Returns (results by index, timed out, t0, end, errors of processes that failed)."""
-    ctx = multiprocessing.get_context("spawn")
-    counts = ctx.RawArray("q", processes)
-    shares = [items[p::processes] for p in range(processes)]
+    """The items over `processes` client processes (`python -m minisgl.bench.serving`, not
+    multiprocessing: a spawned child would import the caller's main module, the engine with it, and
+    leave a resource tracker holding the caller's output), request i to process i % processes. Once
+    `stop` is set, each is told to stop and gets STOP_GRACE seconds to send what it has. Returns
+    (results by index, cut short, t0, end, errors of processes that failed)."""
     limits = split_concurrency(max_concurrency, processes)
-    procs, conns = [], []
+    clients: list[_Client] = []
     results: dict[int, RequestResult] = {}
     problems: list[str] = []
-    timed_out = False
+    cut = False
     t0 = end = time.perf_counter()
     try:
         for p in range(processes):
-            parent, child = ctx.Pipe()
-            args = (child, counts, p, server, shares[p], limits[p], use_uvloop)
-            proc = ctx.Process(target=_client_process, args=args, daemon=True, name=f"bench-client-{p}")
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
+            clients.append(_Client(p, items[p::processes], (server, limits[p], use_uvloop)))
+        for client in clients:
+            client.conn.send(client.share)
         # every process ready (imported, listening) before the common start time
-        waiting = set(range(processes))
+        waiting = set(clients)
         while waiting:
-            for p in list(waiting):
-                if conns[p].poll():
-                    message = conns[p].recv()
+            for client in list(waiting):
+                if client.conn.poll():
+                    message = client.conn.recv()
                     if message[0] != "ready":
-                        raise RuntimeError(f"client process {p} failed to start: {message[-1]}")
-                    waiting.discard(p)
-                elif procs[p].exitcode is not None:
-                    raise RuntimeError(f"client process {p} exited with code {procs[p].exitcode} at start")
-            if waiting and time.perf_counter() > deadline:
-                timed_out = True
-                return results, timed_out, t0, time.perf_counter(), ["the client processes did not start"]
+                        raise RuntimeError(f"client process {client.index} failed to start: {message[-1]}")
+                    waiting.discard(client)
+                elif client.proc.poll() is not None:
+                    raise RuntimeError(client.failure() + " at start")
+            if waiting and (time.perf_counter() > deadline or stop.is_set()):
+                return results, True, t0, time.perf_counter(), ["the client processes did not start"]
             if waiting:
                 await asyncio.sleep(0.01)
         t0 = time.perf_counter() + START_MARGIN
-        for conn in conns:
-            conn.send(("start", t0, deadline))
-        pending = set(range(processes))
+        for client in clients:
+            client.conn.send(("start", t0, deadline))
+        pending = set(clients)
         ends = []
-        shown = 0
+        give_up = deadline + REPORT_GRACE
         while pending:
-            for p in list(pending):
-                if conns[p].poll():
+            if stop.is_set() and give_up > time.perf_counter() + STOP_GRACE:
+                for client in pending:
+                    client.conn.send(("stop",))
+                give_up = time.perf_counter() + STOP_GRACE
+            for client in list(pending):
+                while client in pending and client.conn.poll():
                     try:
-                        message = conns[p].recv()
+                        message = client.conn.recv()
                     except EOFError:
-                        message = ("error", f"exit code {procs[p].exitcode}")
-                    pending.discard(p)
+                        message = ("error", client.failure())
+                    if message[0] == "progress":
+                        if bar is not None:
+                            bar.update(1)
+                        continue
+                    pending.discard(client)
                     if message[0] == "done":
                         results.update(message[1])
-                        timed_out |= message[2]
+                        cut |= message[2]
                         ends.append(message[3])
                     else:
-                        problems.append(f"client process {p} failed: {message[-1].strip()}")
-                elif procs[p].exitcode is not None:
-                    pending.discard(p)
-                    problems.append(f"client process {p} exited with code {procs[p].exitcode}")
-            if bar is not None:
-                done = sum(counts)
-                bar.update(done - shown)
-                shown = done
-            if pending and time.perf_counter() > deadline + REPORT_GRACE:
-                timed_out = True
-                problems.extend(f"client process {p} did not report by the deadline" for p in pending)
+                        problems.append(f"client process {client.index} failed: {message[-1].strip()}")
+                if client in pending and client.proc.poll() is not None:
+                    pending.discard(client)
+                    problems.append(client.failure())
+            if pending and time.perf_counter() > give_up:
+                cut = True
+                problems.extend(f"client process {c.index} did not report in time" for c in pending)
                 break
             if pending:
                 await asyncio.sleep(0.01)
         end = max(ends) if ends else time.perf_counter()
     finally:
-        for conn in conns:
+        for client in clients:
             try:
-                conn.send(("stop",))  # to a process still waiting for its start
+                client.conn.send(("stop",))  # to a process still waiting for its share or its start
             except OSError:
                 pass
-        for proc in procs:
-            proc.join(timeout=2)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=2)
-        for conn in conns:
-            conn.close()
-    return results, timed_out, t0, end, problems
+        for client in clients:
+            client.end(grace=1.0)
+    return results, cut, t0, end, problems
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(stop: asyncio.Event, stopped_by: list[str]) -> Iterator[None]:
+    """While inside: SIGINT and SIGTERM set `stop` (the run ends early with a partial report) and their
+    name goes into `stopped_by`; a second one ends the process as its default would. Outside the main
+    thread (no signal handlers there) nothing is installed."""
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: signal.Signals) -> None:
+        if stop.is_set():
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        stopped_by.append(sig.name)
+        stop.set()
+
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, handle, sig)
+        except (RuntimeError, ValueError, NotImplementedError):
+            continue
+        installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 async def first_model(server: Server) -> str:
@@ -490,26 +569,38 @@ async def run_benchmark(
 
         bar = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
     problems: list[str] = []
-    try:
-        if processes == 1:
-            t0 = time.perf_counter()
-            update = (lambda: bar.update(1)) if bar is not None else None
-            results, timed_out, end = await _run_share(server, items, t0, deadline, max_concurrency, update)
-        else:
-            results, timed_out, t0, end, problems = await _run_processes(
-                server, items, processes, max_concurrency, deadline, use_uvloop, bar
-            )
-    finally:
-        if bar is not None:
-            bar.close()
+    stop, stopped_by = asyncio.Event(), []
+    with _stopped_by_signals(stop, stopped_by):
+        try:
+            if processes == 1:
+                t0 = time.perf_counter()
+                update = (lambda: bar.update(1)) if bar is not None else None
+                results, cut, end = await _run_share(
+                    server, items, t0, deadline, max_concurrency, update, stop
+                )
+            else:
+                results, cut, t0, end, problems = await _run_processes(
+                    server, items, processes, max_concurrency, deadline, use_uvloop, bar, stop
+                )
+        finally:
+            if bar is not None:
+                bar.close()
     duration = max(0.0, end - t0)
-    missing = "; ".join(problems) if problems else "not finished: --timeout ran out"
+    interrupted = stopped_by[0] if stopped_by else None
+    unfinished = (
+        f"not sent: {interrupted} stopped the run" if interrupted else "not finished: --timeout ran out"
+    )
+    missing = "; ".join(problems) if problems else unfinished
     final = [
         results.get(i) or RequestResult(item[2], item[3], n=n, error=missing) for i, item in enumerate(items)
     ]
+    timed_out = cut and interrupted is None
     for result in final:
         if result.error == CANCELLED:
-            timed_out = True
+            if interrupted:
+                result.error = f"cancelled: {interrupted} stopped the run"
+            else:
+                timed_out = True
     settings = {
         "base_url": base_url,
         "model": model,
@@ -524,6 +615,7 @@ async def run_benchmark(
         "seed": seed,
         "timeout": timeout,
         "timed_out": timed_out,
+        "interrupted": interrupted,
         "client_processes": processes,
         "event_loop": loop_name(use_uvloop) if processes > 1 else _current_loop_name(),
     }
@@ -656,9 +748,15 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{count:>5} x {error[:200]}")
     if report.get("timed_out"):
         lines.append(f"the run stopped at --timeout {report['timeout']} s")
+    if report.get("interrupted"):
+        lines.append(f"{report['interrupted']} stopped the run: a partial report")
     lines.append("=" * 60)
     return "\n".join(lines)
 
 
 def dumps(report: dict[str, Any]) -> str:
     return json.dumps(report, indent=2)
+
+
+if __name__ == "__main__":  # a client process of `_run_processes`
+    _client_process(int(sys.argv[1]))
