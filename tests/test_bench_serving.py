@@ -716,15 +716,16 @@ def test_cli_chat_options(stub_server, smollm2_path) -> None:
 
 # -- the command's end: after its report, and on SIGTERM / SIGINT ---------------------------------------
 
-EXIT_BOUND_S = (
-    60  # a hung exit (the bug this guards against) lasted minutes; a loaded 2-core host needs seconds
-)
+# a hung exit (the bug this guards against) lasted minutes; a loaded 2-core host needs seconds
+EXIT_BOUND_S = 60
 
 
-def _cli_process(url: str, *args: str) -> subprocess.Popen:
-    """`python -m minisgl.cli bench-serving --json` in a session of its own (its process group: what is
-    left of it after it exits is found there)."""
-    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", url, "--json", *args]
+def _cli_process(url: str, prompts: int, processes: int, timeout: int) -> subprocess.Popen:
+    """`python -m minisgl.cli bench-serving --json` (`workload(prompts, 3, 9, 2, 6)`) in a session of its
+    own (its process group: what is left of it after it exits is found there)."""
+    cmd = [sys.executable, "-m", "minisgl.cli", "bench-serving", "--base-url", url, "--json"]
+    cmd += ["--num-prompts", str(prompts), "--min-input", "3", "--max-input", "9", "--min-output", "2"]
+    cmd += ["--max-output", "6", "--client-processes", str(processes), "--timeout", str(timeout)]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -745,23 +746,7 @@ def _ended(proc: subprocess.Popen) -> tuple[str, str]:
 
 def test_cli_with_client_processes_exits_after_its_report(stub_server) -> None:
     stub, url = stub_server
-    proc = _cli_process(
-        url,
-        "--num-prompts",
-        "12",
-        "--min-input",
-        "3",
-        "--max-input",
-        "9",
-        "--min-output",
-        "2",
-        "--max-output",
-        "6",
-        "--client-processes",
-        "4",
-        "--timeout",
-        "120",
-    )
+    proc = _cli_process(url, prompts=12, processes=4, timeout=120)
     out, err = _ended(proc)
     assert proc.returncode == 0, err
     report = json.loads(out)
@@ -782,23 +767,7 @@ def test_a_signal_mid_run_ends_it_with_a_partial_report(stub_server, sig, group,
     drawn = workload(n, 3, 9, 2, 6, seed=0)
     stub.fail_http = {drawn[0].prompt[0], drawn[1].prompt[0]}  # two requests fail at once, in two processes
     failing = sum(r.prompt[0] in stub.fail_http for r in drawn)
-    proc = _cli_process(
-        url,
-        "--num-prompts",
-        str(n),
-        "--min-input",
-        "3",
-        "--max-input",
-        "9",
-        "--min-output",
-        "2",
-        "--max-output",
-        "6",
-        "--client-processes",
-        str(processes),
-        "--timeout",
-        "300",
-    )
+    proc = _cli_process(url, prompts=n, processes=processes, timeout=300)
     deadline = time.monotonic() + EXIT_BOUND_S
     while stub.requests < n:  # every request sent: the run is under way
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
