@@ -195,17 +195,22 @@ class Encoder(nn.Module):
     attention = "auto"
     _compiled: Callable[..., Any] | None = None
 
-    def configure(self, attention: str | None = None, compile: bool | None = None) -> None:
+    def configure(
+        self, attention: str | None = None, compile: bool | None = None, backend: str | Callable = "inductor"
+    ) -> None:
         """`attention`: a method of ATTENTION_METHODS; `compile`: run the block stack under torch.compile
-        (dynamic shapes, one graph; the attention is the opaque op ``minisgl::vision_attention``)."""
+        with `backend` (dynamic shapes, one graph; the attention is the opaque op
+        ``minisgl::vision_attention``). None leaves a setting as it is."""
         if attention is not None:
             if attention not in ATTENTION_METHODS:
                 raise ValueError(f"vision attention {attention!r} is not one of {ATTENTION_METHODS}")
             self.attention = attention
         if compile is not None:
-            self._compiled = (
-                torch.compile(self.blocks_forward, dynamic=True, fullgraph=True) if compile else None
-            )
+            self._compiled = None
+            if compile:
+                self._compiled = torch.compile(
+                    self.blocks_forward, backend=backend, dynamic=True, fullgraph=True
+                )
 
     def run_blocks(self, plans: tuple[SegmentPlan, ...], *args: Any) -> Any:
         """`blocks_forward(*args)` with `plans` as the attention's slots, compiled if configured so."""
