@@ -4,6 +4,7 @@ minisgl's encoder, the same pixel values and grids in, float32 outputs compared,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,17 @@ def test_compiled_blocks_equal_eager(family: str, request) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     ours.configure(compile=False)
     assert ours._compiled is None
+
+
+def test_perf_script_dry_run(capsys) -> None:
+    """`python -m perf.gpu.vision --shape cpu`: a tiny encoder timed per attention method on the CPU, eager
+    and compiled (aot_eager), and its GEMMs alone."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: perf.gpu.vision
+    from perf.gpu import vision as script
+
+    rows = script.main(["--shape", "cpu", "--image", "112x84"])
+    assert [(row["attention"], row["compiled"]) for row in rows] == [
+        ("sdpa", False), ("loop", False), ("sdpa", True), ("loop", True),
+    ]  # fmt: skip
+    assert all(row["ms"] > 0 for row in rows)
+    assert "the GEMMs alone" in capsys.readouterr().out

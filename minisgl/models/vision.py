@@ -409,7 +409,7 @@ def vision_rope(
     quarter of the frequencies turns with the row, the second with the column, both halves repeated.
     `size`: more than the largest position (None: read from `positions`, a device sync on a GPU)."""
     size = int(positions.max()) + 1 if size is None else size
-    cache = build_rope_cache(head_dim // 2, size, RopeConfig(theta), positions.device)
+    cache = upload(build_rope_cache(head_dim // 2, size, RopeConfig(theta)), positions.device)  # no wait
     row_cos, row_sin = cache[positions[:, 0]].chunk(2, dim=-1)
     col_cos, col_sin = cache[positions[:, 1]].chunk(2, dim=-1)
     cos, sin = torch.cat([row_cos, col_cos], dim=-1), torch.cat([row_sin, col_sin], dim=-1)
