@@ -4,11 +4,13 @@ minisgl's encoder, the same pixel values and grids in, float32 outputs compared,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from minisgl.models import vision
 from minisgl.models.qwen2_5_vl_vision import Qwen2_5_VisionEncoder, window_order
 from minisgl.models.qwen3_vl_vision import Qwen3VisionEncoder
 from minisgl.models.vision import VisionConfig, load_visual_weights
@@ -140,3 +142,104 @@ def test_load_refuses_a_folder_without_visual_weights(tmp_path: Path, qwen3_vl_f
     save_file({"model.language_model.norm.weight": torch.ones(4)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="no visual"):
         load_visual_weights(Qwen3VisionEncoder(VisionConfig.from_folder(qwen3_vl_folder)), tmp_path)
+
+
+# -- attention within segments, the compiled block stack ------------------------------------------------
+
+
+def per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """The reference: softmax(q k^T / sqrt(d)) v of each segment alone, written out."""
+    out = torch.zeros_like(q)
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[start:stop].transpose(0, 1).double() for t in (q, k, v))  # (heads, length, dim)
+        weights = torch.softmax(qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        out[start:stop] = (weights @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+SEGMENTS = {
+    "one": [0, 37],
+    "equal": [0, 16, 32, 48],
+    "unequal": [0, 5, 61, 62, 90],
+    "windows of two images": [0, 16, 32, 40, 56, 60, 124, 128],
+}
+
+
+@pytest.mark.parametrize("bounds", list(SEGMENTS.values()), ids=list(SEGMENTS))
+@pytest.mark.parametrize("method", ["sdpa", "loop"])
+def test_segment_attention_equals_per_segment_reference(bounds: list[int], method: str) -> None:
+    """One batched SDPA call (segments padded to the longest, padded keys masked), and the old loop, give
+    each segment's own attention (float32, tight); `varlen_attention` is the one-off form of 'sdpa'."""
+    generator = torch.Generator().manual_seed(len(bounds))
+    q, k, v = (torch.randn(bounds[-1], 3, 16, generator=generator) * 2 for _ in range(3))
+    expected = per_segment(q, k, v, bounds)
+    plan = vision.SegmentPlan(bounds, torch.device("cpu"), method)
+    torch.testing.assert_close(plan.attend(q, k, v), expected, rtol=1e-5, atol=1e-5)
+    one_off = vision.varlen_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32))
+    torch.testing.assert_close(one_off, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_methods_resolve_by_device_and_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert vision.resolve_attention_method("auto", cpu, torch.bfloat16) == "sdpa"
+    assert vision.resolve_attention_method("loop", cpu, torch.float32) == "loop"
+    for fused in ("torch_varlen", "flashinfer"):
+        with pytest.raises(ValueError, match="needs CUDA"):
+            vision.resolve_attention_method(fused, cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="not one of"):
+        vision.resolve_attention_method("flash", cpu, torch.float32)
+    with pytest.raises(ValueError, match="not one of"):
+        Qwen3VisionEncoder(VisionConfig(**VISION, num_position_embeddings=36)).configure(attention="flash")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.inference_mode()
+def test_loop_attention_equals_batched(family: str, request) -> None:
+    """The encoder with the old per-segment attention ('loop') gives what the batched one gives."""
+    ours = encoder(FAMILIES[family][0], request.getfixturevalue(f"{family}_folder"))
+    pixel_values, grid_thw = inputs(GRIDS[2], ours.cfg.patch_dim, seed=7)
+    batched = run(ours, pixel_values, grid_thw)
+    ours.configure(attention="loop")
+    looped = run(ours, pixel_values, grid_thw)
+    for a, b in zip([batched[0], *batched[1]], [looped[0], *looped[1]]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@torch.inference_mode()
+def test_compiled_blocks_equal_eager(family: str, request) -> None:
+    """The block stack under torch.compile (fullgraph, dynamic shapes; aot_eager on the CPU, inductor's
+    C++ build being slow here) gives the eager outputs, for batches of several sizes without a
+    recompile per size: no host value is read inside it (a read would break the graph)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    ours = encoder(FAMILIES[family][0], request.getfixturevalue(f"{family}_folder"))
+    batches = [inputs(grids, ours.cfg.patch_dim, seed=10 + i) for i, grids in enumerate(GRIDS)]
+    eager = [run(ours, *batch) for batch in batches]
+    counter = CompileCounterWithBackend("aot_eager")
+    ours.configure(compile=True, backend=counter)
+    compiled = [run(ours, *batch) for batch in batches]
+    assert counter.frame_count == 1  # one graph for all sizes
+    for (e, e_deep), (c, c_deep) in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+        assert len(c_deep) == len(e_deep)
+        for a, b in zip(c_deep, e_deep):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    ours.configure(compile=False)
+    assert ours._compiled is None
+
+
+def test_perf_script_dry_run(capsys) -> None:
+    """`python -m perf.gpu.vision --shape cpu`: a tiny encoder timed per attention method on the CPU, eager
+    and compiled (aot_eager), and its GEMMs alone."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: perf.gpu.vision
+    from perf.gpu import vision as script
+
+    rows = script.main(["--shape", "cpu", "--image", "112x84"])
+    assert [(row["attention"], row["compiled"]) for row in rows] == [
+        ("sdpa", False), ("loop", False), ("sdpa", True), ("loop", True),
+    ]  # fmt: skip
+    assert all(row["ms"] > 0 for row in rows)
+    assert "the GEMMs alone" in capsys.readouterr().out

@@ -18,12 +18,15 @@ from torch import nn
 from minisgl.models.vision import (
     ACTIVATIONS,
     Block,
+    Encoder,
     Linear,
     Norm,
     PatchEmbed,
     VisionConfig,
+    host_grid,
     image_seqlens,
     patch_positions,
+    upload,
     vision_rope,
 )
 
@@ -57,9 +60,9 @@ class PatchMerger(nn.Module):
 
 
 def window_order(grid_thw: torch.Tensor, merge_size: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(merged-token permutation, cu_seqlens in patches): the merged tokens of each frame ordered window by
-    window (`window` merged tokens a side), keeping the image order inside a window; the segments are the
-    windows."""
+    """(merged-token permutation, cu_seqlens in patches), from a host `grid_thw`: the merged tokens of
+    each frame ordered window by window (`window` merged tokens a side), keeping the image order inside
+    a window; the segments are the windows."""
     order, lengths, offset = [], [], 0
     for t, h, w in grid_thw.tolist():
         rows, cols = h // merge_size, w // merge_size
@@ -73,10 +76,10 @@ def window_order(grid_thw: torch.Tensor, merge_size: int, window: int) -> tuple[
         lengths.append(counts[counts > 0] * merge_size**2)
         offset += t * rows * cols
     cu_seqlens = F.pad(torch.cat(lengths).cumsum(0), (1, 0)).to(torch.int32)
-    return torch.cat(order).to(grid_thw.device), cu_seqlens.to(grid_thw.device)
+    return torch.cat(order), cu_seqlens
 
 
-class Qwen2_5_VisionEncoder(nn.Module):
+class Qwen2_5_VisionEncoder(Encoder):
     """Holds ``visual.*``; `forward` composes the functions of `minisgl.models.vision`."""
 
     def __init__(self, cfg: VisionConfig) -> None:
@@ -85,20 +88,31 @@ class Qwen2_5_VisionEncoder(nn.Module):
         self.patch_embed = PatchEmbed(cfg, bias=False)
         self.blocks = nn.ModuleList(Block(cfg, SwiGLU(cfg), layer_norm=False) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        # the attention slot of each block: 0 whole images, 1 windows
+        self.slots = tuple(0 if i in cfg.fullatt_block_indexes else 1 for i in range(cfg.depth))
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """(patches, patch_dim) pixel values of the images of `grid_thw` -> (patches / merge_size**2,
-        out_hidden_size) embeddings, image after image, each image's in its placeholder tokens' order."""
-        cfg = self.cfg
+        out_hidden_size) embeddings, image after image, each image's in its placeholder tokens' order.
+        The window order, positions and segment plans come from `grid_thw` on the host (pass it there to
+        spare one device read), before the layers run."""
+        cfg, device = self.cfg, pixel_values.device
+        grid = host_grid(grid_thw)
         unit = cfg.spatial_merge_size**2
         units, cu_windows = window_order(
-            grid_thw, cfg.spatial_merge_size, cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+            grid, cfg.spatial_merge_size, cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         )
-        order = (units[:, None] * unit + torch.arange(unit, device=units.device)).flatten()  # in patches
-        cos_sin = vision_rope(patch_positions(grid_thw, cfg.spatial_merge_size), cfg.head_dim, cfg.rope_theta)
-        cos_sin = cos_sin[:, order]
-        cu_images = image_seqlens(grid_thw)
-        x = self.patch_embed(pixel_values)[order]
-        for index, block in enumerate(self.blocks):
-            x = block(x, cos_sin, cu_images if index in cfg.fullatt_block_indexes else cu_windows)
-        return self.merger(x)[torch.argsort(units)]
+        order = (units[:, None] * unit + torch.arange(unit)).flatten()  # in patches
+        positions = patch_positions(grid, cfg.spatial_merge_size)[order]
+        size = int(grid[:, 1:].max())
+        order, positions, restore = (upload(t, device) for t in (order, positions, torch.argsort(units)))
+        cos_sin = vision_rope(positions, cfg.head_dim, cfg.rope_theta, size)
+        dtype = self.patch_embed.proj.weight.dtype
+        plans = self.plan([image_seqlens(grid).tolist(), cu_windows.tolist()], device, dtype)
+        x = self.run_blocks(plans, self.patch_embed(pixel_values)[order], cos_sin)
+        return self.merger(x)[restore]
+
+    def blocks_forward(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        for block, slot in zip(self.blocks, self.slots):
+            x = block(x, cos_sin, slot)
+        return x

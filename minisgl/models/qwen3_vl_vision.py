@@ -60,7 +60,7 @@ def learned_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge_size: i
     return torch.cat(out).to(table.dtype)
 
 
-class Qwen3VisionEncoder(nn.Module):
+class Qwen3VisionEncoder(vision.Encoder):
     """Holds ``model.visual.*``; `forward` composes the functions of `minisgl.models.vision`."""
 
     def __init__(self, cfg: vision.VisionConfig) -> None:
@@ -86,17 +86,26 @@ class Qwen3VisionEncoder(nn.Module):
         """(patches, patch_dim) pixel values of the images of `grid_thw` -> the (patches / merge_size**2,
         out_hidden_size) embeddings, and the DeepStack features (one such tensor per layer of
         deepstack_visual_indexes, in layer order)."""
-        cfg = self.cfg
+        cfg, device = self.cfg, pixel_values.device
+        grid = vision.host_grid(grid_thw)
         x = self.patch_embed(pixel_values)
-        x = x + learned_positions(self.pos_embed.weight, grid_thw, cfg.spatial_merge_size).to(x.dtype)
-        cos_sin = vision.vision_rope(
-            vision.patch_positions(grid_thw, cfg.spatial_merge_size), cfg.head_dim, cfg.rope_theta
-        )
-        cu_images = vision.image_seqlens(grid_thw)
+        x = x + learned_positions(self.pos_embed.weight, grid, cfg.spatial_merge_size).to(x.dtype)
+        positions = vision.upload(vision.patch_positions(grid, cfg.spatial_merge_size), device)
+        cos_sin = vision.vision_rope(positions, cfg.head_dim, cfg.rope_theta, int(grid[:, 1:].max()))
+        plans = self.plan([vision.image_seqlens(grid).tolist()], device, self.patch_embed.proj.weight.dtype)
+        x, deepstack = self.run_blocks(plans, x, cos_sin)
+        return self.merger(x), deepstack
+
+    def blocks_forward(
+        self, x: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The blocks, and the DeepStack features of the blocks of deepstack_visual_indexes (layer
+        order)."""
+        cfg = self.cfg
         deepstack = []
         for index, block in enumerate(self.blocks):
-            x = block(x, cos_sin, cu_images)
+            x = block(x, cos_sin, 0)
             if index in cfg.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(index)]
                 deepstack.append(merger(x))
-        return self.merger(x), deepstack
+        return x, deepstack
