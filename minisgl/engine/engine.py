@@ -1,6 +1,6 @@
 """The Engine: one per tensor-parallel rank, a coordinator. Its constructor reads top to bottom as the
-start phases (built by `minisgl.engine.start`); its forwards check the batch, run it through the one
-forward path (`minisgl.engine.forward`) and sample."""
+start phases (built by `minisgl.engine.start`); its forwards run the batch through the one forward path
+(`minisgl.engine.forward`, which checks it first) and sample."""
 
 from __future__ import annotations
 
