@@ -144,6 +144,7 @@ class Engine:
         return None if self.lora is None else self.lora.pool
 
     def _lora_part(self) -> EngineLora:
+        """The LoRA part, for the adapter calls; without a pool they are refused."""
         if self.lora is None:
             raise ValueError("this engine has no LoRA pool (enable_lora is off)")
         return self.lora
