@@ -148,7 +148,7 @@ def test_host_threads(tiny_llama):
 
 
 def test_start_phases_are_timed_and_logged(tiny_llama, caplog):
-    with caplog.at_level(logging.INFO, logger="minisgl.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.start"):
         engine = _engine(tiny_llama, num_page_override=8)
     phases = [
         "communication", "model", "kv cache", "page table", "backends", "cuda graphs", "sampler",

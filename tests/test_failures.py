@@ -94,16 +94,16 @@ def inject_fault(sched: Scheduler, stage: str, phase: str, offender_prompt: list
     elif stage == "sampling_args":
         wrap(sched.prep, "sampling_args")
     elif stage == "model":  # the model ran (tokens marked cached), no token came out
-        wrap(engine, "_forward", before=False)
+        wrap(engine.forward_path, "run", before=False)
     elif stage == "sampler":
         current = []
-        forward = engine._forward
+        forward = engine.forward_path.run
 
         def remember(batch, *args, **kwargs):
             current[:] = [batch]
             return forward(batch, *args, **kwargs)
 
-        engine._forward = remember
+        engine.forward_path.run = remember
         wrap(engine.sampler, "sample", batch_of=lambda *a: current[0])
     elif stage == "device":  # the forward "fails on the device": waiting for its tokens raises
 

@@ -86,16 +86,16 @@ def test_ablation_switches_reach_the_components(
 def test_attention_settings_reach_the_backend(tiny_llama, monkeypatch):
     """`decode_split_kv_max_bs`, `decode_triton_max_bs` and `tensor_core_min_group` go to the attention
     backend's factory."""
-    import minisgl.engine.engine as engine_module
+    import minisgl.engine.start as start_module
 
     seen = {}
-    real = engine_module.create_attention_backend
+    real = start_module.create_attention_backend
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "create_attention_backend", spy)
+    monkeypatch.setattr(start_module, "create_attention_backend", spy)
     cfg = dict(model_path=str(tiny_llama), device="cpu", dtype=torch.float32, decode_split_kv_max_bs=12)
     Engine(EngineConfig(**cfg, decode_triton_max_bs=8)).shutdown()
     want = dict(tensor_core_min_group=1, split_kv_max_bs=12, triton_decode_max_bs=8)

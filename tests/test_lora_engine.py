@@ -91,7 +91,7 @@ def llama(tmp_path_factory):
 
 def test_a_mixed_batch_matches_peft_and_swapped_slots_follow(llama, caplog):
     folder, adapters, refs = llama
-    with caplog.at_level(logging.INFO, logger="minisgl.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.start"):
         engine = _engine(folder, max_loras=3)
     assert "LoRA: 3 adapter slots of rank up to 8" in caplog.text
     assert engine.model.lora_pool is engine.lora_pool and engine.lora_pool.max_loras == 3
@@ -159,15 +159,15 @@ def test_without_lora_there_is_no_pool(llama):
 def test_the_pool_comes_out_of_the_kv_budget(llama, caplog, monkeypatch):
     """The pool's bytes are taken from the KV cache's budget (here the CPU default, a share of the RAM
     available) before the pages are counted, and the start log says so."""
-    import minisgl.engine.engine as engine_module
+    import minisgl.engine.start as start_module
     from minisgl.lora import LoraPool
 
     folder, _, _ = llama
-    monkeypatch.setattr(engine_module, "_available_memory", lambda device: 64 << 20)
-    budget = int((64 << 20) * engine_module.CPU_KV_FRACTION)
+    monkeypatch.setattr(start_module, "available_memory", lambda device: 64 << 20)
+    budget = int((64 << 20) * start_module.CPU_KV_FRACTION)
     base = Engine(EngineConfig(model_path=str(folder), dtype=torch.float32, device="cpu"))
     page_bytes = budget // base.num_pages
-    with caplog.at_level(logging.INFO, logger="minisgl.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="minisgl.engine.start"):
         engine = _engine(folder, num_page_override=None, max_loras=2)
     pool_bytes = LoraPool.nbytes(
         engine.config.model_config, max_loras=2, max_rank=MAX_RANK, dtype=torch.float32

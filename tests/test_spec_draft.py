@@ -64,7 +64,7 @@ def spec(target_config, smollm2_path):
     plain_pages = plain.num_pages
     plain.shutdown()
     log = _Messages()
-    loggers = [logging.getLogger(name) for name in ("minisgl.engine.engine", "minisgl.scheduler.draft")]
+    loggers = [logging.getLogger(name) for name in ("minisgl.engine.start", "minisgl.scheduler.draft")]
     for logger in loggers:
         logger.addHandler(log)
     try:

@@ -67,7 +67,7 @@ def _rows(
                     batch, None, idx, torch.tensor(ext, device=engine.device), starts, max(ext)
                 )
             rows = torch.arange(batch.num_tokens, device=engine.device)
-            return engine._forward(batch, rows=rows, verify=True).float().clone()
+            return engine.forward_path.run(batch, rows=rows, verify=True).logits.float().clone()
     finally:
         prep.release(reqs)
 

@@ -14,7 +14,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
-from minisgl.engine.engine import ForwardOutput, _CompletedEvent
+from minisgl.engine.forward import CompletedEvent, ForwardOutput
 from minisgl.models import default_model_path
 from minisgl.scheduler import Scheduler, SchedulerConfig
 
@@ -37,7 +37,7 @@ def _stub_forward(batch, args):
             torch.arange(scoring.top).repeat(rows, 1),
             torch.full((rows, scoring.top), -1.0),
         )
-    return ForwardOutput(tokens, tokens, _CompletedEvent(), logprobs)
+    return ForwardOutput(tokens, tokens, CompletedEvent(), logprobs)
 
 
 @pytest.mark.parametrize("page_size", [16, 256])

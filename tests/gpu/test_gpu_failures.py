@@ -54,8 +54,8 @@ def test_a_failing_step_on_the_gpu_leaves_the_others_and_the_graphs_intact(engin
                 break
             sched.step()
     finally:  # the engine is shared: take the injected wrappers off again
-        for obj in (engine, engine.sampler):
-            for name in ("_forward", "forward_batch", "sample"):
+        for obj in (engine, engine.forward_path, engine.sampler):
+            for name in ("run", "forward_batch", "sample"):
                 obj.__dict__.pop(name, None)
     assert hit and not sched.has_work()
     assert offender.finish_reason == "error" and FAULT in offender.error

@@ -208,7 +208,7 @@ def test_verify_graphs_read_each_rows_adapter(lora_engines):
         mode = engine.forward_mode(batch, all_rows=True, verify=True)
         with torch.inference_mode():
             rows = torch.arange(batch.num_tokens, device="cuda")
-            logits = engine._forward(batch, rows=rows, verify=True).float().cpu()
+            logits = engine.forward_path.run(batch, rows=rows, verify=True).logits.float().cpu()
         prep.release(reqs)
         return logits, mode
 

@@ -32,9 +32,8 @@ def _verify_logits(engine: Engine, seqs: list[list[int]], drafts: list[int]) -> 
         engine.forward_logits(batch)
         batch = prep.prefill(reqs, [n + 1 for n in drafts])
         with torch.inference_mode():
-            return engine._forward(
-                batch, rows=torch.arange(batch.num_tokens, device="cuda"), verify=True
-            ).clone()
+            rows = torch.arange(batch.num_tokens, device="cuda")
+            return engine.forward_path.run(batch, rows=rows, verify=True).logits.clone()
     finally:
         prep.release(reqs)
 
