@@ -271,3 +271,24 @@ def test_image_metrics(vl) -> None:
     after = [sample(n) for n in ("minisgl_images_total", "minisgl_image_tokens_total")]
     assert [a - b for a, b in zip(after, before)] == [3, len(prompt.images.token_positions)]
     assert sample("minisgl_vision_encoder_seconds_count") == encodes + 1
+
+
+def test_the_images_of_a_prefill_batch_are_encoded_in_one_call(vl) -> None:
+    from minisgl import metrics
+
+    shared, reference = vl
+    with LLM(
+        shared.engine.config.model_path, device="cpu", dtype="float32", page_size=4, max_prefill_tokens=4096
+    ) as llm:
+
+        def encodes() -> float:
+            labels = {"model_name": llm.model_name}
+            return metrics.REGISTRY.get_sample_value("minisgl_vision_encoder_seconds_count", labels) or 0.0
+
+        before = encodes()
+        prompts = [llm.chat_inputs(as_urls(messages)) for messages in CONVERSATIONS.values()]
+        outputs = llm.generate(prompts, GREEDY)
+        assert encodes() == before + 1  # the four requests' six images: one encoder call
+        for (name, messages), output in zip(CONVERSATIONS.items(), outputs):
+            assert output.token_ids == reference.generate(messages, STEPS), name
+        llm_clean(llm)

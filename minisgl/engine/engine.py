@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -193,19 +194,26 @@ class Engine:
         return host_output(next_tokens, logprobs, mode, pooled)
 
     @torch.inference_mode()
-    def encode_images(self, req: Req) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A vision-language request's images through the model's vision encoder (its placeholder
-        tokens' embeddings and DeepStack features, on the device), once per request at its first prefill
-        chunk with an image token (`minisgl.multimodal.inputs.chunk_images`)."""
+    def encode_images(self, reqs: Sequence[Req]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """The images of vision-language requests through the model's vision encoder in one call: per
+        request, its placeholder tokens' embeddings and DeepStack features, on the device. Called once
+        per prefill batch for the requests whose first chunk with an image token it holds
+        (`minisgl.multimodal.inputs.chunk_images`). `grid_thw` stays on the host, where the encoder
+        plans its attention (no device read)."""
         if not self.config.model_config.is_multimodal:
             raise ValueError(
                 f"{self.config.model_config.architecture} is a text-only model: it takes no images"
             )
-        images = req.images
+        images = [req.images for req in reqs]
+        pixel_values = torch.cat([i.pixel_values for i in images])
         timer = _Timer(self.device)
-        out = self.model.encode_images(images.pixel_values.to(self.device), images.grid_thw.to(self.device))
+        embeds, deepstack = self.model.encode_images(
+            to_device(pixel_values, self.device), torch.cat([i.grid_thw for i in images])
+        )
         self._encoder_timers.append(timer.stop())
-        return out
+        sizes = [len(i.token_positions) for i in images]
+        per_layer = [d.split(sizes) for d in deepstack]
+        return [(e, [layer[r] for layer in per_layer]) for r, e in enumerate(embeds.split(sizes))]
 
     def take_encoder_seconds(self) -> list[float]:
         """The times of the `encode_images` calls that completed on the device since the last call (the

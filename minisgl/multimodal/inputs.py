@@ -194,12 +194,10 @@ def chunk_images(
     reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int], encode, device: torch.device
 ) -> ImageBatch | None:
     """The image embeddings that a prefill batch computing tokens [starts[i], ends[i]) of each request
-    takes (None where no image token is among them). `encode(req)` runs the vision encoder on a
-    request's images at its first chunk that needs them; the output is kept on the request until its
-    last image token is computed."""
-    rows: list[int] = []
-    embeds: list[torch.Tensor] = []
-    deepstack: list[list[torch.Tensor]] = []
+    takes (None where no image token is among them). `encode(reqs)` runs the vision encoder once over
+    the images of the requests whose first chunk that needs them this batch holds (one result per
+    request); a request keeps its output until its last image token is computed."""
+    spans = []  # (request, first and last index of its placeholders in this batch, its first row)
     offset = 0  # the batch row of each request's first token
     for req, start, end in zip(reqs, starts, ends):
         images: ImageInputs | None = req.images
@@ -207,17 +205,24 @@ def chunk_images(
             lo = bisect.bisect_left(images.token_positions, start)
             hi = bisect.bisect_left(images.token_positions, end)
             if hi > lo:
-                if req.image_embeds is None:
-                    req.image_embeds = encode(req)
-                full, stack = req.image_embeds
-                rows += [offset + p - start for p in images.token_positions[lo:hi]]
-                embeds.append(full[lo:hi])
-                deepstack.append([d[lo:hi] for d in stack])
-                if hi == len(images.token_positions):  # the batch holds what it needs of them
-                    req.image_embeds = None
+                spans.append((req, lo, hi, offset - start))
         offset += end - start
-    if not rows:
+    if not spans:
         return None
+    fresh = [req for req, *_ in spans if req.image_embeds is None]
+    if fresh:
+        for req, out in zip(fresh, encode(fresh)):
+            req.image_embeds = out
+    rows: list[int] = []
+    embeds: list[torch.Tensor] = []
+    deepstack: list[list[torch.Tensor]] = []
+    for req, lo, hi, shift in spans:
+        full, stack = req.image_embeds
+        rows += [shift + p for p in req.images.token_positions[lo:hi]]
+        embeds.append(full[lo:hi])
+        deepstack.append([d[lo:hi] for d in stack])
+        if hi == len(req.images.token_positions):  # the batch holds what it needs of them
+            req.image_embeds = None
     index = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
     return ImageBatch(
         index.to(device, non_blocking=True),
