@@ -25,9 +25,9 @@ def _install(session: nox.Session) -> None:
 
 
 # README's test command: two workers, each test file on one (its module fixtures start once), the files
-# handed out in tests/durations.json's order, the slowest first (tests/conftest.py; xdist's own order
-# is by test count, `--no-loadscope-reorder` keeps the collection's)
-XDIST = ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]
+# handed out in tests/durations.json's order, the slowest first (tests/durations.py, loaded by
+# tests/conftest.py, orders them and turns off xdist's own reorder by test count)
+XDIST = ["-n", "2", "--dist", "loadfile"]
 
 
 @nox.session
