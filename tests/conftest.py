@@ -6,6 +6,15 @@ from typing import Any
 
 import pytest
 import torch
+
+# the test files' order, the slowest first, and `--record-durations` (tests/durations.py)
+from durations import (  # noqa: F401
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
 from hypothesis import HealthCheck, settings
 
 # Without a GPU, minisgl's Triton kernels run on CPU tensors under Triton's interpreter
@@ -44,12 +53,34 @@ def smollm2_server():
 
 
 @pytest.fixture(scope="session")
-def tiny_server_args(tmp_path_factory) -> list[str]:
+def tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """`tiny_model(arch, **overrides)`: `make_tiny_model`'s folder (`tokenizer=True`:
+    `make_tiny_model_with_tokenizer`'s), built and saved once a session (an xdist worker) for each set
+    of arguments, in a folder of its own. For tests that only read the model: a test that changes the
+    folder (deletes the weights, rewrites config.json) builds its own with `make_tiny_model`. Each call
+    leaves torch's global generator as the build left it (`make_tiny_model` seeds it), as a build would."""
+    saved: dict[str, tuple[Path, torch.Tensor]] = {}
+
+    def get(arch: str = "llama", tokenizer: bool = False, **overrides: Any) -> Path:
+        key = repr((arch, tokenizer, sorted(overrides.items())))
+        if key not in saved:
+            make = make_tiny_model_with_tokenizer if tokenizer else make_tiny_model
+            folder = make(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+            saved[key] = folder, torch.get_rng_state()
+        folder, rng = saved[key]
+        torch.set_rng_state(rng)
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_server_args(tiny_model) -> list[str]:
     """`minisgl-run serve` options for a tiny Llama with the default model's tokenizer, served under the
     default model's name: for servers whose tests check the front end and its processes, not a real
     model's tokens (requests written for the default model reach it unchanged; its engine loads in a
     moment, and loads again in a moment after a kill)."""
-    folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("served"))
+    folder = tiny_model("llama", tokenizer=True)
     options = ["--model", str(folder), "--device", "cpu", "--dtype", "float32"]
     return [*options, "--served-model-name", "smollm2-135m-instruct"]
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_tiny_model, rel_err
+from conftest import rel_err
 from safetensors.torch import load_file, save_file
 
 from minisgl.attention import BaseAttnBackend
@@ -22,8 +22,8 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3], list(range(100, 117))]
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 def _engine(folder, **kw) -> Engine:

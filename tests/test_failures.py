@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import check_clean, llm_clean, make_tiny_model, make_tiny_model_with_tokenizer
+from conftest import check_clean, llm_clean
 
 from minisgl.core import FatalEngineError, SamplingParams
 from minisgl.engine import Engine, EngineConfig, ForwardOutput
@@ -26,13 +26,13 @@ class Fault(RuntimeError):
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
-def tiny_text_llm(tmp_path_factory):
-    folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+def tiny_text_llm(tiny_model):
+    folder = tiny_model("llama", tokenizer=True)
     with LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4) as llm:
         yield llm
 
@@ -391,8 +391,8 @@ def test_threads_share_one_llm(tiny_text_llm):
     llm_clean(llm)
 
 
-def test_shutdown_aborts_other_threads_calls_and_later_calls_say_so(tmp_path):
-    folder = make_tiny_model_with_tokenizer(tmp_path)
+def test_shutdown_aborts_other_threads_calls_and_later_calls_say_so(tiny_model):
+    folder = tiny_model("llama", tokenizer=True)
     llm = LLM(str(folder), device="cpu", dtype="float32", max_running_req=4)
     step, started = llm.scheduler.step, threading.Event()
 

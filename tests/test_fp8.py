@@ -192,10 +192,10 @@ CHECKPOINTS = [("llama", (128, 128)), ("qwen3", (48, 32)), ("qwen2", (16, 64)), 
 
 
 @pytest.mark.parametrize(("arch", "block"), CHECKPOINTS, ids=[f"{a}-{b}" for a, b in CHECKPOINTS])
-def test_fp8_checkpoint_matches_the_float32_emulation(tmp_path, arch, block):
+def test_fp8_checkpoint_matches_the_float32_emulation(tmp_path, tiny_model, arch, block):
     """Prefill of prompts of different lengths in one batch, then teacher-forced decode steps, against
     transformers on the dequantized weights with the activations rounded per token group."""
-    original = make_tiny_model(tmp_path, arch)
+    original = tiny_model(arch)
     folder = write_fp8_checkpoint(original, tmp_path / "fp8", block)
     seqs = sequences()
     eng = engine(folder)
@@ -239,10 +239,10 @@ def test_quantization_setting_equals_the_fp8_checkpoint(tmp_path):
         e.shutdown()
 
 
-def test_static_activation_scales_are_not_used(tmp_path, caplog):
+def test_static_activation_scales_are_not_used(tmp_path, tiny_model, caplog):
     """A per-tensor checkpoint with activation_scheme "static" and `input_scale` tensors loads (they are
     known and skipped without a warning) and computes as the dynamic one: per token group."""
-    original = make_tiny_model(tmp_path, "llama")
+    original = tiny_model("llama")
     dynamic = write_fp8_checkpoint(original, tmp_path / "dynamic", None)
     static = write_fp8_checkpoint(original, tmp_path / "static", None, {"activation_scheme": "static"})
     tensors = load_file(static / "model.safetensors")
@@ -280,10 +280,10 @@ def test_dummy_weights_with_fp8(tmp_path):
 # -- tensor parallelism --------------------------------------------------------------------------
 
 
-def test_tp_ranks_hold_their_blocks(tmp_path):
+def test_tp_ranks_hold_their_blocks(tmp_path, tiny_model):
     """Under TP=2 each rank's FP8 weights and scales are its slices of TP=1's, in whole 16x16 blocks:
     Q/K/V and gate/up rows, o_proj and down columns."""
-    folder = write_fp8_checkpoint(make_tiny_model(tmp_path, "llama"), tmp_path / "fp8", (16, 16))
+    folder = write_fp8_checkpoint(tiny_model("llama"), tmp_path / "fp8", (16, 16))
     cfg = ModelConfig.from_path(folder)
     full = build_model(cfg, str(folder), 64, torch.device("cpu"), torch.float32).layers[1]
     for rank in range(2):
@@ -319,10 +319,10 @@ def test_tp_ranks_hold_their_blocks(tmp_path):
     [((16, 16), {}), (None, {"head_dim": 64, "intermediate_size": 256})],
     ids=["blocks", "per-tensor"],
 )
-def test_tp2_fp8_checkpoint_matches_tp1(tmp_path, block, shape):
+def test_tp2_fp8_checkpoint_matches_tp1(tmp_path, tiny_model, block, shape):
     from test_tp import assert_tp_matches_single
 
-    folder = write_fp8_checkpoint(make_tiny_model(tmp_path, "qwen3", **shape), tmp_path / "fp8", block)
+    folder = write_fp8_checkpoint(tiny_model("qwen3", **shape), tmp_path / "fp8", block)
     assert_tp_matches_single(folder, 2, logits_tol=1e-4)
 
 
@@ -353,9 +353,9 @@ def test_tp2_fp8_checkpoint_matches_tp1(tmp_path, block, shape):
         ),
     ],
 )
-def test_tp_size_that_splits_a_block_is_refused(tmp_path, block, settings, message):
+def test_tp_size_that_splits_a_block_is_refused(tmp_path, tiny_model, block, settings, message):
     """Refused before any process group exists (a single process asks for rank 0 of 2)."""
-    original = make_tiny_model(tmp_path, "llama")
+    original = tiny_model("llama")
     if block is not None:
         original = write_fp8_checkpoint(original, tmp_path / "fp8", None if block == "per-tensor" else block)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -430,9 +430,9 @@ def test_fp8_pool_stores_and_reads_with_the_layer_scales():
     assert keys.reshape(-1, 2, 8)[0, 0, 0] == E4M3_MAX * scales[1, 0]
 
 
-def test_fp8_kv_cache_holds_more_pages(tmp_path):
+def test_fp8_kv_cache_holds_more_pages(tiny_model):
     """One byte a value: four times float32's pages on the same budget."""
-    folder = make_tiny_model(tmp_path, "llama")
+    folder = tiny_model("llama")
     pages = [
         engine(folder, kv_cache_dtype=kv, cpu_kv_budget_gib=0.001, max_running_req=64).num_pages
         for kv in ("auto", "fp8_e4m3")
@@ -477,19 +477,19 @@ REFUSED = [
     REFUSED,
     ids=[m.split(" ")[0].removeprefix("quantization_config")[:40] for _, m in REFUSED],
 )
-def test_unsupported_quantization_is_refused_at_load(tmp_path, quant, message):
+def test_unsupported_quantization_is_refused_at_load(tmp_path, tiny_model, quant, message):
     """At load, naming the key, before any weight is read (the folder has none)."""
     folder = tmp_path / "model"
     folder.mkdir()
-    config = json.loads((make_tiny_model(tmp_path, "llama") / "config.json").read_text())
+    config = json.loads((tiny_model("llama") / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     with pytest.raises(ValueError) as error:
         engine(folder)
     assert str(error.value).startswith(f"{folder / 'config.json'}: {message}"), str(error.value)
 
 
-def test_fp8_is_refused_for_qwen3_moe(tmp_path):
-    folder = make_tiny_model(tmp_path, "qwen3_moe")
+def test_fp8_is_refused_for_qwen3_moe(tmp_path, tiny_model):
+    folder = tiny_model("qwen3_moe")
     with pytest.raises(ValueError, match="quantization='fp8' is not supported for Qwen3MoeForCausalLM yet"):
         engine(folder, quantization="fp8")
     write_fp8_checkpoint(folder, tmp_path / "fp8", (128, 128))
@@ -535,8 +535,8 @@ DAMAGED = [
 @pytest.mark.parametrize(
     ("name", "tensor", "message"), DAMAGED, ids=["shape", "missing", "nan", "dtype", "kv"]
 )
-def test_bad_fp8_tensors_are_refused_naming_them(tmp_path, name, tensor, message):
-    folder = write_fp8_checkpoint(make_tiny_model(tmp_path, "llama"), tmp_path / "fp8", (128, 128))
+def test_bad_fp8_tensors_are_refused_naming_them(tmp_path, tiny_model, name, tensor, message):
+    folder = write_fp8_checkpoint(tiny_model("llama"), tmp_path / "fp8", (128, 128))
     _damage(folder, name, tensor)
     with pytest.raises(ValueError, match=re.escape(message)):
         engine(folder)

@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from conftest import make_tiny_model, rel_err, teacher_forced_logits
+from conftest import rel_err, teacher_forced_logits
 
 from minisgl.attention import TorchAttnBackend, resolve_attention_backend
 from minisgl.core import Batch, Req
@@ -240,7 +240,7 @@ def test_triton_decode_fp8_needs_the_scales():
     reason="opens the kernels' CUDA-only gates on CPU tensors (Triton's interpreter); the GPU tests run "
     "the same on the GPU (tests/gpu/test_gpu_fp8_kv.py)",
 )
-def test_tiny_model_through_the_fp8_store_kernels(tmp_path, monkeypatch):
+def test_tiny_model_through_the_fp8_store_kernels(tiny_model, monkeypatch):
     """A tiny Qwen3 with kv_cache_dtype fp8_e4m3 and checkpoint-like scales: the KV-store kernel gives the
     logits of the `index_copy_` path bit for bit; the fused q/k-norm + RoPE + KV-store kernel agrees with
     the unfused path (its float32 norm and rotation differ in rounding only)."""
@@ -249,7 +249,7 @@ def test_tiny_model_through_the_fp8_store_kernels(tmp_path, monkeypatch):
     import minisgl.kvcache.pool as pool_module
     import minisgl.models.llama as llama
 
-    folder = make_tiny_model(tmp_path, "qwen3")
+    folder = tiny_model("qwen3")
     g = _gen(6)
     lens, steps = [5, 11], 2
     seqs = [torch.randint(3, 320, (n + steps,), generator=g).tolist() for n in lens]
@@ -301,12 +301,12 @@ def test_auto_picks_fa2_prefill_for_fp8_kv_on_sm90(monkeypatch, major, fp8, want
 
 
 @pytest.mark.parametrize("name", ["fa", "fa,fi", "fi,fa"])
-def test_fa3_is_refused_with_an_fp8_cache(monkeypatch, name, tmp_path):
+def test_fa3_is_refused_with_an_fp8_cache(monkeypatch, name, tiny_model):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match=rf"attention_backend={name!r} cannot read the FP8 KV cache.*'fi'"):
         resolve_attention_backend(name, torch.device("cuda", 0), E4M3)
     assert resolve_attention_backend(name, torch.device("cuda", 0), torch.bfloat16)
-    folder = make_tiny_model(tmp_path, "llama")
+    folder = tiny_model("llama")
     with pytest.raises(ValueError, match=rf"attention_backend={name!r} cannot read the FP8 KV cache"):
         EngineConfig(model_path=str(folder), device="cpu", kv_cache_dtype="fp8_e4m3", attention_backend=name)
 

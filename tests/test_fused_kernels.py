@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_logits
+from conftest import reference_logits, rel_err, teacher_forced_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -399,14 +399,16 @@ ODD_SHAPES = {
     "arch, gemv_rows",
     [(arch, 1) for arch in ["qwen3", "llama", "qwen2", "qwen3_moe", *ODD_SHAPES]] + [("qwen3", 2)],
 )
-def test_model_through_fused_kernels_matches_unfused_and_transformers(tmp_path, monkeypatch, arch, gemv_rows):
+def test_model_through_fused_kernels_matches_unfused_and_transformers(
+    tiny_model, monkeypatch, arch, gemv_rows
+):
     """Teacher-forced logits of a tiny model with the fused kernels equal the unfused path's (float32)
     and transformers'. One request decodes one row a step (the GEMV kernels and their prologues); its
     prefill, and every step of a batch of two, run the row kernels with plain GEMMs, except that with
     `LINEAR_GEMV_ROWS` 2 the batch's steps run the GEMV kernels too; every forward runs the fused RoPE
     kernel."""
     arch, overrides = ODD_SHAPES.get(arch, (arch, {}))
-    folder = make_tiny_model(tmp_path, arch, **overrides)
+    folder = tiny_model(arch, **overrides)
     steps = 2
     g = _gen(3)
     for lens in SEQ_LENS:

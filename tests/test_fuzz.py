@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from conftest import FIXED_EXAMPLES, llm_clean, make_tiny_model_with_tokenizer
+from conftest import FIXED_EXAMPLES, llm_clean
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -136,8 +136,8 @@ def run_one(llm: LLM, prompt, params: SamplingParams, stream: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tmp_path_factory):
-    folder = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+def tiny_llm(tiny_model):
+    folder = tiny_model("llama", tokenizer=True)
     with LLM(str(folder), device="cpu", dtype="float32", max_running_req=8, page_size=4) as llm:
         llm.normal = llm.generate(NORMAL_PROMPT, NORMAL)[0].token_ids
         yield llm
@@ -195,8 +195,8 @@ SETTINGS = one_field_corrupted(
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+def tiny_folder(tiny_model):
+    return tiny_model("llama", tokenizer=True)
 
 
 @settings(FUZZ, max_examples=60)

@@ -4,7 +4,6 @@ switch them (and the other ablation switches) off. The kernels themselves are te
 
 import pytest
 import torch
-from conftest import make_tiny_model
 
 from minisgl.compile import gemv_kernel_mode
 from minisgl.core import SamplingParams
@@ -44,8 +43,8 @@ ABLATION_OFF = dict(
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository root: perf.gpu.latency
@@ -19,9 +18,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, tiny_model):
     out = tmp_path_factory.mktemp("latency") / "latency.json"
-    model = make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("models"))
+    model = tiny_model("llama", tokenizer=True)
     command = [sys.executable, "-m", "perf.gpu.latency", "--shape", "cpu", "--out", str(out)]
     done = subprocess.run(
         [*command, "--model", str(model)],

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 import zmq
-from conftest import FIXED_EXAMPLES, check_clean, make_tiny_model
+from conftest import FIXED_EXAMPLES, check_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +26,8 @@ class Fault(RuntimeError):
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    folder = make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3")
+def engines(tiny_model):
+    folder = tiny_model("qwen3")
     config = dict(model_path=str(folder), dtype=torch.float32, device="cpu", max_running_req=4, page_size=4)
     pair = [Engine(EngineConfig(**config, num_page_override=40)) for _ in range(2)]
     yield pair

@@ -129,10 +129,10 @@ def test_chunked_prefill_keeps_the_adapter(llama):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe", "mistral"])
-def test_other_families_match_peft(tmp_path, arch):
+def test_other_families_match_peft(tmp_path, tiny_model, arch):
     """Qwen3 (q/k norms, head_dim != hidden / heads), Qwen2 (q/k/v biases: the unfused norm path),
     Qwen3-MoE (attention projections only) and Mistral."""
-    folder = make_tiny_model(tmp_path, arch)
+    folder = tiny_model(arch)
     lora = ATTENTION if arch == "qwen3_moe" else ADAPTERS["all"]
     adapter = _save_adapter(folder, tmp_path / "adapter", 7, **lora)
     engine = _engine(folder, max_loras=2)

@@ -161,10 +161,10 @@ def test_lora_add_matches_peft_for_a_mixed_batch(llama, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "qwen3_moe"])
-def test_other_families_match_peft(tmp_path, arch):
+def test_other_families_match_peft(tmp_path, tiny_model, arch):
     """Every module minisgl serves LoRA on: Qwen2 (q/k/v biases), Qwen3 (head_dim 32: q rows != hidden),
     Mistral, and Qwen3-MoE (attention only; its MLP refused)."""
-    folder = make_tiny_model(tmp_path, arch, **SHAPE)
+    folder = tiny_model(arch, **SHAPE)
     cfg = ModelConfig.from_path(folder)
     moe = arch == "qwen3_moe"
     modules = ["q_proj", "k_proj", "v_proj", "o_proj"] + (

@@ -61,9 +61,9 @@ def _hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[
 
 
 @pytest.fixture(scope="module")
-def tiny_mistral(tmp_path_factory) -> Path:
+def tiny_mistral(tiny_model) -> Path:
     """make_tiny_model's Mistral: a window of 12 tokens."""
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "mistral")
+    return tiny_model("mistral")
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

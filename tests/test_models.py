@@ -22,9 +22,9 @@ DECODE_STEPS = 12
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_logits_match_transformers(tmp_path, arch, page_size):
+def test_logits_match_transformers(tiny_model, arch, page_size):
     """Prefill of prompts of different lengths in one batch, then teacher-forced decode steps."""
-    folder = make_tiny_model(tmp_path, arch)
+    folder = tiny_model(arch)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 320, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
     engine = Engine(
@@ -313,8 +313,8 @@ def test_config_json_that_is_no_text_names_the_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_tiny_models_configs_load(tmp_path: Path, arch: str) -> None:
-    for folder in (make_tiny_model(tmp_path, arch), make_tiny_model(tmp_path / "gpu", arch, **GPU_SHAPE)):
+def test_tiny_models_configs_load(tiny_model, arch: str) -> None:
+    for folder in (tiny_model(arch), tiny_model(arch, **GPU_SHAPE)):
         config = ModelConfig.from_path(folder)
         hf = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         assert (config.family, config.num_layers, config.hidden_size) == (

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import make_tiny_model, reference_logits, rel_err, teacher_forced_logits
+from conftest import reference_logits, rel_err, teacher_forced_logits
 from safetensors import safe_open
 
 from minisgl.core import SamplingParams
@@ -32,10 +32,10 @@ def _reference(folder):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def test_checkpoint_layout_and_config(tmp_path):
+def test_checkpoint_layout_and_config(tiny_model):
     """transformers 5 keeps experts fused in memory but saves them per expert; its config says
     `num_local_experts`. Both are what minisgl reads."""
-    folder = make_tiny_model(tmp_path, "qwen3_moe")
+    folder = tiny_model("qwen3_moe")
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     assert "model.layers.0.mlp.gate.weight" in keys
@@ -75,9 +75,9 @@ def test_h200_qwen3_30b_a3b_preset():
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_logits_match_transformers(tmp_path, norm_topk_prob, backend):
+def test_logits_match_transformers(tiny_model, norm_topk_prob, backend):
     """Prefill, then teacher-forced decode steps, for prompts of different lengths."""
-    folder = make_tiny_model(tmp_path, "qwen3_moe", norm_topk_prob=norm_topk_prob)
+    folder = tiny_model("qwen3_moe", norm_topk_prob=norm_topk_prob)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, VOCAB, (n + DECODE_STEPS,), generator=gen).tolist() for n in PROMPT_LENS]
     want = reference_logits(folder, seqs, PROMPT_LENS, DECODE_STEPS)
@@ -93,9 +93,9 @@ def test_logits_match_transformers(tmp_path, norm_topk_prob, backend):
     engine.shutdown()
 
 
-def test_greedy_tokens_match_transformers(tmp_path):
+def test_greedy_tokens_match_transformers(tiny_model):
     """transformers' greedy tokens, with either MoE backend."""
-    folder = make_tiny_model(tmp_path, "qwen3_moe")
+    folder = tiny_model("qwen3_moe")
     prompts = [[5, 9, 77, 31, 200], [12], list(range(3, 30))]
     new = 10
     ref = _reference(folder)
@@ -244,13 +244,9 @@ def test_moe_backend_choice(monkeypatch):
         create_moe_backend("fused", cuda)
 
 
-def test_forward_compiles_fullgraph(tmp_path):
+def test_forward_compiles_fullgraph(tiny_model):
     """The MoE goes through an opaque custom op under torch.compile, as attention does: one graph."""
-    engine = Engine(
-        EngineConfig(
-            model_path=str(make_tiny_model(tmp_path, "qwen3_moe")), dtype=torch.float32, device="cpu"
-        )
-    )
+    engine = Engine(EngineConfig(model_path=str(tiny_model("qwen3_moe")), dtype=torch.float32, device="cpu"))
     prep = BatchPreparer(engine)
     batch = prep.prefill(
         [prep.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=1)) for n in (5, 9)]

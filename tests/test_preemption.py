@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import FIXED_EXAMPLES, check_clean, make_tiny_model
+from conftest import FIXED_EXAMPLES, check_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +20,8 @@ PAGE_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 def _engine(folder, num_pages: int, max_running_req: int = 8) -> Engine:

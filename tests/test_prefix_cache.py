@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import FIXED_EXAMPLES, check_clean, llm_clean, make_tiny_model
+from conftest import FIXED_EXAMPLES, check_clean, llm_clean
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
@@ -25,8 +25,8 @@ POOL_TOKENS = 2400  # the KV pool of the "big" engines, in tokens: never evicted
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
@@ -671,12 +671,12 @@ def test_lockstep_ranks_keep_the_same_tree(tiny_llama, engines, overlap):
 
 
 @pytest.mark.slow
-def test_llm_tp2_radix_equals_tp1_naive(tmp_path):
+def test_llm_tp2_radix_equals_tp1_naive(tiny_model):
     """LLM(tp=2) with the prefix cache (two processes, gloo) gives the tokens of one rank without it,
     before and after a flush_cache that must reach the other rank (else the ranks' plans diverge)."""
     from test_tp_launch import _addr
 
-    folder = make_tiny_model(tmp_path, "qwen3")
+    folder = tiny_model("qwen3")
     prompts = [BASES[1][:21] + _tokens(i, 2 + i) for i in range(3)] + [BASES[1][:21]]
     params = [
         _greedy(5),

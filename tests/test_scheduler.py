@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import check_clean, make_tiny_model
+from conftest import check_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,8 +19,8 @@ from minisgl.scheduler.detokenizer import decoder
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama")
+def tiny_llama(tiny_model):
+    return tiny_model("llama")
 
 
 def _engine(folder, **kw) -> Engine:

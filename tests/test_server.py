@@ -505,13 +505,12 @@ def test_an_engine_that_cannot_start_ends_the_server_with_its_reason() -> None:
     assert "num_attention_heads=9 is not divisible by the tensor-parallel size 2" in out.stderr
 
 
-def test_a_model_folder_without_tokenizer_is_served_with_token_ids(tmp_path) -> None:
+def test_a_model_folder_without_tokenizer_is_served_with_token_ids(tiny_model) -> None:
     """The dummy-weight presets' case: token-id prompts, token ids in the answers, text refused."""
-    from conftest import make_tiny_model
 
     from minisgl.llm import LLM
 
-    folder = make_tiny_model(tmp_path, "llama")
+    folder = tiny_model("llama")
     prompt = [5, 17, 42, 99, 3]
     llm = LLM(str(folder), device="cpu", dtype="float32")
     try:

@@ -161,10 +161,9 @@ def test_without_engine_restart_a_dead_engine_ends_the_server(tiny_server_args: 
         srv.stop()
 
 
-def test_tensor_parallel_ranks_of_a_dead_leader_are_killed_and_the_pair_comes_back(tmp_path) -> None:
-    from conftest import make_tiny_model
+def test_tensor_parallel_ranks_of_a_dead_leader_are_killed_and_the_pair_comes_back(tiny_model) -> None:
 
-    folder = make_tiny_model(tmp_path, "llama")
+    folder = tiny_model("llama")
     srv = Server("--model", str(folder), "--device", "cpu", "--dtype", "float32", "--tp", "2")
     try:
         body = {

@@ -179,16 +179,16 @@ def test_shard_heads():
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tp2_matches_tp1(tmp_path, arch):
+def test_tp2_matches_tp1(tiny_model, arch):
     """llama: llama3 RoPE scaling; mistral: a sliding window (12); qwen2: q/k/v biases; qwen3: q/k norms.
     4 query, 2 KV heads: split."""
-    assert_tp_matches_single(make_tiny_model(tmp_path, arch), 2)
+    assert_tp_matches_single(tiny_model(arch), 2)
 
 
-def test_tp4_replicates_kv_heads(tmp_path):
+def test_tp4_replicates_kv_heads(tiny_model):
     """4 query heads, 2 KV heads, 4 ranks: one query head per rank, each with a copy of its KV head;
     tied embeddings, so the vocab-parallel LM head reuses the embedding's slice."""
-    assert_tp_matches_single(make_tiny_model(tmp_path, "llama", tie_word_embeddings=True), 4)
+    assert_tp_matches_single(tiny_model("llama", tie_word_embeddings=True), 4)
 
 
 def test_tp3_smollm2(smollm2_path):
@@ -198,10 +198,10 @@ def test_tp3_smollm2(smollm2_path):
 
 
 @pytest.mark.parametrize(("arch", "size", "tied"), [("qwen3", 2, False), ("llama", 4, True)])
-def test_vocab_the_ranks_do_not_divide(tmp_path, arch, size, tied):
+def test_vocab_the_ranks_do_not_divide(tiny_model, arch, size, tied):
     """A vocabulary of 317 (prime): each rank holds ceil(317 / size) rows, the last ones zero padding, and
     the gathered logits are cut back to 317 columns (tied: the LM head reuses the padded embedding)."""
-    folder = make_tiny_model(tmp_path, arch, vocab_size=317, tie_word_embeddings=tied)
+    folder = tiny_model(arch, vocab_size=317, tie_word_embeddings=tied)
     assert_tp_matches_single(folder, size)
 
 
@@ -215,13 +215,13 @@ def test_padded_shard_loads_its_part():
     assert torch.equal(torch.cat(parts)[:5], full) and torch.equal(parts[2][1], torch.zeros(2))
 
 
-def test_sizes_that_do_not_divide(tmp_path):
-    folder = make_tiny_model(tmp_path, "llama")  # 4 heads, intermediate 96, vocab 320
+def test_sizes_that_do_not_divide(tiny_model):
+    folder = tiny_model("llama")  # 4 heads, intermediate 96, vocab 320
     with pytest.raises(
         ValueError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"
     ):
         _engine(folder, DistributedInfo(0, 3))
-    odd = make_tiny_model(tmp_path / "odd", "llama", intermediate_size=90)
+    odd = tiny_model("llama", intermediate_size=90)
     with pytest.raises(
         ValueError, match="intermediate_size=90 is not divisible by the tensor-parallel size 4"
     ):
@@ -231,10 +231,10 @@ def test_sizes_that_do_not_divide(tmp_path):
         assert status == "error" and "num_attention_heads=4 is not divisible" in message
 
 
-def test_tp2_qwen3_moe_matches_tp1(tmp_path):
+def test_tp2_qwen3_moe_matches_tp1(tiny_model):
     """Qwen3-MoE: 8 experts, top-2, moe_intermediate_size 32 split over 2 ranks (every rank holds every
     expert's half), replicated router, all-reduced MoE output; layer 1 is dense (mlp_only_layers)."""
-    assert_tp_matches_single(make_tiny_model(tmp_path, "qwen3_moe"), 2)
+    assert_tp_matches_single(tiny_model("qwen3_moe"), 2)
 
 
 def test_qwen3_moe_shards_experts(tmp_path):
@@ -282,10 +282,10 @@ def test_dummy_weights_under_tp(tmp_path):
     assert tokens0 == tokens1 and all(len(t) == MAX_TOKENS for t in tokens0)
 
 
-def test_dead_rank_fails_fast(tmp_path):
+def test_dead_rank_fails_fast(tiny_model):
     """A rank that dies mid-run fails the test at once (not after the collective timeout), and the
     surviving rank, stuck in a collective, is killed."""
     started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"rank\(s\) \[1\] of 2 exited"):
-        run_tp(make_tiny_model(tmp_path, "llama"), 2, crash_rank=1)
+        run_tp(tiny_model("llama"), 2, crash_rank=1)
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 import torch
-from conftest import llm_clean, make_peft_adapter, make_tiny_model
+from conftest import llm_clean, make_peft_adapter
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -20,8 +20,8 @@ def _addr() -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen3")
+def tiny_qwen3(tiny_model):
+    return tiny_model("qwen3")
 
 
 def _generate(folder, tp: int, prompts, params):
@@ -227,10 +227,8 @@ def _text_llm(folder, tp: int, **kw) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def text_model(tmp_path_factory):
-    from conftest import make_tiny_model_with_tokenizer
-
-    return make_tiny_model_with_tokenizer(tmp_path_factory.mktemp("text"), "qwen3")
+def text_model(tiny_model):
+    return tiny_model("qwen3", tokenizer=True)
 
 
 LOCKSTEP_PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,", "Hello"]

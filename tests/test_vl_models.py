@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 
 import pytest
-from conftest import llm_clean, make_tiny_model_with_tokenizer
+from conftest import llm_clean
 from vl_helpers import Reference, make_tiny_vl, noise_image
 
 from minisgl.core import SamplingParams
@@ -167,8 +167,8 @@ def test_bad_inputs_leave_the_engine_clean(vl) -> None:
     llm_clean(llm)
 
 
-def test_images_to_a_text_only_model(tmp_path: Path) -> None:
-    folder = make_tiny_model_with_tokenizer(tmp_path, "qwen2")
+def test_images_to_a_text_only_model(tiny_model) -> None:
+    folder = tiny_model("qwen2", tokenizer=True)
     with LLM(str(folder), device="cpu", dtype="float32", cpu_kv_budget_gib=0.02) as llm:
         with pytest.raises(ValueError, match="text-only model"):
             llm.chat([user("What is ", image(40, 40, 0))], GREEDY)

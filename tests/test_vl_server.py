@@ -8,7 +8,6 @@ import json
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import pytest
-from conftest import make_tiny_model_with_tokenizer
 from test_server import Server
 from test_vl_models import CONVERSATIONS, as_urls, user
 from vl_helpers import Reference, make_tiny_vl
@@ -100,8 +99,8 @@ def test_generate_image_data(served) -> None:
         assert got.status_code == 400 and says in got.text, got.text
 
 
-def test_images_to_a_text_only_server_are_400(tmp_path) -> None:
-    folder = make_tiny_model_with_tokenizer(tmp_path, "qwen2")
+def test_images_to_a_text_only_server_are_400(tiny_model) -> None:
+    folder = tiny_model("qwen2", tokenizer=True)
     srv = Server("--model", str(folder), "--device", "cpu", "--dtype", "float32")
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0)
