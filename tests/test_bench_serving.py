@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from minisgl.bench.client import _Measured
 from minisgl.bench.offline import WorkloadShape, make_workload
+from minisgl.bench.processes import split_concurrency
 from minisgl.bench.serving import (
     RequestInput,
     RequestResult,
@@ -41,7 +42,6 @@ from minisgl.bench.serving import (
     default_client_processes,
     format_report,
     percentile,
-    split_concurrency,
     summarize,
     with_texts,
     workload,

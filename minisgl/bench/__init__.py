@@ -5,7 +5,8 @@
 - `minisgl.bench.workloads`: the prefix-cache workloads' generators (plain Python that other engines'
   scripts load by path).
 - `minisgl.bench.serving`: the online benchmark (`minisgl-run bench-serving`), a client of a running
-  server over HTTP; `minisgl.bench.client` is its HTTP/SSE client. Neither imports the server nor, until
+  server over HTTP; `minisgl.bench.client` is its HTTP/SSE client, `minisgl.bench.processes` its client
+  processes. Neither imports the server nor, until
   it draws the offline workload, the engine.
 
 This file imports nothing, so that the serving benchmark's client processes load no engine.
