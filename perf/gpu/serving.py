@@ -49,8 +49,9 @@ from perf.common import (
 )
 
 LOW_RATE, LOW_PROMPTS = 4.0, 128
-# a light-load run (128 requests at 4 per second: 37 s of requests, about 90 s with the client's start
-# and exit on the H100 host) is stopped past this and reported stalled
+# a light-load run (128 requests at 4 per second: 37 s of requests; about 90 s on the H100 host while the
+# client processes were spawned with multiprocessing, each importing torch) is stopped past this and
+# reported stalled
 LOW_RUN_TIMEOUT_S = 150
 # a warm-up (a server's first requests, which may compile kernels) past this is stopped and reported
 WARM_UP_TIMEOUT_S = 400
