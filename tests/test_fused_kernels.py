@@ -369,7 +369,22 @@ def _open_gates(monkeypatch):
     )
     for name in FUSED_GEMV_KERNELS:
         monkeypatch.setattr(L, name, counted(name, getattr(L, name)))
+    monkeypatch.setattr(G, "_config", _two_programs(G._config))
     return calls
+
+
+def _two_programs(config):
+    """`gemv._config` with as many output rows per program as make two programs: the interpreter runs a
+    launch's programs one after another in Python (about 25 ms each at these sizes), and the GPU's one
+    or two rows per program made this test's launches 128 programs each. The second program's rows are
+    masked where n is odd (the odd shapes); the kernel's narrow blocks have their own tests above
+    (`gemv_shapes`)."""
+
+    def wide(m, n, k, *prologue):
+        _, block_k, warps = config(m, n, k, *prologue)
+        return 1 << (-(-n // 2) - 1).bit_length(), block_k, warps  # the power of two >= n / 2
+
+    return wide
 
 
 # the kernels that the ops of `minisgl.kernels.linear` pick from, for one row and for more
