@@ -186,7 +186,7 @@ class ModelConfig:
         num_layers = keys.integer("num_hidden_layers")
         gpt_oss = {}
         if family == "gpt_oss":
-            from minisgl.models.gpt_oss import gpt_oss_fields
+            from minisgl.models.gpt_oss_config import gpt_oss_fields
 
             gpt_oss = gpt_oss_fields(keys, num_layers)
         quantization = None if gpt_oss else _quantization(keys, arch, family, num_layers)

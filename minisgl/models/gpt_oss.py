@@ -24,61 +24,11 @@ from torch import nn
 from minisgl.distributed import all_reduce, divide
 from minisgl.layers import apply_rope, linear, norm_linear_keep, rope_cos_sin
 from minisgl.layers.attention import sink_attention
-from minisgl.models.config import MAX_POSITIONS, ModelConfig, _Keys
+from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
-from minisgl.models.mxfp4 import Mxfp4Weight, check_mxfp4_shape
+from minisgl.models.mxfp4 import Mxfp4Weight
 from minisgl.models.weights import Shard
 from minisgl.moe import moe_biased
-
-LAYER_TYPES = ("sliding_attention", "full_attention")
-DEFAULT_WINDOW = 128  # transformers' GptOssConfig
-
-
-def gpt_oss_fields(keys: _Keys, num_layers: int) -> dict[str, Any]:
-    """The `ModelConfig` fields of a gpt-oss config.json, as published (`rope_scaling`, `rope_theta`,
-    `quantization_config` of MXFP4) or as transformers 5 saves it (`rope_parameters`); `window` is the
-    sliding window (the caller's `sliding_window`)."""
-    raw = keys.raw
-    window = None if "sliding_window" in raw and raw["sliding_window"] is None else DEFAULT_WINDOW
-    window = keys.integer("sliding_window", window, le=MAX_POSITIONS)
-    types, given = keys.get("layer_types", None)
-    if not given:  # transformers' default: sliding, full, sliding, ...
-        types = [LAYER_TYPES[i % 2] for i in range(num_layers)]
-    if not (isinstance(types, list) and len(types) == num_layers and all(t in LAYER_TYPES for t in types)):
-        raise keys.error(
-            "layer_types", types, f'a list of {num_layers} of "sliding_attention" / "full_attention"'
-        )
-    experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
-    num_experts = keys.integer(experts_key)
-    top_k_key = "num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token"
-    inter = keys.integer("intermediate_size", le=2**20)
-    return dict(
-        window=window,
-        full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
-        attention_sinks=True,
-        num_experts=num_experts,
-        num_experts_per_tok=keys.integer(top_k_key, 4, le=num_experts, why=f" ({experts_key}={num_experts})"),
-        moe_intermediate_size=inter,
-        norm_topk_prob=True,
-        swiglu_limit=keys.number("swiglu_limit", 7.0),
-        swiglu_alpha=keys.number("swiglu_alpha", 1.702),
-        mxfp4_experts=_mxfp4(keys, inter),
-    )
-
-
-def _mxfp4(keys: _Keys, inter: int) -> bool:
-    """Whether the checkpoint's experts are MXFP4 (`quantization_config.quant_method: mxfp4`)."""
-    quant = keys.object("quantization_config")
-    if not quant:
-        return False
-    method = quant.get("quant_method")
-    if method != "mxfp4":
-        raise keys.error(
-            "quantization_config.quant_method", method, '"mxfp4" for gpt-oss (or no quantization_config)'
-        )
-    check_mxfp4_shape("intermediate_size", inter)
-    check_mxfp4_shape("hidden_size", keys.integer("hidden_size"))
-    return True
 
 
 class GptOssLayer(DecoderLayer):
