@@ -7,6 +7,8 @@ graphs. docs/tensor-parallel-and-moe.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -96,20 +98,11 @@ def fused_moe(
 
 
 def grouped_moe(
-    x: Tensor,
-    router_logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    top_k: int,
-    renormalize: bool,
-    *,
-    b13: Tensor | None = None,
-    b2: Tensor | None = None,
-    limit: float | None = None,
-    alpha: float = 1.702,
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased: Any
 ) -> Tensor:
     """The grouped GEMM path of `fused_moe` at any token count (its shapes checked by the caller);
-    gpt-oss's biases and clamped SwiGLU as in `torch_moe`."""
+    gpt-oss's biases and clamped SwiGLU (`biased`) as in `torch_moe`."""
+    b13, b2 = biased.get("b13"), biased.get("b2")
     num_tokens, hidden = x.shape
     num_experts = w2.shape[0]
     if num_tokens == 0:
@@ -132,7 +125,7 @@ def grouped_moe(
     row_experts = flat_ids.index_select(0, order) if b13 is not None or b2 is not None else None
     if b13 is not None:
         h = h + b13.index_select(0, row_experts)
-    act = swiglu(h, limit, alpha)  # (T * top_k, I), contiguous
+    act = swiglu(h, biased.get("limit"), biased.get("alpha", 1.702))  # (T * top_k, I), contiguous
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # (T * top_k, H)
     if b2 is not None:
         y = y + b2.index_select(0, row_experts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,20 +34,13 @@ def swiglu(h: Tensor, limit: float | None = None, alpha: float = 1.702) -> Tenso
 
 
 def torch_moe(
-    x: Tensor,
-    router_logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    top_k: int,
-    renormalize: bool,
-    *,
-    b13: Tensor | None = None,
-    b2: Tensor | None = None,
-    limit: float | None = None,
-    alpha: float = 1.702,
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased: Any
 ) -> Tensor:
     """The reference MoE (see `TorchMoeBackend`); shapes as in `BaseMoeBackend.forward`. gpt-oss's
-    experts add biases b13 (E, 2I) and b2 (E, H) and take `swiglu`'s clamped variant (`limit`)."""
+    experts (`biased`) add biases b13 (E, 2I) and b2 (E, H) and take `swiglu`'s clamped variant
+    (`limit`, `alpha`)."""
+    b13, b2 = biased.get("b13"), biased.get("b2")
+    limit, alpha = biased.get("limit"), biased.get("alpha", 1.702)
     weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()  # (T * top_k,): token t's slot j is row t * top_k + j

@@ -23,10 +23,7 @@ from minisgl.attention import TorchAttnBackend
 from minisgl.engine import Engine, EngineConfig
 from minisgl.moe import fused_moe, torch_moe
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16_TOL = 3e-2
 
 
