@@ -128,6 +128,27 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # gpt-oss: 3 layers (sliding, full, sliding) under a window of 8, 8 experts top-2 with a low SwiGLU
+    # clamp (it bites at these scales), YaRN over an original context of 64
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=16,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=0.3,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
 TINY_COMMON: dict[str, Any] = dict(
     vocab_size=320,
@@ -159,7 +180,8 @@ GPU_SHAPE: dict[str, Any] = dict(
 RANDOMIZE: dict[str, tuple[Callable[[str], bool], float, float]] = {
     "norm": (lambda name: "norm" in name, 1.0, 0.2),
     "bias": (lambda name: name.endswith("bias"), 0.0, 0.2),
-    "router": (lambda name: name.endswith("mlp.gate.weight"), 0.0, 0.5),
+    "router": (lambda name: name.endswith(("mlp.gate.weight", "mlp.router.weight")), 0.0, 0.5),
+    "sinks": (lambda name: name.endswith("self_attn.sinks"), 0.0, 1.0),
     "lm_head": (lambda name: name == "lm_head.weight", 0.0, 1.0),
 }
 
@@ -168,7 +190,7 @@ def make_tiny_model(
     tmp_path: Path,
     arch: str,
     seed: int = 0,
-    randomize: tuple[str, ...] = ("norm", "bias", "router"),
+    randomize: tuple[str, ...] = ("norm", "bias", "router", "sinks"),
     adjust: Callable[[torch.nn.Module], None] | None = None,
     **overrides: Any,
 ) -> Path:

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "minisgl.embeddings",  # imports nothing from minisgl (pooling names, vector encodings)
             "minisgl.metrics",
             "minisgl.templates",
+            "minisgl.harmony",  # gpt-oss's chat format in a reply (imports nothing from minisgl)
         ),
     ),
     ("distributed", ("minisgl.distributed",)),

@@ -68,15 +68,29 @@ def create_attention_backend(
     triton_decode_max_bs: int = 0,
     dtype: torch.dtype | None = None,
     sliding_window: int | None = None,
+    full_layers: frozenset[int] = frozenset(),
+    sinks: bool = False,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
     rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim` and queries of `dtype` (the
     model's; None: the pool's storage dtype), attending within `sliding_window` tokens (None: all; see
     `BaseAttnBackend`); `tensor_core_min_group`, `split_kv_max_bs` and `triton_decode_max_bs` go to
-    `FlashInferAttnBackend`."""
+    `FlashInferAttnBackend`. gpt-oss: `full_layers` attend past the window; `sinks`: the model has
+    attention sinks, which only the `torch` backend reads (FlashInfer 0.6's FA2 and FA3 wrappers take
+    none), so 'auto' picks it."""
+    if sinks and name == "auto":
+        logger.info("attention backend 'auto' -> torch (the model's attention sinks)")
+        name = "torch"
     prefill, decode = resolve_attention_backend(name, device, kv_cache.dtype)
     if prefill == "torch":
-        return TorchAttnBackend(kv_cache, page_table, device, sliding_window=sliding_window)
+        return TorchAttnBackend(
+            kv_cache, page_table, device, sliding_window=sliding_window, full_layers=full_layers
+        )
+    if sinks or (full_layers and sliding_window is not None):
+        raise ValueError(
+            f"attention_backend={name!r} cannot run this model: its attention sinks and per-layer windows "
+            "(gpt-oss) are read by the 'torch' backend only; use attention_backend 'auto' or 'torch'"
+        )
     if importlib.util.find_spec("flashinfer") is None:
         raise ValueError(f"attention_backend={name!r} needs flashinfer: pip install 'minisgl[cuda]'")
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend

@@ -71,6 +71,29 @@ class BaseAttnBackend(ABC):
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         return self.attend(q, layer_id, batch)
 
+    # gpt-oss: the layers that ignore `sliding_window` (full attention), given at creation
+    full_layers: frozenset[int] = frozenset()
+
+    def forward_sinks(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor,
+        layer_id: int,
+        batch: Batch,
+    ) -> torch.Tensor:
+        """`forward` with attention sinks: `sinks` (H,) float32, a logit per query head added to the
+        softmax's denominator only."""
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        return self.attend_sinks(q, sinks, layer_id, batch)
+
+    def attend_sinks(self, q: torch.Tensor, sinks: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        raise ValueError(
+            f"the attention backend {type(self).__name__} has no attention sinks (gpt-oss): use "
+            "attention_backend 'torch'"
+        )
+
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """Attention of q (T, H, D) over `layer_id`'s KV cache, where the batch's own K and V are already

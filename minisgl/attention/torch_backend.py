@@ -36,6 +36,8 @@ class TorchAttnMetadata(BaseAttnMetadata):
     q_index: torch.Tensor | None  # (T,) row of each token in the padded (B * max_q) layout; None: no padding
     max_q: int
     group_mask: torch.Tensor | None = None  # `mask` repeated for the query heads sharing a KV head
+    full_mask: torch.Tensor | None = None  # the causal mask without the window (`full_layers`' own)
+    group_full_mask: torch.Tensor | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -45,9 +47,11 @@ class TorchAttnBackend(BaseAttnBackend):
         page_table: torch.Tensor,
         device: torch.device,
         sliding_window: int | None = None,
+        full_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.kv_cache, self.page_table, self.device = kv_cache, page_table, device
         self._set_sliding_window(sliding_window)
+        self.full_layers = frozenset(full_layers)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -88,8 +92,16 @@ class TorchAttnBackend(BaseAttnBackend):
             q_index=q_index,
             max_q=max_q,
         )
+        if self.full_layers and self.sliding_window is not None:
+            batch.attn_metadata.full_mask = (kv_pos <= q_pos[:, :, None]).unsqueeze(1)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        return self.attend_sinks(q, None, layer_id, batch)
+
+    def attend_sinks(
+        self, q: torch.Tensor, sinks: torch.Tensor | None, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        """`attend`, with `sinks` (H,) (or None) a logit per head in the softmax's denominator."""
         meta = planned(batch, TorchAttnMetadata)
         num_tokens, num_heads, head_dim = q.shape
         num_reqs, max_q = meta.page_index.shape[0], meta.max_q
@@ -103,14 +115,39 @@ class TorchAttnBackend(BaseAttnBackend):
         # the query heads sharing a KV head become extra query rows of it: (B, KVH, group * max_q, D)
         q_pad = q_pad.reshape(num_reqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         q_pad = q_pad.reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
-        if meta.group_mask is None:  # once per batch, shared by the layers
-            meta.group_mask = meta.mask.repeat(1, 1, group, 1)
+        if meta.full_mask is not None and layer_id in self.full_layers:
+            if meta.group_full_mask is None:
+                meta.group_full_mask = meta.full_mask.repeat(1, 1, group, 1)
+            mask = meta.group_full_mask
+        else:
+            if meta.group_mask is None:  # once per batch, shared by the layers
+                meta.group_mask = meta.mask.repeat(1, 1, group, 1)
+            mask = meta.group_mask
         kv_shape = (num_reqs, -1, num_kv_heads, head_dim)  # (B, max_pages * page_size, KVH, D)
         keys, values = self.kv_cache.gather(layer_id, meta.page_index.view(-1), q.dtype)  # FP8: dequantized
         keys, values = keys.view(kv_shape), values.view(kv_shape)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if sinks is not None:
+            keys, values, mask = _with_sinks(keys, values, mask, sinks, max_q)
         out = F.scaled_dot_product_attention(
-            q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.group_mask
+            q_pad, keys, values, attn_mask=mask
         )  # (B, KVH, group * max_q, D)
         out = out.reshape(num_reqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_reqs * max_q, num_heads, head_dim)
         return out if meta.q_index is None else out.index_select(0, meta.q_index)
+
+
+def _with_sinks(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor, max_q: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and a float mask with one more key per KV head whose logit is each query head's
+    sink: a zero key (its score 0) under a bias of the sink, with a zero value (it only joins the
+    softmax's denominator). keys, values (B, KVH, L, D); mask (B, 1, group * max_q, L) boolean."""
+    num_reqs, num_kv_heads, _, head_dim = keys.shape
+    zeros = keys.new_zeros(num_reqs, num_kv_heads, 1, head_dim)
+    keys, values = torch.cat([keys, zeros], dim=2), torch.cat([values, zeros], dim=2)
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~mask, float("-inf"))
+    # query row g * max_q + i of KV head h is query head h * group + g
+    sink = sinks.to(keys.dtype).view(num_kv_heads, -1).repeat_interleave(max_q, dim=1)
+    sink = sink.view(1, num_kv_heads, -1, 1).expand(num_reqs, -1, -1, -1)
+    return keys, values, torch.cat([bias.expand(-1, num_kv_heads, -1, -1), sink], dim=-1)

@@ -278,6 +278,8 @@ def make_context(
         triton_decode_max_bs=0 if cfg.batch_invariant else cfg.decode_triton_max_bs,
         dtype=cfg.torch_dtype,
         sliding_window=sliding_window,
+        full_layers=frozenset(model_config.full_attention_layers),
+        sinks=model_config.attention_sinks,
     )
     moe_backend = (
         create_moe_backend(cfg.moe_backend, cfg.torch_device, cfg.torch_dtype)

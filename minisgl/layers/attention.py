@@ -63,3 +63,27 @@ def rope_attention(
 @rope_attention.register_fake
 def _(qkv, positions, cos_sin, q_norm, k_norm, eps, layer_id, num_heads, num_kv_heads, head_dim):
     return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+
+
+@torch.library.custom_op("minisgl::sink_attention", mutates_args=())
+def _sink_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    ctx = get_global_ctx()
+    return ctx.attn_backend.forward_sinks(q, k, v, sinks, layer_id, ctx.batch).contiguous()
+
+
+@_sink_attention_op.register_fake
+def _(q, k, v, sinks, layer_id):
+    return q.new_empty(q.shape)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    """`attention` with learned attention sinks (gpt-oss): `sinks` (H,) float32, a logit per query head
+    that joins the softmax's denominator (a key whose value is zero)."""
+    if torch.compiler.is_compiling():
+        return _sink_attention_op(q, k, v, sinks, layer_id)
+    ctx = get_global_ctx()
+    return ctx.attn_backend.forward_sinks(q, k, v, sinks, layer_id, ctx.batch)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (the rotate-half layout of Llama and Qwen) with Llama 3 scaling."""
+"""Rotary position embeddings (the rotate-half layout of Llama and Qwen) with Llama 3 and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (gpt-oss): the ramp between interpolated and kept frequencies, and the factor cos and sin are
+    # scaled by (None: 0.1 ln(factor) + 1)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -37,7 +43,36 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, blended, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope)
     return inv_freq
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are divided by
+    `factor`, those that turn more than `beta_fast` times kept, with a linear ramp over the dimensions in
+    between (bounds rounded outwards with `truncate`)."""
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        length = rope.original_max_position_embeddings
+        return head_dim * math.log(length / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
+    keep = 1 - ramp.clamp(0, 1)
+    return inv_freq / rope.factor * (1 - keep) + inv_freq * keep
+
+
+def rope_scale(rope: RopeConfig) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 def build_rope_cache(
@@ -46,7 +81,7 @@ def build_rope_cache(
     """A float32 table of shape (max_positions, head_dim): cos in the first half, sin in the second."""
     inv_freq = _inv_freq(head_dim, rope)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_scale(rope)).to(device)
 
 
 def rope_cos_sin(

@@ -12,6 +12,7 @@ from torch import nn
 from minisgl.models.config import SUPPORTED_ARCHITECTURES, Fp8Config, ModelConfig
 from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
 from minisgl.models.fp8 import init_dummy_fp8
+from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl.models.qwen_vl import QwenVLForConditionalGeneration
@@ -34,6 +35,7 @@ MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,  # sinks, per-layer windows, biased experts: minisgl.models.gpt_oss
     "qwen2_5_vl": QwenVLForConditionalGeneration,  # vision-language: docs/vision.md
     "qwen3_vl": QwenVLForConditionalGeneration,
 }

@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     # the bare models (no LM head): checkpoints of embedding models such as Qwen3-Embedding
@@ -127,6 +128,15 @@ class ModelConfig:
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # gpt-oss (minisgl.models.gpt_oss): the layers that attend to every earlier token although the model
+    # has a `sliding_window` (its "full_attention" layer_types); learned attention sinks (a logit per head
+    # in the softmax's denominator); the experts' clamped SwiGLU (None: plain SwiGLU) and biases; its
+    # experts stored as MXFP4 in the checkpoint (dequantized at load, minisgl.models.mxfp4)
+    full_attention_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    mxfp4_experts: bool = False
 
     @property
     def is_multimodal(self) -> bool:
@@ -145,7 +155,7 @@ class ModelConfig:
             return self
         if method not in QUANT_METHODS:
             raise ValueError(f"quantization={method!r} is not valid: use one of {', '.join(QUANT_METHODS)}")
-        if self.family == "qwen3_moe":
+        if self.num_experts:
             raise ValueError(
                 f"quantization={method!r} is not supported for {self.architecture} yet (its experts have "
                 "no FP8 path); leave quantization unset"
@@ -174,7 +184,12 @@ class ModelConfig:
 
         hidden_size = keys.integer("hidden_size", le=MAX_WIDTH)
         num_layers = keys.integer("num_hidden_layers")
-        quantization = _quantization(keys, arch, family, num_layers)
+        gpt_oss = {}
+        if family == "gpt_oss":
+            from minisgl.models.gpt_oss_config import gpt_oss_fields
+
+            gpt_oss = gpt_oss_fields(keys, num_layers)
+        quantization = None if gpt_oss else _quantization(keys, arch, family, num_layers)
         num_heads = keys.integer("num_attention_heads")
         num_kv_heads = keys.integer("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
@@ -184,7 +199,7 @@ class ModelConfig:
             )
         vocab_size = keys.integer("vocab_size", le=MAX_VOCAB)
         # transformers' Mistral has no attention biases, whatever attention_bias says
-        attention_bias = keys.flag("attention_bias") and family != "mistral"
+        attention_bias = keys.flag("attention_bias", family == "gpt_oss") and family != "mistral"
         text_family = VL_TEXT_FAMILIES.get(family, family)
         # transformers 5 writes `dtype`, older versions `torch_dtype`
         dtype, torch_dtype = keys.text("dtype", None), keys.text("torch_dtype", None)
@@ -212,8 +227,9 @@ class ModelConfig:
             ),
             torch_dtype=dtype or torch_dtype,
             quantization=quantization,
-            sliding_window=_sliding_window(keys) if family == "mistral" else None,
+            sliding_window=_sliding_window(keys) if family == "mistral" else gpt_oss.pop("window", None),
             **(_moe(keys, num_layers) if family == "qwen3_moe" else {}),
+            **gpt_oss,
             **(_vision(top, keys, family) if family in VL_TEXT_FAMILIES else {}),
         )
 
@@ -465,6 +481,9 @@ def _rope_config(keys: _Keys) -> RopeConfig:
     high_freq_factor = rope.number("high_freq_factor", 4.0)
     if rope_type == "llama3" and high_freq_factor <= low_freq_factor:
         raise rope.error("high_freq_factor", high_freq_factor, f"> low_freq_factor={low_freq_factor:g}")
+    truncate, _ = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise rope.error("truncate", truncate, "true or false")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -474,6 +493,10 @@ def _rope_config(keys: _Keys) -> RopeConfig:
         original_max_position_embeddings=rope.integer(
             "original_max_position_embeddings", 8192, le=MAX_POSITIONS
         ),
+        beta_fast=rope.number("beta_fast", 32.0),
+        beta_slow=rope.number("beta_slow", 1.0),
+        truncate=truncate,
+        attention_factor=rope.number("attention_factor", None),
     )
 
 

@@ -12,7 +12,7 @@ import torch
 
 from minisgl.moe.base import BaseMoeBackend, MoeFunction
 from minisgl.moe.fused_backend import FusedMoeBackend, fused_moe, fused_unsupported_reason, grouped_moe
-from minisgl.moe.op import moe
+from minisgl.moe.op import moe, moe_biased
 from minisgl.moe.torch_backend import TorchMoeBackend, select_experts, torch_moe
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ __all__ = [
     "fused_moe",
     "grouped_moe",
     "moe",
+    "moe_biased",
     "select_experts",
     "torch_moe",
 ]

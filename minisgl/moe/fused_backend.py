@@ -7,15 +7,16 @@ graphs. docs/tensor-parallel-and-moe.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from minisgl.kernels.linear import gemv_rows
 from minisgl.kernels.moe_gemm import moe_gemm
 from minisgl.kernels.moe_gemv import moe_gemv, moe_gemv_fits
 from minisgl.moe.base import BaseMoeBackend
-from minisgl.moe.torch_backend import select_experts
+from minisgl.moe.torch_backend import select_experts, swiglu
 
 
 def fused_unsupported_reason(device: torch.device | str) -> str | None:
@@ -81,10 +82,13 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_moe(
-    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased
 ) -> Tensor:
-    """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`."""
+    """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`.
+    `biased` (gpt-oss: b13, b2, limit, alpha; see `torch_moe`) takes the grouped GEMMs always."""
     check_fused_moe_shapes(x, w13, w2, top_k)
+    if biased:
+        return grouped_moe(x, router_logits, w13, w2, top_k, renormalize, **biased)
     if x.is_cuda and x.shape[0] > 0 and moe_gemv_fits(x, w13, w2):
         if x.shape[0] <= gemv_rows(w13):
             return moe_gemv(x, router_logits, w13, w2, top_k, renormalize)
@@ -94,11 +98,13 @@ def fused_moe(
 
 
 def grouped_moe(
-    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased: Any
 ) -> Tensor:
-    """The grouped GEMM path of `fused_moe` at any token count (its shapes checked by the caller)."""
+    """The grouped GEMM path of `fused_moe` at any token count (its shapes checked by the caller);
+    gpt-oss's biases and clamped SwiGLU (`biased`) as in `torch_moe`."""
+    b13, b2 = biased.get("b13"), biased.get("b2")
     num_tokens, hidden = x.shape
-    num_experts, inter = w2.shape[0], w2.shape[2]
+    num_experts = w2.shape[0]
     if num_tokens == 0:
         return torch.empty_like(x)
     weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
@@ -116,8 +122,13 @@ def grouped_moe(
     # CUTLASS's sm90 grouped GEMM reads natively for mat_b (`out = x @ W.T`, as F.linear); no copy.
     # torch._grouped_mm also accepts row-major mat_b; on CPU both run as per-expert `mm`.
     h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # (T * top_k, 2I)
-    act = F.silu(h[:, :inter]) * h[:, inter:]  # (T * top_k, I), contiguous
+    row_experts = flat_ids.index_select(0, order) if b13 is not None or b2 is not None else None
+    if b13 is not None:
+        h = h + b13.index_select(0, row_experts)
+    act = swiglu(h, biased.get("limit"), biased.get("alpha", 1.702))  # (T * top_k, I), contiguous
     y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # (T * top_k, H)
+    if b2 is not None:
+        y = y + b2.index_select(0, row_experts)
 
     # bf16 * bf16 is computed in float32 and rounded once, the same as weighting in float32 then casting
     y = y * weights.flatten().index_select(0, order)[:, None]

@@ -39,3 +39,31 @@ def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, r
     """x (T, H), router_logits (T, E), w13 (E, 2I, H), w2 (E, H, I) -> (T, H); see BaseMoeBackend."""
     run = _moe_op if torch.compiler.is_compiling() else _backend().forward
     return run(x, router_logits, w13, w2, top_k, renormalize)
+
+
+@torch.library.custom_op("minisgl::moe_biased", mutates_args=())
+def _moe_biased_op(
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, b13: Tensor, b2: Tensor,
+    limit: float, alpha: float,
+) -> Tensor:  # fmt: skip
+    return _backend().forward(
+        x, router_logits, w13, w2, top_k, True, b13=b13, b2=b2, limit=limit, alpha=alpha
+    )
+
+
+@_moe_biased_op.register_fake
+def _(x, router_logits, w13, w2, top_k, b13, b2, limit, alpha):
+    return torch.empty_like(x)
+
+
+def moe_biased(
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, b13: Tensor, b2: Tensor,
+    limit: float, alpha: float,
+) -> Tensor:  # fmt: skip
+    """gpt-oss's sparse MLP: as `moe` (the top-k weights renormalised) with the experts' biases b13
+    (E, 2I) and b2 (E, H) and the SwiGLU clamped at `limit` (`minisgl.moe.torch_backend.swiglu`)."""
+    if torch.compiler.is_compiling():
+        return _moe_biased_op(x, router_logits, w13, w2, top_k, b13, b2, limit, alpha)
+    return _backend().forward(
+        x, router_logits, w13, w2, top_k, True, b13=b13, b2=b2, limit=limit, alpha=alpha
+    )

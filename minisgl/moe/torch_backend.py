@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -21,10 +23,24 @@ def select_experts(
     return weights.to(dtype), ids
 
 
+def swiglu(h: Tensor, limit: float | None = None, alpha: float = 1.702) -> Tensor:
+    """SiLU(gate) * up of h = [gate | up] (T, 2I); with `limit`, gpt-oss's clamped variant: the gate
+    clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = h.chunk(2, dim=-1)
+    if limit is None:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def torch_moe(
-    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased: Any
 ) -> Tensor:
-    """The reference MoE (see `TorchMoeBackend`); shapes as in `BaseMoeBackend.forward`."""
+    """The reference MoE (see `TorchMoeBackend`); shapes as in `BaseMoeBackend.forward`. gpt-oss's
+    experts (`biased`) add biases b13 (E, 2I) and b2 (E, H) and take `swiglu`'s clamped variant
+    (`limit`, `alpha`)."""
+    b13, b2 = biased.get("b13"), biased.get("b2")
+    limit, alpha = biased.get("limit"), biased.get("alpha", 1.702)
     weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()  # (T * top_k,): token t's slot j is row t * top_k + j
@@ -38,8 +54,9 @@ def torch_moe(
             continue
         rows = slice(start, start + count)
         start += count
-        gate, up = F.linear(x[tokens[rows]], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * slot_weights[rows, None]
+        h = F.linear(x[tokens[rows]], w13[expert], None if b13 is None else b13[expert])
+        act = swiglu(h, limit, alpha)
+        y = F.linear(act, w2[expert], None if b2 is None else b2[expert]) * slot_weights[rows, None]
         out.index_add_(0, tokens[rows], y)
     return out
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from minisgl.harmony import is_harmony_template
 from minisgl.server import embeddings_api, protocol, responses
 from minisgl.server.errors import APIError, error_body
 from minisgl.server.generation import (
@@ -35,7 +36,7 @@ from minisgl.server.jobs import Choice, Job
 from minisgl.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from minisgl.server.sampling import sampling_params
 from minisgl.server.state import ServerState
-from minisgl.server.tools import ChoiceTools, ToolPlan, plan_tools
+from minisgl.server.tools import ChoiceTools, HarmonyTools, ToolPlan, plan_tools
 from minisgl.templates import THINK_OPEN, ReasoningSplitter, split_reasoning
 
 
@@ -95,12 +96,16 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     req, prompt_ids, params = prepared
     request_id = responses.new_request_id(kind)
     plan = None if tools is None else tools.plan
-    admit_job(state, job, params, prompt_ids, plan is not None and plan.fmt.keep_special_tokens, req.model)
-    thinking = _thinking(state, req, prompt_ids)
+    harmony = tools is not None and tools.harmony  # gpt-oss: its channels and calls read from the text
+    keep = harmony or (plan is not None and plan.fmt.keep_special_tokens)
+    admit_job(state, job, params, prompt_ids, keep, req.model)
+    thinking = None if harmony else _thinking(state, req, prompt_ids)
     echo = _echo(state, req, prompt_ids)
     created = int(time.time())
     readers = None
-    if plan is not None:  # each choice's calls, read from its text
+    if harmony:
+        readers = [HarmonyTools(plan) for _ in job.choices]
+    elif plan is not None:  # each choice's calls, read from its text
         readers = [plan.choice(tools.in_think, thinking is not None) for _ in job.choices]
     if req.stream:
         return StreamingResponse(
@@ -142,12 +147,18 @@ class _ToolRequest:
         self.plan: ToolPlan | None = None
         self.grammar: str | None = None
         self.in_think = False  # the prompt ends inside <think>
+        self.harmony = is_harmony_template(state.encoder.chat_template if state.encoder else None)
 
     async def tokenize(self, req: Any) -> list[int]:
         state = self.state
-        plan = self.plan = plan_tools(
-            req.tools, req.tool_choice, req.parallel_tool_calls, state.server.tool_call_parser
-        )
+        parser = "hermes" if self.harmony else state.server.tool_call_parser  # harmony reads its own
+        plan = self.plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, parser)
+        if plan is not None and plan.forced and self.harmony:
+            raise APIError(
+                f"tool_choice {plan.mode!r} is not supported for this model's harmony format (gpt-oss) yet: "
+                'use tool_choice "auto"',
+                param="tool_choice",
+            )
         if plan is None:
             return await tokenize_prompt(state, req, "chat")
         await asyncio.to_thread(plan.check_schemas)
@@ -177,7 +188,7 @@ class _Generation:
     echo: str | None = None  # completions with echo: the prompt's text, before the reply's
     texts: TokenTexts | None = None  # with log probabilities
     kind: str = "completion"
-    tools: ChoiceTools | None = None  # a chat with tools: reads its calls
+    tools: ChoiceTools | HarmonyTools | None = None  # a chat with tools (or harmony's): reads its calls
 
     @cached_property
     def _split(self) -> tuple[str, str]:
@@ -219,6 +230,9 @@ class _Generation:
 
     @property
     def reasoning(self) -> str | None:  # None: not asked for, or none in the reply (as SGLang)
+        if isinstance(self.tools, HarmonyTools):  # the analysis channel, always apart
+            _ = self._parsed  # the reply read (once)
+            return self.tools.all_reasoning or None
         return None if self.thinking is None else self._split[0] or None
 
     @property
@@ -270,7 +284,7 @@ async def _stream(
     prompt_ids: list[int],
     thinking: bool | None,
     echo: str | None,
-    readers: list[ChoiceTools] | None = None,
+    readers: list[ChoiceTools] | list[HarmonyTools] | None = None,
 ) -> AsyncIterator[bytes]:
     """The response's server-sent events: each time the job is woken, one write with every choice's
     news (text and token ids, final chunks), then the delay since the step that made them is recorded.
@@ -368,7 +382,7 @@ def _read_events(
     created: int,
     choice: Choice,
     splitter: ReasoningSplitter | None,
-    reader: ChoiceTools | None,
+    reader: ChoiceTools | HarmonyTools | None,
     text: str,
     ids: list[int],
     scored: responses.RawJSON | None,
@@ -382,6 +396,8 @@ def _read_events(
         reasoning, text = splitter.feed(text, choice.finished)
     if reader is not None:
         text, calls = reader.feed(text, choice.finished, choice.finish_reason == "stop")
+        if isinstance(reader, HarmonyTools):
+            reasoning = reader.reasoning
     events = []
     if reasoning or text or scored is not None or ids:
         chunk = responses.chat_chunk(

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
+from minisgl.harmony import HarmonyParser
 from minisgl.server.errors import APIError, short
 from minisgl.server.tool_grammar import check_parameters, forced_grammar
 from minisgl.server.tool_parsers import FORMATS, CallFormat, ParsedCall, ThinkGate, ToolCallParser
@@ -288,4 +289,30 @@ class ChoiceTools:
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish reason: "tool_calls" for a reply that ended by itself with calls."""
+        return "tool_calls" if reason == "stop" and self.calls else reason
+
+
+class HarmonyTools:
+    """One choice of a harmony model (gpt-oss) read as `ChoiceTools` reads one: content and calls from
+    `feed`, and the reasoning (the analysis channel) of the last piece in `reasoning`, of all in
+    `all_reasoning`. `plan`: the request's tools (None: a call is dropped, as one to an unknown name)."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.parser = HarmonyParser()
+        self.names = frozenset() if plan is None else plan.names
+        self.limit = None if plan is None or plan.multiple else 1
+        self.calls: list[ToolCall] = []
+        self.reasoning = self.all_reasoning = ""
+
+    def feed(self, text: str, final: bool, stopped: bool) -> tuple[str, list[ToolCall]]:
+        self.reasoning, content, found = self.parser.feed(text, final, stopped)
+        self.all_reasoning += self.reasoning
+        calls = []
+        for name, arguments in found:
+            if name in self.names and (self.limit is None or len(self.calls) + len(calls) < self.limit):
+                calls.append(ToolCall(new_call_id(False), ParsedCall(name, arguments)))
+        self.calls += calls
+        return content, calls
+
+    def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.calls else reason
