@@ -1,5 +1,5 @@
 """Compiler policy of the engine's compiled code: dynamo's recompile limit, and whether the running
-forward keeps its kernel choices independent of the batch.
+forward keeps its kernel choices independent of the batch; dynamo's `mark_unbacked`, imported when used.
 
 It sits just above `minisgl.core` in the import layers (see tests/test_layers.py): the layer functions
 read `gemv_kernel_mode`, the graph runner and the sampler call `raise_recompile_limit`.
@@ -20,6 +20,15 @@ def raise_recompile_limit() -> None:
     process (tests hold several) adds entries for its shapes to the same compiled code objects (the
     model forward, the sampler), and under fullgraph reaching the limit is an error."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+
+def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
+    """dynamo's `mark_unbacked`, imported at the first call: `torch._dynamo` takes about 2 s to import
+    on a 2-core machine, and a process that compiles nothing (a CPU server, its scheduler, a tokenizer
+    worker) never needs it."""
+    from torch._dynamo.decorators import mark_unbacked as mark
+
+    mark(tensor, dim)
 
 
 def gemv_kernel_mode() -> bool:

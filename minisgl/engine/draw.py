@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.decorators import mark_unbacked
 
+from minisgl.compile import mark_unbacked
 from minisgl.kernels.draw import WEIGHT_BITS
 
 # top_k value stored for requests without a top-k limit (larger than any vocabulary)

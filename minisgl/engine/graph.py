@@ -13,10 +13,9 @@ import dataclasses
 import logging
 
 import torch
-from torch._dynamo.decorators import mark_unbacked
 from tqdm import tqdm
 
-from minisgl.compile import raise_recompile_limit
+from minisgl.compile import mark_unbacked, raise_recompile_limit
 from minisgl.core import Batch, Context, Req
 from minisgl.engine.lora import EngineLora, StaticLoraBatch, batch_rows
 from minisgl.kernels.prefill_attention import ALIGN

@@ -145,9 +145,21 @@ def embed(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
+# the most rows of a CPU forward's logits that `lm_head` computes as weight @ hidden^T
+CPU_HEAD_ROWS = 16
+
+
 def lm_head(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits (.., vocab_size) in float32 (sampling and comparisons want full precision). Vocab-parallel:
     each rank's logits over its slice, gathered so that every rank holds (and samples from) the full
     vocabulary; the padding rows of a vocabulary the ranks do not divide are cut off."""
-    logits = all_gather(linear(hidden, weight).float(), dim=-1)
+    eager_cpu = hidden.device.type == "cpu" and not torch.compiler.is_compiling()
+    if eager_cpu and hidden.dim() == 2 and hidden.shape[0] <= CPU_HEAD_ROWS:
+        # weight @ hidden^T: the CPU GEMM library's path for a few rows against a vocabulary-wide matrix
+        # takes 1.5x to 2x the time of the product with the operands swapped (SmolLM2's 49,152 x 576 at
+        # 1 to 16 rows, float32, one thread; docs/testing.md#the-cpu-forward)
+        out = torch.mm(weight, hidden.t()).t().contiguous()
+    else:
+        out = linear(hidden, weight)
+    logits = all_gather(out.float(), dim=-1)
     return logits if logits.shape[-1] == vocab_size else logits[..., :vocab_size]
