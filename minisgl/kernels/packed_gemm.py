@@ -37,8 +37,9 @@ if triton is not None:
 
     @triton.jit
     def _weights(
-        q_ptr, s_ptr, z_ptr, rows, row_mask, k0, K, G, GROUP, BITS: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
+        q_ptr, s_ptr, z_ptr, rows, row_mask, k0, K, G, GROUP,
+        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
         """The dequantized weights of `rows` x columns [k0, k0 + BLOCK_K), float32 (BLOCK_N, BLOCK_K)."""
         PACK: tl.constexpr = 32 // BITS
         words_k = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
@@ -46,7 +47,7 @@ if triton is not None:
         words = tl.load(q_ptr + rows[:, None] * (K // PACK) + words_k[None, :], mask=mask, other=0)
         shifts = tl.arange(0, PACK) * BITS
         u = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        u = tl.reshape(u, (rows.shape[0], BLOCK_K))
+        u = tl.reshape(u, (BLOCK_N, BLOCK_K))
         cols = k0 + tl.arange(0, BLOCK_K)
         at = rows[:, None] * G + (cols // GROUP)[None, :]
         smask = row_mask[:, None] & (cols < K)[None, :]
@@ -82,7 +83,7 @@ if triton is not None:
         rows64 = rows.to(tl.int64)
         ms = tl.arange(0, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        w = _weights(q_ptr, s_ptr, z_ptr, rows64, row_mask, 0, K, G, GROUP, BITS, BLOCK_K)
+        w = _weights(q_ptr, s_ptr, z_ptr, rows64, row_mask, 0, K, G, GROUP, BITS, BLOCK_N, BLOCK_K)
         if USE_PDL:  # the first weights are loaded: now wait for the input rows
             tl.extra.cuda.gdc_wait()
         for k0 in range(0, K, BLOCK_K):
@@ -91,7 +92,9 @@ if triton is not None:
             xc = _x_cols(perm_ptr, cols, col_mask, HAS_PERM)
             x_mask = (ms < M)[:, None] & col_mask[None, :]
             x = tl.load(x_ptr + ms[:, None] * x_stride + xc[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            w_next = _weights(q_ptr, s_ptr, z_ptr, rows64, row_mask, k0 + BLOCK_K, K, G, GROUP, BITS, BLOCK_K)
+            w_next = _weights(
+                q_ptr, s_ptr, z_ptr, rows64, row_mask, k0 + BLOCK_K, K, G, GROUP, BITS, BLOCK_N, BLOCK_K
+            )
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
             w = w_next
         _store(acc, b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
@@ -115,7 +118,7 @@ if triton is not None:
             xc = _x_cols(perm_ptr, cols, col_mask, HAS_PERM)
             x_at = x_ptr + ms.to(tl.int64)[:, None] * x_stride + xc[None, :]
             x = tl.load(x_at, mask=m_mask[:, None] & col_mask[None, :], other=0.0)
-            w = _weights(q_ptr, s_ptr, z_ptr, rows64, row_mask, k0, K, G, GROUP, BITS, BLOCK_K)
+            w = _weights(q_ptr, s_ptr, z_ptr, rows64, row_mask, k0, K, G, GROUP, BITS, BLOCK_N, BLOCK_K)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
         _store(acc, b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
 
