@@ -443,13 +443,11 @@ def test_fp8_kv_cache_holds_more_pages(tiny_model):
 # -- what minisgl refuses --------------------------------------------------------------------------
 
 REFUSED = [
-    ({"quant_method": "awq", "bits": 4}, 'quantization_config.quant_method="awq" is not supported'),
-    ({"quant_method": "gptq", "bits": 4}, 'quantization_config.quant_method="gptq" is not supported'),
     (
         {"quant_method": "bitsandbytes", "load_in_4bit": True},
         'quantization_config.quant_method="bitsandbytes" is not supported',
     ),
-    ({"quant_method": "compressed-tensors"}, 'quantization_config.quant_method="compressed-tensors" is not'),
+    ({"quant_method": "hqq"}, 'quantization_config.quant_method="hqq" is not supported'),
     ({"load_in_8bit": True}, "quantization_config has no quant_method"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, 'quantization_config.fmt="e5m2" must be "e4m3"'),
     (

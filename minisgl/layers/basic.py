@@ -22,7 +22,9 @@ from minisgl.kernels.fp8_gemm import (
 )
 from minisgl.kernels.gemv import gemv_fits
 from minisgl.kernels.linear import linear_op, norm_linear_op, silu_mul_linear_op
+from minisgl.kernels.packed_gemm import packed_linear
 from minisgl.layers.fp8 import Fp8Linear
+from minisgl.layers.packed import PackedLinear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,19 +46,23 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Linear, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ weight^T (+ bias). An FP8 weight (`Fp8Linear`) runs `minisgl.kernels.fp8_gemm.fp8_linear` (the
-    FP8 kernels on CUDA, the float32 emulation elsewhere). Half precision on CUDA goes
+    FP8 kernels on CUDA, the float32 emulation elsewhere); a 4- or 8-bit one (`PackedLinear`)
+    `minisgl.kernels.packed_gemm.packed_linear`. Half precision on CUDA goes
     through the op `minisgl::linear`, which runs a single row on the Triton GEMV kernel and more on
     cuBLAS (not in an engine with ``use_gemv_kernel`` off, nor with ``batch_invariant``: a row alone must
     get the bits it gets inside a batch; those run `F.linear`)."""
     if isinstance(weight, Fp8Linear):
         return fp8_linear(x, weight.weight, weight.scale, weight.block, weight.group, bias)
+    if isinstance(weight, PackedLinear):
+        w = weight
+        return packed_linear(x, w.qweight, w.scales, w.zeros, w.perm, bias, w.bits)
     if gemv_fits(x, weight) and gemv_kernel_mode():
         return linear_op(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _fused_gemv(x: torch.Tensor, weight: torch.Tensor | Fp8Linear) -> bool:
-    if isinstance(weight, Fp8Linear):  # the fused GEMV kernels take half-precision weights only
+    if not isinstance(weight, torch.Tensor):  # the fused GEMV kernels take half-precision weights only
         return False
     return gemv_fits(x, weight) and gemv_kernel_mode() and fused_kernels_mode()
 

@@ -14,6 +14,8 @@ from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
 from minisgl.models.fp8 import init_dummy_fp8
 from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.packed import init_dummy_packed, keep_packed
+from minisgl.models.quant_config import PackedConfig
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl.models.qwen_vl import QwenVLForConditionalGeneration
 from minisgl.models.weights import init_dummy_weights, load_checkpoint
@@ -64,7 +66,12 @@ def build_model(
     (see minisgl.models.fp8): read from an FP8 checkpoint, quantized at load, or random."""
     with torch.device(device), _default_dtype(dtype):
         model = MODEL_FAMILIES[cfg.family](cfg, max_seq_len)
-    if cfg.quantization is not None:
+    if isinstance(cfg.quantization, PackedConfig):
+        where = "packed" if keep_packed(device) else f"dequantized at load to {dtype} (the reference path)"
+        logger.info("%s: projections %s", cfg.quantization.describe(), where)
+        if cfg.num_experts:
+            logger.info("the MoE experts' packed weights are dequantized at load to %s", dtype)
+    elif cfg.quantization is not None:
         logger.info("%s", cfg.quantization.describe())
         if device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
             logger.warning(
@@ -73,7 +80,7 @@ def build_model(
                 dtype,
             )
     if dummy:
-        fp8 = init_dummy_fp8(model)
+        fp8 = init_dummy_fp8(model) | init_dummy_packed(model)
         init_dummy_weights({name: p for name, p in model.named_parameters() if name not in fp8})
     else:
         if hasattr(model, "prepare_checkpoint"):  # vision-language models: tensor names vary by version

@@ -2,7 +2,8 @@
 
 Every key read is checked for its JSON type (never coerced) and range, so a broken config.json fails
 when it is read, with ``<path>: key=value must be ...``; the bounds: docs/failures.md. A
-``quantization_config`` other than ``quant_method: fp8`` (`Fp8Config`) is refused, naming it:
+``quantization_config`` is read as FP8 (`Fp8Config`) or as integer weights of AWQ, GPTQ or
+compressed-tensors (`minisgl.models.quant_config.PackedConfig`); any other is refused, naming it:
 docs/quantization.md.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.layers.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from minisgl.models.quant_config import PACKED_METHODS, PackedConfig, parse_packed
 
 # architecture name in config.json -> model family implemented in minisgl.models
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -114,8 +116,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # FP8 projections (config.json's quantization_config, or the setting `quantization`); None: none
-    quantization: Fp8Config | None = None
+    # FP8 projections (config.json's quantization_config, or the setting `quantization`), or integer
+    # weights of a 4- or 8-bit checkpoint (`PackedConfig`); None: none
+    quantization: Fp8Config | PackedConfig | None = None
     # sliding-window attention (Mistral's `sliding_window`): each token attends to the last W tokens, its
     # own included (keys at positions p - W < k <= p, transformers' mask); None: full causal attention.
     # Every layer has the same window; the attention backends read it (minisgl.attention)
@@ -369,13 +372,13 @@ def _check_unsupported_features(keys: _Keys) -> None:
         raise ValueError(f"{keys.source}: use_sliding_window=true is not supported")
 
 
-def _quantization(keys: _Keys, arch: str, family: str, num_layers: int) -> Fp8Config | None:
-    """The checkpoint's FP8 format from `quantization_config`; every other quantization is refused."""
+def _quantization(keys: _Keys, arch: str, family: str, num_layers: int) -> Fp8Config | PackedConfig | None:
+    """The checkpoint's FP8 or integer format from `quantization_config`; every other is refused."""
     source = keys.source
     if keys.raw.get("compression_config") is not None:  # compressed-tensors' older key
         raise ValueError(
             f"{source}: compression_config (compressed-tensors quantization) is not supported; minisgl "
-            'implements quantization_config.quant_method "fp8" only'
+            'reads quantization_config (quant_method "fp8", "awq", "gptq" or "compressed-tensors")'
         )
     raw, given = keys.get("quantization_config", None)
     if not given:
@@ -384,9 +387,14 @@ def _quantization(keys: _Keys, arch: str, family: str, num_layers: int) -> Fp8Co
         raise keys.error("quantization_config", raw, "a JSON object or null")
     quant = _Keys(raw, source, names={k: f"quantization_config.{k}" for k in raw})
     method = raw.get("quant_method")
-    supported = 'minisgl implements quant_method "fp8" only (e4m3 weights with block or per-tensor scales)'
+    supported = (
+        'minisgl implements quant_method "fp8" (e4m3 weights with block or per-tensor scales) and "awq", '
+        '"gptq", "compressed-tensors" (4- and 8-bit integer weights)'
+    )
     if method is None:
         raise ValueError(f"{source}: quantization_config has no quant_method; {supported}")
+    if method in PACKED_METHODS:
+        return parse_packed(raw, source)
     if method not in QUANT_METHODS:
         raise ValueError(
             f"{source}: quantization_config.quant_method={_show(method)} is not supported; {supported}. "

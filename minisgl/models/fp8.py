@@ -4,7 +4,8 @@ A `Projection` is one weight of this rank (its merged checkpoint `Part`s and its
 `make_projection` allocates it (a parameter, or an `Fp8Linear` under an `Fp8Config`); `projection_map`
 gives its checkpoint-map entries: `Shard`, `Fp8WeightShard` with `Fp8ScaleShard` / `Fp8TensorScale`,
 or `Fp8Quantize` (the setting `quantization: fp8`, the same numbers as an FP8 checkpoint).
-`fp8_split_problem` says when a tensor-parallel size would cut a block. docs/quantization.md.
+`fp8_split_problem` says when a tensor-parallel size would cut a block. Under a `PackedConfig` (4- and
+8-bit checkpoints) the same functions hand each projection to minisgl.models.packed. docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from torch import nn
 
 from minisgl.kernels.fp8 import ACTIVATION_GROUP, activation_group, quantize_blocks
 from minisgl.layers.fp8 import Fp8Linear
+from minisgl.layers.packed import PackedLinear
+from minisgl.models import packed
 from minisgl.models.config import FP8_PROJECTIONS, Fp8Config, ModelConfig
+from minisgl.models.quant_config import PackedConfig
 from minisgl.models.weights import BadTensor, Shard, source_dtype
 
 FP8_SOURCE_DTYPE = "F8_E4M3"
@@ -98,7 +102,16 @@ def fp8_split_problem(projection: Projection, fp8: Fp8Config | None) -> str | No
 
 def check_fp8_split(projections: list[Projection], cfg: ModelConfig, tp_size: int) -> None:
     """Raises where the tensor-parallel size would split the FP8 weight blocks (or activation groups)
-    of a projection."""
+    of a projection, or a packed checkpoint's words or groups."""
+    if isinstance(cfg.quantization, PackedConfig):
+        for projection in projections:
+            for index, name, _ in projection.row_slices():
+                dim, _, parts = projection.split(index)
+                size = projection.segments[index].size
+                problem = packed.split_problem(cfg.quantization, name, size, projection.cols.size, dim, parts)
+                if problem is not None:
+                    raise ValueError(f"tensor-parallel size {tp_size} splits the packed weights of {problem}")
+        return
     for projection in projections:
         problem = fp8_split_problem(projection, cfg.quantization)
         if problem is not None:
@@ -113,13 +126,21 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def make_projection(projection: Projection, cfg: ModelConfig, tp_size: int = 1) -> nn.Parameter | Fp8Linear:
+def make_projection(
+    projection: Projection, cfg: ModelConfig, tp_size: int = 1
+) -> nn.Parameter | Fp8Linear | PackedLinear:
     """The weight of `projection` on the current default device: in the default dtype, or FP8 when
     `cfg.quantization` says so. A merged FP8 weight whose segments do not all fill whole blocks keeps
     one scale row per weight row (see minisgl.layers.fp8); per-tensor scales become one scale per row
-    and all of the rank's columns."""
+    and all of the rank's columns. A 4- or 8-bit checkpoint's projection is a `PackedLinear` on CUDA,
+    a plain weight (dequantized at load) elsewhere (minisgl.models.packed)."""
     fp8 = cfg.quantization
-    if fp8 is None:
+    if isinstance(fp8, PackedConfig):
+        check_fp8_split([projection], cfg, tp_size)
+        if packed.keep_packed(torch.get_default_device()):
+            sizes = tuple(segment.size for segment in projection.segments)
+            return PackedLinear(sizes, projection.cols.size, fp8.bits, fp8.group)
+    if fp8 is None or isinstance(fp8, PackedConfig):
         return _param(projection.rows, projection.cols.size)
     check_fp8_split([projection], cfg, tp_size)
     sizes = tuple(segment.size for segment in projection.segments)
@@ -141,6 +162,9 @@ def projection_map(
     for index, name, rows in projection.row_slices():
         dim, part, parts = projection.split(index)
         key = f"{prefix}.{name}"
+        if isinstance(fp8, PackedConfig):
+            out.update(_packed_map(fp8, key, projection, index, weight, rows))
+            continue
         if not isinstance(weight, Fp8Linear):
             out[f"{key}.weight"] = Shard(weight[rows], dim, part, parts)
             continue
@@ -157,9 +181,37 @@ def projection_map(
     return out
 
 
+def _packed_map(
+    cfg: PackedConfig, key: str, projection: Projection, index: int, weight: Any, rows: slice
+) -> dict[str, Any]:
+    """Segment `index` of a projection of a 4- or 8-bit checkpoint (module `key`)."""
+    split = projection.split(index)
+    if cfg.ignored(key):  # compressed-tensors' `ignore`: a plain weight
+        if isinstance(weight, PackedLinear):
+            raise ValueError(
+                f"{key} is unquantized (quantization_config.ignore) but merged with packed weights"
+            )
+        return {f"{key}.weight": Shard(weight[rows], *split)}
+    shape = (projection.segments[index].size, projection.cols.size)
+    sink = packed.Packed(weight, index) if isinstance(weight, PackedLinear) else packed.Dense(weight[rows])
+    return packed.module_map(cfg, key, shape, split, sink)
+
+
 def fp8_checkpoint_ignored(cfg: ModelConfig) -> frozenset[str]:
     """Tensors of an FP8 checkpoint minisgl reads nothing from: the static activation scales
-    (`input_scale`, activation_scheme "static"); activations are quantized per token group instead."""
+    (`input_scale`, activation_scheme "static"); activations are quantized per token group instead.
+    Of a 4- or 8-bit checkpoint: `minisgl.models.packed.ignored_tensors`."""
+    if isinstance(cfg.quantization, PackedConfig):
+        layers = [f"model.layers.{i}" for i in range(cfg.num_layers)]
+        modules = [f"{layer}.{name}" for layer in layers for name in FP8_PROJECTIONS]
+        experts = ("gate_proj", "up_proj", "down_proj")
+        modules += [
+            f"{layer}.mlp.experts.{e}.{p}"
+            for layer in layers
+            for e in range(cfg.num_experts)
+            for p in experts
+        ]
+        return packed.ignored_tensors(cfg.quantization, modules)
     if cfg.quantization is None or not cfg.quantization.in_checkpoint:
         return frozenset()
     return frozenset(

@@ -18,6 +18,8 @@ from minisgl.distributed import all_reduce, divide
 from minisgl.layers import norm_linear_keep
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
+from minisgl.models.packed import Dense, module_map
+from minisgl.models.quant_config import PackedConfig
 from minisgl.models.weights import Shard
 from minisgl.moe import moe
 
@@ -40,8 +42,19 @@ class SparseDecoderLayer(DecoderLayer):
         out[f"{prefix}.mlp.gate.weight"] = self.gate  # replicated
         rank, size = self.tp.rank, self.tp.size
         inter = self.w2.shape[2]  # local
+        packed = cfg.quantization if isinstance(cfg.quantization, PackedConfig) else None
+        hidden = self.w2.shape[1]
         for e in range(cfg.num_experts):
             experts = f"{prefix}.mlp.experts.{e}"
+            if packed is not None:  # a 4- or 8-bit checkpoint: dequantized at load (docs/quantization.md)
+                for name, dest, split in (
+                    ("gate_proj", self.w13[e, :inter], (0, rank, size)),
+                    ("up_proj", self.w13[e, inter:], (0, rank, size)),
+                    ("down_proj", self.w2[e], (1, rank, size)),
+                ):
+                    shape = (inter, hidden) if name != "down_proj" else (hidden, inter)
+                    out.update(module_map(packed, f"{experts}.{name}", shape, split, Dense(dest)))
+                continue
             out[f"{experts}.gate_proj.weight"] = Shard(self.w13[e, :inter], 0, rank, size)
             out[f"{experts}.up_proj.weight"] = Shard(self.w13[e, inter:], 0, rank, size)
             out[f"{experts}.down_proj.weight"] = Shard(self.w2[e], 1, rank, size)

@@ -1,0 +1,128 @@
+"""4- and 8-bit projections on the GPU (`minisgl.kernels.packed_gemm`) against bf16 cuBLAS, and one
+request of a 4-bit model against bf16 (dummy weights).
+
+    python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128]
+    python -m perf.gpu.quant4 request [--model configs/models/qwen3-8b] [--new-tokens 512] [--reps 3]
+
+`kernels`: device time per call in microseconds, inside a CUDA graph of calls on distinct weight copies
+(at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
+and Qwen3-30B-A3B's (attention, and one expert's w13 / w2: the experts themselves are dequantized at
+load); columns: `bf16` (F.linear), `op` (what `torch.ops.minisgl.packed_linear` runs at that row
+count: the GEMV to 16 rows, the GEMM beyond), their ratio (above 1: the packed weights are faster),
+and the op's relative error against dequantize-then-matmul.
+
+`request`: one engine per variant in one process, bf16 then AWQ 4-bit (the model's config.json with an
+AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUDA graphs to batch 1;
+`--reps` requests of 128 random prompt tokens and `--new-tokens` greedy ones each
+(`minisgl.bench.offline.run_single`), tokens/s and their median. A plain script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from perf.gpu.timing import graph_us
+
+# (name, N, K)
+SHAPES = [
+    ("qkv", 6144, 4096),  # Qwen3-8B
+    ("o", 4096, 4096),
+    ("gate_up", 24576, 4096),
+    ("down", 4096, 12288),
+    ("a3b_qkv", 5120, 2048),  # Qwen3-30B-A3B: attention, one expert
+    ("a3b_o", 2048, 4096),
+    ("a3b_w13", 1536, 2048),
+    ("a3b_w2", 2048, 768),
+]
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MIN_BYTES = 256 * 2**20
+
+
+def time_rows(x, dense, qs, scales, zeros, bits) -> tuple[float, float, float]:
+    """(bf16 us, op us, the op's relative error against dequantize-then-matmul) at x's row count."""
+    from minisgl.kernels.packed_gemm import packed_linear_op, packed_reference
+
+    copies = len(qs)
+    bf16 = graph_us(lambda: [F.linear(x, w) for w in dense], reps=10) / copies
+    op = graph_us(lambda: [packed_linear_op(x, q, scales, zeros, None, None, bits) for q in qs], 10) / copies
+    call = (x, qs[0], scales, zeros, None, None, bits)
+    want = packed_reference(*call).float()
+    return bf16, op, ((packed_linear_op(*call).float() - want).norm() / want.norm()).item()
+
+
+def kernels(args: argparse.Namespace) -> None:
+    from minisgl.kernels.packed import pack_words
+
+    bits, group, top = args.bits, args.group, 1 << args.bits
+    total = {m: [0.0, 0.0] for m in args.rows}
+    print(f"{'shape':>10} {'M':>4} {'bf16 us':>9} {'op us':>9} {'bf16/op':>8} {'err':>9}")
+    for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
+        copies = max(2, -(-MIN_BYTES // (2 * n * k)))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qs = [
+            pack_words(torch.randint(0, top, (n, k), generator=g, device="cuda"), bits) for _ in range(copies)
+        ]
+        scales = (torch.rand(n, k // group, generator=g, device="cuda") * 0.04 / top).half()
+        zeros = torch.full((n, k // group), top // 2, dtype=torch.uint8, device="cuda")
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            bf16, op, err = time_rows(x, dense, qs, scales, zeros, bits)
+            total[m][0] += bf16
+            total[m][1] += op
+            print(f"{name:>10} {m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f} {err:9.2e}", flush=True)
+        qs.clear()
+        dense.clear()
+        torch.cuda.empty_cache()
+    print("all shapes named: M, bf16 us, op us, bf16/op")
+    for m, (bf16, op) in total.items():
+        print(f"{m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f}")
+
+
+def request(args: argparse.Namespace) -> None:
+    from minisgl.bench.offline import run_single
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    folder = Path(tempfile.mkdtemp()) / "awq"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": awq}))
+    results = {}
+    for variant, model in (("bf16", args.model), ("awq-4bit", str(folder))):
+        settings = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
+        with LLM(model, **settings, cuda_graph_max_bs=1, max_running_req=8) as llm:
+            llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+            rates = [run_single(llm, new_tokens=args.new_tokens)["tokens_per_s"] for _ in range(args.reps)]
+        results[variant] = statistics.median(rates)
+        print(f"{variant}: " + ", ".join(f"{r:.1f}" for r in rates) + " tokens/s", flush=True)
+        torch.cuda.empty_cache()
+    print(f"one request: 4-bit / bf16 = {results['awq-4bit'] / results['bf16']:.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels")
+    k.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    k.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
+    k.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    k.add_argument("--group", type=int, default=128)
+    r = sub.add_parser("request")
+    r.add_argument("--model", default="configs/models/qwen3-8b")
+    r.add_argument("--new-tokens", type=int, default=512)
+    r.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    kernels(args) if args.what == "kernels" else request(args)
+
+
+if __name__ == "__main__":
+    main()

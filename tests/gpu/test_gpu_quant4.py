@@ -1,0 +1,95 @@
+"""The 4- and 8-bit projection on the GPU (`minisgl.kernels.packed_gemm`, docs/quantization.md "The GPU
+kernels"): the op at every row count from 1 to 256 against dequantize-then-multiply, in a CUDA graph and
+compiled, and a tiny Qwen3 AWQ checkpoint on CUDA against its CPU reference. Skips without CUDA and
+Triton; the CPU tests are tests/test_quant4.py (the kernels under Triton's interpreter there).
+
+Bound: the kernels add the float32 products in another order than cuBLAS, and the GEMM rounds the
+dequantized weights to bf16 as the reference does: 1e-2 of the output's norm (relative error).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from conftest import GPU_PROMPT_LENS as PROMPT_LENS
+from conftest import GPU_STEPS as STEPS
+from conftest import gpu_seqs, rel_err, replay_matches, teacher_forced_logits
+
+from minisgl.kernels.packed import pack_words
+from minisgl.kernels.packed_gemm import packed_linear_op, packed_reference
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+    reason="needs CUDA and Triton",
+)
+
+
+def packed_weight(n: int, k: int, bits: int, group: int | None, act_order: bool, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    groups = k // (group or k)
+    top = 1 << bits
+    qweight = pack_words(torch.randint(0, top, (n, k), generator=g, device="cuda"), bits)
+    scales = (torch.rand(n, groups, generator=g, device="cuda") * 0.04 / top).half()
+    zeros = torch.randint(0, top, (n, groups), generator=g, device="cuda").to(torch.uint8)
+    perm = torch.randperm(k, generator=g, device="cuda") if act_order else None
+    return qweight, scales, zeros, perm
+
+
+# (bits, group, act order, bias)
+CASES = [(4, 128, False, False), (4, 32, True, True), (8, None, False, True), (8, 64, True, False)]
+
+
+@pytest.mark.parametrize(("bits", "group", "act_order", "bias"), CASES)
+def test_op_matches_dequantize_then_matmul_at_every_row_count(bits, group, act_order, bias):
+    n, k = 384, 1024
+    qweight, scales, zeros, perm = packed_weight(n, k, bits, group, act_order)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    x_all = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    worst = 0.0
+    for m in range(1, 257):
+        args = (x_all[:m], qweight, scales, zeros, perm, b, bits)
+        err = rel_err(packed_linear_op(*args), packed_reference(*args))
+        worst = max(worst, err)
+        assert err < 1e-2, f"{m} rows: relative error {err:.2e}"
+    print(f"bits {bits} group {group} act order {act_order}: worst relative error {worst:.2e}")
+
+
+def test_op_in_a_cuda_graph_and_compiled():
+    qweight, scales, zeros, perm = packed_weight(256, 512, 4, 128, True)
+    for m in (1, 5, 40):
+        x, x2 = (torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def fn(t):
+            return packed_linear_op(t, qweight, scales, zeros, perm, None, 4)
+
+        assert replay_matches(fn, x, x2), m
+        compiled = torch.compile(fn, fullgraph=True)
+        assert torch.equal(compiled(x2), fn(x2)), m
+
+
+def test_tiny_qwen3_awq_on_cuda_matches_the_cpu_reference(tmp_path, tiny_qwen3):
+    """Packed projections, bf16, CUDA graphs (and PDL on sm90) against the CPU's float32 path on the
+    dequantized weights."""
+    from test_quant4 import write_checkpoint
+
+    from minisgl.engine import Engine, EngineConfig
+    from minisgl.layers.packed import PackedLinear
+
+    folder = write_checkpoint(tiny_qwen3, tmp_path / "awq", "awq-g32")
+    seqs = gpu_seqs()
+    logits = {}
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        config = EngineConfig(
+            model_path=str(folder), dtype=dtype, device=device, cuda_graph_max_bs=8, attention_backend="torch"
+        )
+        eng = Engine(config)
+        packed = [m for m in eng.model.modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == (device == "cuda")
+        logits[device] = teacher_forced_logits(eng, seqs, PROMPT_LENS, STEPS).cpu()
+        eng.shutdown()
+    err = rel_err(logits["cuda"], logits["cpu"])
+    same = (logits["cuda"].argmax(-1) == logits["cpu"].argmax(-1)).float().mean().item()
+    print(f"tiny Qwen3 AWQ on CUDA (bf16) against the CPU (float32): {err:.2e} relative, top-1 {same:.0%}")
+    assert err < 5e-2 and same > 0.8
