@@ -7,13 +7,25 @@ import logging
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, check_kv_dtype, parse_attention_backend
+from minisgl.attention.base import (
+    AttnOptions,
+    BaseAttnBackend,
+    BaseAttnMetadata,
+    check_kv_dtype,
+    parse_attention_backend,
+)
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.kvcache import MHAKVCachePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BaseAttnBackend", "BaseAttnMetadata", "TorchAttnBackend", "create_attention_backend"]
+__all__ = [
+    "AttnOptions",
+    "BaseAttnBackend",
+    "BaseAttnMetadata",
+    "TorchAttnBackend",
+    "create_attention_backend",
+]
 
 
 def resolve_attention_backend(
@@ -68,15 +80,16 @@ def create_attention_backend(
     triton_decode_max_bs: int = 0,
     dtype: torch.dtype | None = None,
     sliding_window: int | None = None,
+    options: AttnOptions | None = None,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
     rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim` and queries of `dtype` (the
     model's; None: the pool's storage dtype), attending within `sliding_window` tokens (None: all; see
-    `BaseAttnBackend`); `tensor_core_min_group`, `split_kv_max_bs` and `triton_decode_max_bs` go to
+    `BaseAttnBackend`; `options`: which layers, the softmax scale and soft cap); `tensor_core_min_group`, `split_kv_max_bs` and `triton_decode_max_bs` go to
     `FlashInferAttnBackend`."""
     prefill, decode = resolve_attention_backend(name, device, kv_cache.dtype)
     if prefill == "torch":
-        return TorchAttnBackend(kv_cache, page_table, device, sliding_window=sliding_window)
+        return TorchAttnBackend(kv_cache, page_table, device, sliding_window=sliding_window, options=options)
     if importlib.util.find_spec("flashinfer") is None:
         raise ValueError(f"attention_backend={name!r} needs flashinfer: pip install 'minisgl[cuda]'")
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
@@ -95,4 +108,5 @@ def create_attention_backend(
         triton_decode_max_bs=triton_decode_max_bs,
         q_dtype=dtype,
         sliding_window=sliding_window,
+        options=options,
     )
