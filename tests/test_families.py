@@ -84,7 +84,7 @@ def test_radix_cache_preemption_and_speculation(tiny_model, folders, arch: str) 
     radix cache, prefill chunks of 8, a pool of 24 pages of 4 that cannot hold them all (preemption)
     and n-gram speculation (repetitive prompts): every request's tokens are transformers'. Phi-3's
     LongRoPE switch stays past these lengths here (a prompt prefilled in chunks across it is not
-    transformers' whole-prompt switch: docs/models.md)."""
+    transformers' whole-prompt switch: docs/usage.md, "Models")."""
     folder = folders[arch] if arch != "phi3" else tiny_model("phi3", original_max_position_embeddings=100)
     base = _prompts([24], seed=5)[0]
     prompts = [base + tail for tail in _prompts([1, 9, 14, 4], seed=6)] + [base[:13] * 2]

@@ -2,7 +2,7 @@
 form: as the published checkpoints write them (`rope_theta`, `rope_scaling`, `rope_local_base_freq`,
 `sliding_window_pattern`, a top-level `partial_rotary_factor` and `original_max_position_embeddings`)
 and as transformers 5 saves them (`rope_parameters`, per layer type for Gemma 3; `layer_types`).
-docs/models.md.
+docs/usage.md ("Models").
 """
 
 from __future__ import annotations
