@@ -94,6 +94,7 @@ def llm32(smollm2_path):
         yield llm
 
 
+GEMMA2_CAPS = dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
 # the transformers config class of each model family make_tiny_model builds, and the family's shape
 # beyond TINY_COMMON
 TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -146,6 +147,41 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                 "beta_slow": 1.0,
                 "truncate": False,
                 "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    # Gemma 2: head_dim 24 (not hidden / heads), sliding and full layers with a window of 7, soft caps
+    # small enough to bite, tied embeddings
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=24, query_pre_attn_scalar=20, sliding_window=7, tie_word_embeddings=True, **GEMMA2_CAPS
+        ),
+    ),
+    # Gemma 3: q/k norms, a window of 6 on layers 0 and 2, each layer type its own RoPE (full: linear x4)
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    # Phi-3: half of each head rotated, LongRoPE past 20 positions
+    "phi3": (
+        "Phi3Config",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=20,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0],
+                "long_factor": [2.0, 3.0, 4.0, 8.0],
             },
         ),
     ),
@@ -218,6 +254,11 @@ def make_tiny_model(
     folder = tmp_path / f"tiny-{arch}"
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def soft_capped(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Attention scores under a soft cap (Gemma 2's): cap * tanh(scores / cap); None: as they are."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import soft_capped
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ def _case(lens, num_heads, num_kv_heads, head_dim, dtype, seed):
     return [t.to(DEVICE) for t in (q, k, v, table, rows, torch.tensor(lens, dtype=torch.int32))]
 
 
-def _reference(q, k, v, table, rows, lens, window=None):
+def _reference(q, k, v, table, rows, lens, window=None, scale=None, cap=None):
     out = []
     group = q.shape[1] // k.shape[1]
     for i in range(q.shape[0]):
@@ -44,7 +45,9 @@ def _reference(q, k, v, table, rows, lens, window=None):
         loc = table[rows[i], first : lens[i]].long()
         ki = k[loc].float().repeat_interleave(group, dim=1)  # (n, H, D)
         vi = v[loc].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[i].float(), ki) / math.sqrt(q.shape[2])
+        scores = soft_capped(
+            torch.einsum("hd,nhd->hn", q[i].float(), ki) * (scale or q.shape[2] ** -0.5), cap
+        )
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vi))
     return torch.stack(out)
 
@@ -179,3 +182,15 @@ def test_captured_graph_replays_new_lengths():
         graph.replay()
         err = (out.float() - _reference(q, k, v, table, rows, n.cpu())).abs().max().item()
         assert err < TOL[torch.bfloat16], (new, err)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_soft_cap_and_scale(splits):
+    """Gemma's options: scores soft-capped at 5 (small enough to bite) after a softmax scale of the
+    model's own, under a window; without the cap the output differs (so the cap is applied)."""
+    case = _case([1, 40, 130], 4, 2, 16, torch.float32, 0)
+    got = DA.decode_attention(*case, splits=splits, window=20, sm_scale=0.3, soft_cap=5.0)
+    want = _reference(*case, window=20, scale=0.3, cap=5.0)
+    assert (got.float() - want.to(got.device)).abs().max().item() < 1e-4
+    uncapped = _reference(*case, window=20, scale=0.3)
+    assert (got.float() - uncapped.to(got.device)).abs().max().item() > 1e-3

@@ -15,8 +15,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from minisgl.attention import AttnOptions, TorchAttnBackend, create_attention_backend
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
+from minisgl.engine.start import attention_options
+from minisgl.kvcache import MHAKVCachePool
 from minisgl.models import ModelConfig
 from minisgl.models.mxfp4 import dequantize_mxfp4
 from minisgl.scheduler import Scheduler, SchedulerConfig, generate
@@ -144,7 +147,8 @@ def test_greedy_tokens_match_transformers(tiny_gpt_oss, reference, which) -> Non
     whole and in chunks of 5: transformers' greedy tokens."""
     folder = tiny_gpt_oss[which == "mxfp4"]
     config = ModelConfig.from_path(folder)
-    assert (config.family, config.full_attention_layers, config.sliding_window) == ("gpt_oss", (1,), 8)
+    full = [i for i in range(config.num_layers) if config.layer_window(i) is None]
+    assert (config.family, full, config.sliding_window) == ("gpt_oss", [1], 8)
     assert config.mxfp4_experts == (which == "mxfp4")
     engine = _engine(folder)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -212,7 +216,7 @@ GPT_OSS_20B = {
 def test_config_as_published_and_as_transformers_saves_it() -> None:
     published = ModelConfig.from_dict(GPT_OSS_20B)
     assert published.mxfp4_experts and published.sliding_window == 128 and published.attention_sinks
-    assert published.full_attention_layers == tuple(range(1, 24, 2))
+    assert published.layer_types == ("sliding_attention", "full_attention") * 12
     assert (published.num_experts, published.num_experts_per_tok, published.moe_intermediate_size) == (
         32,
         4,
@@ -222,12 +226,31 @@ def test_config_as_published_and_as_transformers_saves_it() -> None:
     assert published.qkv_bias and published.o_bias and published.swiglu_limit == 7.0
     saved = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
     resaved = ModelConfig.from_dict({**saved.to_dict(), "architectures": ["GptOssForCausalLM"]})
-    assert resaved.rope == published.rope and resaved.full_attention_layers == published.full_attention_layers
+    assert resaved.rope == published.rope and resaved.layer_types == published.layer_types
     assert not resaved.mxfp4_experts
     with pytest.raises(ValueError, match="quant_method"):
         ModelConfig.from_dict({**GPT_OSS_20B, "quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_dict({**GPT_OSS_20B, "layer_types": ["sliding_attention"]})
+
+
+def test_attention_options_sinks_and_windowed_layers() -> None:
+    """gpt-oss's attention, as the engine gives it to the backend (`AttnOptions`): the sliding layers
+    (every other one) and sinks; the torch backend only (FlashInfer names refused), no soft cap."""
+    options = attention_options(ModelConfig.from_dict(GPT_OSS_20B))
+    assert options.sinks and options.window_layers == (True, False) * 12 and options.soft_cap is None
+    pool = MHAKVCachePool(2, 4, 2, 1, 8, torch.float32, torch.device("cpu"))
+    table = torch.zeros(2, 8, dtype=torch.int32)
+    two = AttnOptions(window_layers=(True, False), sinks=True)
+    backend = create_attention_backend(
+        "auto", pool, table, torch.device("cpu"), 2, 1, 8, sliding_window=4, options=two
+    )
+    assert isinstance(backend, TorchAttnBackend) and (backend.window(0), backend.window(1)) == (4, None)
+    for name in ("fi", "fa,fi"):
+        with pytest.raises(ValueError, match="attention sinks .* 'torch' backend only"):
+            create_attention_backend(name, pool, table, torch.device("cpu"), 2, 1, 8, options=two)
+    with pytest.raises(ValueError, match="sinks with a soft cap"):
+        AttnOptions(sinks=True, soft_cap=30.0)
 
 
 def test_fused_moe_backend_takes_the_biases_and_the_clamp() -> None:

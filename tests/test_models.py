@@ -224,11 +224,15 @@ IMPOSSIBLE_CONFIGS: list[tuple[dict[str, Any], dict[str, Any], str]] = [
     (LLAMA_CONFIG, {"hidden_act": "gelu"}, 'hidden_act="gelu" is not supported; minisgl supports "silu"'),
     (LLAMA_CONFIG, {"mlp_bias": True}, "mlp_bias=true is not supported"),
     (LLAMA_CONFIG, {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
-    (LLAMA_CONFIG, {"rope_scaling": {"rope_type": "yarn"}}, 'rope_scaling.rope_type="yarn" is not supported'),
     (
         LLAMA_CONFIG,
-        {"rope_scaling": None, "rope_parameters": {"type": "yarn"}},
-        'rope_parameters.type="yarn" is not',
+        {"rope_scaling": {"rope_type": "dynamic"}},
+        'rope_scaling.rope_type="dynamic" is not supported',
+    ),
+    (
+        LLAMA_CONFIG,
+        {"rope_scaling": None, "rope_parameters": {"type": "dynamic"}},
+        'rope_parameters.type="dynamic" is not',
     ),
     (LLAMA_CONFIG, {"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture ['GPT2LMHeadModel']"),
     (LLAMA_CONFIG, {"vocab_size": DELETE}, "missing required key 'vocab_size' for LlamaForCausalLM"),

@@ -5,10 +5,9 @@ of 1 to 8, a head dim that is not a power of two, bf16, sliding windows (Mistral
 
 On a CPU it runs under Triton's interpreter (conftest sets TRITON_INTERPRET=1), so CI checks it."""
 
-import math
-
 import pytest
 import torch
+from conftest import soft_capped
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +49,7 @@ def _case(chunks, num_heads, num_kv_heads, head_dim, dtype, seed, pad_blocks=1):
     return [t.to(DEVICE) for t in tensors], torch.tensor(real)
 
 
-def _reference(q, k, v, table, block_rows, lens, window=None):
+def _reference(q, k, v, table, block_rows, lens, window=None, scale=None, cap=None):
     group = q.shape[1] // k.shape[1]
     out = []
     for t in range(q.shape[0]):
@@ -58,7 +57,9 @@ def _reference(q, k, v, table, block_rows, lens, window=None):
         loc = table[block_rows[t // PA.ALIGN], first : lens[t]].long()
         kt = k[loc].float().repeat_interleave(group, dim=1)
         vt = v[loc].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[t].float(), kt) / math.sqrt(q.shape[2])
+        scores = soft_capped(
+            torch.einsum("hd,nhd->hn", q[t].float(), kt) * (scale or q.shape[2] ** -0.5), cap
+        )
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), vt))
     return torch.stack(out)
 
@@ -139,3 +140,14 @@ def test_prefill_buckets_and_layout():
     ]
     # 1 token: a block; 32 tokens behind a cached prefix of 10: two blocks; 16: one
     assert prefill_layout(Batch(reqs=reqs, phase="prefill")) == ([0, 16, 48], 64)
+
+
+def test_soft_cap_and_scale():
+    """Gemma's options: scores soft-capped at 5 (small enough to bite) after a softmax scale of the
+    model's own, under a window; without the cap the output differs (so the cap is applied)."""
+    case, real = _case([(30, 20), (0, 40)], 4, 2, 16, torch.float32, 0)
+    got = PA.prefill_attention(*case, window=20, sm_scale=0.3, soft_cap=5.0)[real]
+    want = _reference(*case, window=20, scale=0.3, cap=5.0)[real]
+    assert (got.float() - want.to(got.device)).abs().max().item() < 1e-4
+    uncapped = _reference(*case, window=20, scale=0.3)[real]
+    assert (got.float() - uncapped.to(got.device)).abs().max().item() > 1e-3

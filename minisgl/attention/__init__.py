@@ -7,13 +7,25 @@ import logging
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, check_kv_dtype, parse_attention_backend
+from minisgl.attention.base import (
+    AttnOptions,
+    BaseAttnBackend,
+    BaseAttnMetadata,
+    check_kv_dtype,
+    parse_attention_backend,
+)
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.kvcache import MHAKVCachePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BaseAttnBackend", "BaseAttnMetadata", "TorchAttnBackend", "create_attention_backend"]
+__all__ = [
+    "AttnOptions",
+    "BaseAttnBackend",
+    "BaseAttnMetadata",
+    "TorchAttnBackend",
+    "create_attention_backend",
+]
 
 
 def resolve_attention_backend(
@@ -68,29 +80,27 @@ def create_attention_backend(
     triton_decode_max_bs: int = 0,
     dtype: torch.dtype | None = None,
     sliding_window: int | None = None,
-    full_layers: frozenset[int] = frozenset(),
-    sinks: bool = False,
+    options: AttnOptions | None = None,
 ) -> BaseAttnBackend:
     """Builds the backend that `name` asks for ('auto', a name, or a 'prefill,decode' pair), for this
     rank's `num_heads` query and `num_kv_heads` KV heads of `head_dim` and queries of `dtype` (the
     model's; None: the pool's storage dtype), attending within `sliding_window` tokens (None: all; see
-    `BaseAttnBackend`); `tensor_core_min_group`, `split_kv_max_bs` and `triton_decode_max_bs` go to
-    `FlashInferAttnBackend`. gpt-oss: `full_layers` attend past the window; `sinks`: the model has
-    attention sinks, which only the `torch` backend reads (FlashInfer 0.6's FA2 and FA3 wrappers take
-    none), so 'auto' picks it."""
-    if sinks and name == "auto":
+    `BaseAttnBackend`; `options`: which layers have the window, the softmax scale and soft cap, and
+    whether the model has attention sinks); `tensor_core_min_group`, `split_kv_max_bs` and
+    `triton_decode_max_bs` go to `FlashInferAttnBackend`. Sinks (gpt-oss) are read by the `torch`
+    backend only (FlashInfer 0.6's FA2 and FA3 wrappers take none), so 'auto' picks it for them."""
+    options = options or AttnOptions()
+    if options.sinks and name == "auto":
         logger.info("attention backend 'auto' -> torch (the model's attention sinks)")
         name = "torch"
+    elif options.sinks and parse_attention_backend(name) != ("torch", "torch"):
+        raise ValueError(
+            f"attention_backend={name!r} cannot run this model: its attention sinks (gpt-oss) are read by "
+            "the 'torch' backend only; use attention_backend 'auto' or 'torch'"
+        )
     prefill, decode = resolve_attention_backend(name, device, kv_cache.dtype)
     if prefill == "torch":
-        return TorchAttnBackend(
-            kv_cache, page_table, device, sliding_window=sliding_window, full_layers=full_layers
-        )
-    if sinks or (full_layers and sliding_window is not None):
-        raise ValueError(
-            f"attention_backend={name!r} cannot run this model: its attention sinks and per-layer windows "
-            "(gpt-oss) are read by the 'torch' backend only; use attention_backend 'auto' or 'torch'"
-        )
+        return TorchAttnBackend(kv_cache, page_table, device, sliding_window=sliding_window, options=options)
     if importlib.util.find_spec("flashinfer") is None:
         raise ValueError(f"attention_backend={name!r} needs flashinfer: pip install 'minisgl[cuda]'")
     from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
@@ -109,4 +119,5 @@ def create_attention_backend(
         triton_decode_max_bs=triton_decode_max_bs,
         q_dtype=dtype,
         sliding_window=sliding_window,
+        options=options,
     )

@@ -47,15 +47,48 @@ class BaseAttnMetadata:
     last_indices: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class AttnOptions:
+    """What a model's attention asks beyond causal softmax(q k^T / sqrt(head_dim)) v: `window_layers`,
+    the layers under the sliding window (None: all of them, where there is one; Gemma's alternate);
+    `sm_scale`, the softmax scale (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5);
+    `soft_cap`, scores capped to soft_cap * tanh(score / soft_cap) (None: none; Gemma 2's 50); `sinks`,
+    the model has attention sinks, a learned logit per query head in the softmax's denominator
+    (gpt-oss; the model passes them to `forward_sinks`; the `torch` backend only, without a soft cap)."""
+
+    window_layers: tuple[bool, ...] | None = None
+    sm_scale: float | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sinks and self.soft_cap is not None:
+            raise ValueError(
+                f"attention sinks with a soft cap (soft_cap={self.soft_cap!r}) are not supported: no "
+                "model has both"
+            )
+
+
 class BaseAttnBackend(ABC):
     """A backend attends with the model's sliding window, `sliding_window` (given at creation, the same
-    for every layer and batch): the query at position p sees the keys at p - W < k <= p; None: every
-    earlier key. Pages behind the window stay allocated (and cached): only the attention skips them."""
+    for every batch; every layer's or those of `options.window_layers`): the query at position p sees
+    the keys at p - W < k <= p; None: every earlier key. Pages behind the window stay allocated (and
+    cached): only the attention skips them. `options`: the model's scale, soft cap and sinks (`AttnOptions`)."""
 
     sliding_window: int | None = None
+    options: AttnOptions = AttnOptions()
 
-    def _set_sliding_window(self, window: int | None) -> None:
+    def _set_sliding_window(self, window: int | None, options: AttnOptions | None = None) -> None:
         self.sliding_window = check_window(window, "sliding_window")
+        self.options = options or AttnOptions()
+        cap = self.options.soft_cap
+        if cap is not None and not cap > 0:
+            raise ValueError(f"soft_cap must be None (no cap) or a number > 0, got {cap!r}")
+
+    def window(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id` (None: full attention)."""
+        layers = self.options.window_layers
+        return self.sliding_window if layers is None or layers[layer_id] else None
 
     @abstractmethod
     def prepare_metadata(self, batch: Batch, graph_bs: int = 0) -> None:
@@ -70,9 +103,6 @@ class BaseAttnBackend(ABC):
         """Stores k, v at `batch.out_loc` for `layer_id`, then returns attention output shaped like q."""
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         return self.attend(q, layer_id, batch)
-
-    # gpt-oss: the layers that ignore `sliding_window` (full attention), given at creation
-    full_layers: frozenset[int] = frozenset()
 
     def forward_sinks(
         self,

@@ -4,6 +4,10 @@ FlashAttention-3 kernels FlashInfer ships, sm90 only).
 Small decode batches go to minisgl's Triton split-KV kernel and prefill graphs to its Triton prefill
 kernel (no FlashInfer plan); planning runs in `prepare_metadata`, outside compiled regions and graphs.
 Tensor-core choice, split-KV, FP8 KV and sliding windows: docs/gpu.md ("Attention backends").
+
+The window is a plan argument of FlashInfer's wrappers (`window_left`), so a model whose layers differ
+(Gemma: sliding and full layers) gets one wrapper per window, each planned for every batch; the softmax
+scale and the scores' soft cap (`AttnOptions`) go to every plan, and to the Triton kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata, check_kv_dtype
+from minisgl.attention.base import AttnOptions, BaseAttnBackend, BaseAttnMetadata, check_kv_dtype
 from minisgl.attention.torch_backend import planned
 from minisgl.core import Batch
 from minisgl.kernels.decode_attention import decode_attention
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
     wrapper: Any  # the planned prefill or decode wrapper; None: a Triton kernel
+    # every window's planned wrapper (`FlashInferAttnBackend.layer_group` picks a layer's); wrapper first
+    wrappers: tuple[Any, ...] = ()
     rows: torch.Tensor | None = None  # Triton decode: each request's page-table row (device)
     lens: torch.Tensor | None = None  # and its token count (device, int32); Triton prefill: each token's
     block_rows: torch.Tensor | None = None  # Triton prefill (a prefill graph): each block's row (device)
@@ -42,14 +48,14 @@ _prefill_builds_lock = threading.Lock()
 
 
 def _build_prefill_kernels_ahead(
-    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, sliding_window: bool
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, sliding_window: bool, soft_cap: bool = False
 ) -> threading.Thread:
     """Starts (once per process and shape) a thread that builds, or loads from FlashInfer's cache, the FA3
     prefill module the prefill plan will ask for, with the arguments that plan passes: q, kv and output
     dtypes, the index dtype, head dims qk and vo, no positional encoding in the kernel, whether there is
-    a sliding window, no logits soft cap, no fp16 qk reduction. A failure is only logged: the plan then
-    builds it."""
-    args = (q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim, 0, sliding_window, False, False)
+    a sliding window, whether there is a logits soft cap, no fp16 qk reduction. A failure is only
+    logged: the plan then builds it."""
+    args = (q_dtype, kv_dtype, q_dtype, torch.int32, head_dim, head_dim, 0, sliding_window, soft_cap, False)
 
     def build() -> None:
         started = time.perf_counter()
@@ -89,9 +95,11 @@ class FlashInferAttnBackend(BaseAttnBackend):
         split_kv_max_bs: int | None = None,
         triton_decode_max_bs: int = 0,
         q_dtype: torch.dtype | None = None,
+        options: AttnOptions | None = None,
     ) -> None:
         """`q_dtype`: the queries' (the model's) dtype; None: the pool's, which must then not be FP8.
-        `sliding_window`: the model's attention window in tokens (None: full attention).
+        `sliding_window`: the model's attention window in tokens (None: full attention), on the layers
+        of `options.window_layers` (None: all); `options`: also the softmax scale and the soft cap.
         `decode_tensor_cores` None: `fi` decode uses tensor cores when each KV head serves at least
         `tensor_core_min_group` query heads (an integer >= 1). `split_kv_max_bs`: the largest captured
         batch whose tensor-core decode splits the KV (None: every batch, FlashInfer's own behaviour).
@@ -113,8 +121,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
                 f"got triton_decode_max_bs={triton_decode_max_bs!r}"
             )
         self.triton_decode_max_bs = triton_decode_max_bs
-        self._set_sliding_window(sliding_window)
+        self._set_sliding_window(sliding_window, options)
         self.window_left = -1 if sliding_window is None else sliding_window - 1  # FlashInfer's form
+        # the window_left of each wrapper group (the window's first), and each layer's group
+        layers = range(kv_cache.num_layers)
+        self.window_lefts = (self.window_left,) + (
+            (-1,) if any(self.window(i) is None for i in layers) and sliding_window is not None else ()
+        )
+        self.layer_group = [0 if sliding_window is None or self.window(i) is not None else 1 for i in layers]
         self.kv_dtype = kv_cache.dtype
         if q_dtype is None:
             if self.kv_dtype == FP8_DTYPE:
@@ -134,16 +148,21 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = kv_cache.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa3" if prefill == "fa" else "fa2"
-        )
+        self.prefill_wrappers = [
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend="fa3" if prefill == "fa" else "fa2"
+            )
+            for _ in self.window_lefts
+        ]
+        self.prefill_wrapper = self.prefill_wrappers[0]
         self.names = (prefill, decode)
         if decode_tensor_cores is None:
             decode_tensor_cores = num_qo_heads // num_kv_heads >= tensor_core_min_group
         self.decode_tensor_cores = decode_tensor_cores
-        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_wrappers: dict[int, tuple[Any, ...]] = {}  # per captured batch size, one per group
         self._graph_buffers: dict[str, torch.Tensor] = {}
-        self.decode_wrapper = self._decode_wrapper()
+        self.decode_wrappers = tuple(self._decode_wrapper() for _ in self.window_lefts)
+        self.decode_wrapper = self.decode_wrappers[0]
         # FlashInfer's plan() stages its plan in a pinned host buffer of the wrapper and copies it to the
         # GPU asynchronously; planning the same wrapper again before that copy ran would overwrite it.
         # An event after each plan, waited on before the wrapper's next plan, orders the two. In a loop
@@ -151,16 +170,19 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._planned: dict[int, torch.cuda.Event] = {}
         # FA3's prefill kernels are JIT-compiled (a minute and more on a fresh machine): built in a thread
         # from here on, while the decode graphs compile and capture; the first prefill plan waits for it
-        self._prefill_build: threading.Thread | None = None
+        self._prefill_builds: list[threading.Thread] = []
         if prefill == "fa" and decode != "fa":
-            self._prefill_build = _build_prefill_kernels_ahead(
-                self.q_dtype, self.kv_dtype, head_dim, sliding_window is not None
-            )
+            self._prefill_builds = [
+                _build_prefill_kernels_ahead(
+                    self.q_dtype, self.kv_dtype, head_dim, left >= 0, self.options.soft_cap is not None
+                )
+                for left in self.window_lefts
+            ]
 
     def _wait_prefill_build(self) -> None:
-        if self._prefill_build is not None:
-            self._prefill_build.join()
-            self._prefill_build = None
+        for build in self._prefill_builds:
+            build.join()
+        self._prefill_builds = []
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -189,20 +211,24 @@ class FlashInferAttnBackend(BaseAttnBackend):
         indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
         return indptr, indices.to(torch.int32), torch.tensor(last, dtype=torch.int32)
 
-    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
-        previous = self._planned.get(id(wrapper))
-        if previous is not None:
-            previous.synchronize()
-        wrapper.plan(
-            *args,
-            q_data_type=self.q_dtype,
-            kv_data_type=self.kv_dtype,
-            window_left=self.window_left,
-            **kwargs,
-        )
-        event = torch.cuda.Event()
-        event.record()
-        self._planned[id(wrapper)] = event
+    def _plan(self, wrappers: tuple[Any, ...], *args: Any, **kwargs: Any) -> None:
+        """Plans each group's wrapper (`window_lefts`) with the same batch."""
+        for wrapper, window_left in zip(wrappers, self.window_lefts):
+            previous = self._planned.get(id(wrapper))
+            if previous is not None:
+                previous.synchronize()
+            wrapper.plan(
+                *args,
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_dtype,
+                window_left=window_left,
+                sm_scale=self.options.sm_scale,
+                logits_soft_cap=self.options.soft_cap,
+                **kwargs,
+            )
+            event = torch.cuda.Event()
+            event.record()
+            self._planned[id(wrapper)] = event
 
     def _decode_wrapper(self, bs: int = 0) -> Any:
         """A decode wrapper; with `bs`, one for CUDA graphs of that batch size over the fixed buffers."""
@@ -235,24 +261,29 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self._prepare_triton_decode(batch, graph_bs)
             return
         if batch.is_decode:
-            wrapper = self._graph_wrappers[graph_bs] if graph_bs else self.decode_wrapper
+            wrappers = self._graph_wrappers[graph_bs] if graph_bs else self.decode_wrappers
             inputs = self._plan_inputs(batch, pad_to=graph_bs)
             if self.names[1] == "fa":
                 qo_indptr = torch.arange(len(inputs[0]), dtype=torch.int32)
-                self._plan(wrapper, qo_indptr, *inputs, *heads, causal=True)
+                self._plan(wrappers, qo_indptr, *inputs, *heads, causal=True)
             elif graph_bs and not self.graph_splits_kv(graph_bs):
-                self._plan(wrapper, *inputs, *heads, disable_split_kv=True)
+                self._plan(wrappers, *inputs, *heads, disable_split_kv=True)
             else:
-                self._plan(wrapper, *inputs, *heads)
-            batch.attn_metadata = FlashInferMetadata(last_indices=None, wrapper=wrapper)
+                self._plan(wrappers, *inputs, *heads)
+            batch.attn_metadata = FlashInferMetadata(
+                last_indices=None, wrapper=wrappers[0], wrappers=wrappers
+            )
             return
         self._wait_prefill_build()
         extend = torch.tensor([req.extend_len for req in batch.reqs], dtype=torch.int32)
         qo_indptr = torch.zeros(len(batch.reqs) + 1, dtype=torch.int32)
         qo_indptr[1:] = extend.cumsum(0)
-        self._plan(self.prefill_wrapper, qo_indptr, *self._plan_inputs(batch), *heads, causal=True)
+        wrappers = tuple(self.prefill_wrappers)
+        self._plan(wrappers, qo_indptr, *self._plan_inputs(batch), *heads, causal=True)
         last_indices = (qo_indptr[1:].long() - 1).to(self.device, non_blocking=True)
-        batch.attn_metadata = FlashInferMetadata(last_indices=last_indices, wrapper=self.prefill_wrapper)
+        batch.attn_metadata = FlashInferMetadata(
+            last_indices=last_indices, wrapper=wrappers[0], wrappers=wrappers
+        )
 
     def _prepare_triton_decode(self, batch: Batch, graph_bs: int) -> None:
         """Rows and lengths for the Triton decode kernel, padded to `graph_bs` with the dummy request
@@ -324,7 +355,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._graph_buffers = buffers
         for bs in batch_sizes:
             if bs > self.triton_decode_max_bs:  # the smaller graphs run the Triton kernel
-                self._graph_wrappers[bs] = self._decode_wrapper(bs)
+                self._graph_wrappers[bs] = tuple(self._decode_wrapper(bs) for _ in self.window_lefts)
 
     # -- the op ------------------------------------------------------------------------------------
 
@@ -333,13 +364,16 @@ class FlashInferAttnBackend(BaseAttnBackend):
         if meta.wrapper is None:
             k, v = self.kv_cache.flat(layer_id)
             scales = self.kv_cache.layer_scales(layer_id)
+            options = self.options
             if meta.block_rows is not None:
                 return prefill_attention(
                     q, k, v, self.page_table, meta.block_rows, meta.lens, kv_scales=scales,
-                    window=self.sliding_window,
+                    window=self.window(layer_id), sm_scale=options.sm_scale, soft_cap=options.soft_cap,
                 )  # fmt: skip
             return decode_attention(
-                q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales, window=self.sliding_window
-            )
+                q, k, v, self.page_table, meta.rows, meta.lens, kv_scales=scales,
+                window=self.window(layer_id), sm_scale=options.sm_scale, soft_cap=options.soft_cap,
+            )  # fmt: skip
         kv = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
-        return meta.wrapper.run(q, kv, **self.layer_scales[layer_id])
+        wrapper = meta.wrappers[self.layer_group[layer_id]] if meta.wrappers else meta.wrapper
+        return wrapper.run(q, kv, **self.layer_scales[layer_id])

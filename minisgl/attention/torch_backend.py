@@ -4,7 +4,10 @@ Each request's keys and values are gathered page by page from the paged pool, th
 row, into a padded (batch, pages * page_size) layout; queries are padded to (batch, max_extend_len); one masked
 scaled-dot-product attention call serves prefill of mixed lengths, extension of a cached prefix
 (chunked prefill) and decode alike. The mask is causal and, with the model's sliding window W, also
-hides the keys W or more positions behind each query (transformers' sliding-window mask).
+hides the keys W or more positions behind each query (transformers' sliding-window mask), on every
+layer or on the windowed ones (`AttnOptions.window_layers`: Gemma, gpt-oss). With a soft cap (Gemma 2)
+the scores are computed, capped and softmaxed explicitly (scaled-dot-product attention takes no cap);
+attention sinks (gpt-oss) join the softmax as one more key (`_with_sinks`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnOptions, BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch
 from minisgl.kvcache import MHAKVCachePool
 
@@ -36,8 +39,10 @@ class TorchAttnMetadata(BaseAttnMetadata):
     q_index: torch.Tensor | None  # (T,) row of each token in the padded (B * max_q) layout; None: no padding
     max_q: int
     group_mask: torch.Tensor | None = None  # `mask` repeated for the query heads sharing a KV head
-    full_mask: torch.Tensor | None = None  # the causal mask without the window (`full_layers`' own)
-    group_full_mask: torch.Tensor | None = None
+    # the full layers' masks where only some layers have the window (`AttnOptions.window_layers`: Gemma,
+    # gpt-oss); None: every layer's is `mask`
+    full_mask: torch.Tensor | None = None
+    full_group_mask: torch.Tensor | None = None
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -47,11 +52,10 @@ class TorchAttnBackend(BaseAttnBackend):
         page_table: torch.Tensor,
         device: torch.device,
         sliding_window: int | None = None,
-        full_layers: frozenset[int] = frozenset(),
+        options: AttnOptions | None = None,
     ) -> None:
         self.kv_cache, self.page_table, self.device = kv_cache, page_table, device
-        self._set_sliding_window(sliding_window)
-        self.full_layers = frozenset(full_layers)
+        self._set_sliding_window(sliding_window, options)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -82,18 +86,19 @@ class TorchAttnBackend(BaseAttnBackend):
             q_start = q_start + batch.shift[0]
         q_pos = q_start[:, None] + torch.arange(max_q, device=self.device)
         kv_pos = torch.arange(max_kv, device=self.device)
-        mask = kv_pos <= q_pos[:, :, None]
+        mask = full = kv_pos <= q_pos[:, :, None]
         if self.sliding_window is not None:
-            mask &= kv_pos > q_pos[:, :, None] - self.sliding_window
+            mask = mask & (kv_pos > q_pos[:, :, None] - self.sliding_window)
+        # some layers full, the others windowed: both masks, each layer picks (`attend_sinks`)
+        per_layer = self.sliding_window is not None and self.options.window_layers is not None
         batch.attn_metadata = TorchAttnMetadata(
             last_indices=last_indices,
             page_index=page_index,
             mask=mask.unsqueeze(1),
             q_index=q_index,
             max_q=max_q,
+            full_mask=full.unsqueeze(1) if per_layer else None,
         )
-        if self.full_layers and self.sliding_window is not None:
-            batch.attn_metadata.full_mask = (kv_pos <= q_pos[:, :, None]).unsqueeze(1)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         return self.attend_sinks(q, None, layer_id, batch)
@@ -115,23 +120,24 @@ class TorchAttnBackend(BaseAttnBackend):
         # the query heads sharing a KV head become extra query rows of it: (B, KVH, group * max_q, D)
         q_pad = q_pad.reshape(num_reqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         q_pad = q_pad.reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
-        if meta.full_mask is not None and layer_id in self.full_layers:
-            if meta.group_full_mask is None:
-                meta.group_full_mask = meta.full_mask.repeat(1, 1, group, 1)
-            mask = meta.group_full_mask
-        else:
-            if meta.group_mask is None:  # once per batch, shared by the layers
-                meta.group_mask = meta.mask.repeat(1, 1, group, 1)
-            mask = meta.group_mask
+        if meta.group_mask is None:  # once per batch, shared by the layers
+            meta.group_mask = meta.mask.repeat(1, 1, group, 1)
+            if meta.full_mask is not None:
+                meta.full_group_mask = meta.full_mask.repeat(1, 1, group, 1)
+        full = meta.full_group_mask is not None and self.window(layer_id) is None
+        mask = meta.full_group_mask if full else meta.group_mask
         kv_shape = (num_reqs, -1, num_kv_heads, head_dim)  # (B, max_pages * page_size, KVH, D)
         keys, values = self.kv_cache.gather(layer_id, meta.page_index.view(-1), q.dtype)  # FP8: dequantized
         keys, values = keys.view(kv_shape), values.view(kv_shape)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        if sinks is not None:
-            keys, values, mask = _with_sinks(keys, values, mask, sinks, max_q)
-        out = F.scaled_dot_product_attention(
-            q_pad, keys, values, attn_mask=mask
-        )  # (B, KVH, group * max_q, D)
+        scale, cap = self.options.sm_scale, self.options.soft_cap
+        if cap is not None:  # AttnOptions refuses sinks with a cap
+            out = _capped_attention(q_pad, keys, values, mask, scale or head_dim**-0.5, cap)
+        else:
+            if sinks is not None:
+                keys, values, mask = _with_sinks(keys, values, mask, sinks, max_q)
+            out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+        # (B, KVH, group * max_q, D)
         out = out.reshape(num_reqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_reqs * max_q, num_heads, head_dim)
         return out if meta.q_index is None else out.index_select(0, meta.q_index)
@@ -151,3 +157,13 @@ def _with_sinks(
     sink = sinks.to(keys.dtype).view(num_kv_heads, -1).repeat_interleave(max_q, dim=1)
     sink = sink.view(1, num_kv_heads, -1, 1).expand(num_reqs, -1, -1, -1)
     return keys, values, torch.cat([bias.expand(-1, num_kv_heads, -1, -1), sink], dim=-1)
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """Attention with soft-capped scores (in float32): softmax(cap * tanh(q k^T * scale / cap)) v."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)

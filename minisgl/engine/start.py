@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch
 
-from minisgl.attention import create_attention_backend
+from minisgl.attention import AttnOptions, create_attention_backend
 from minisgl.core import Context
 from minisgl.distributed import (
     HeadShard,
@@ -30,7 +30,7 @@ from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.lora import EngineLora, pool_bytes
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
-from minisgl.models import build_model
+from minisgl.models import ModelConfig, build_model
 from minisgl.models.llama import check_tensor_parallel_fp8
 from minisgl.moe import create_moe_backend
 
@@ -254,6 +254,20 @@ def make_page_table(
     return page_table
 
 
+def attention_options(model_config: ModelConfig) -> AttnOptions:
+    """The model's attention beyond the default (`AttnOptions`): Gemma's and gpt-oss's windowed layers,
+    Gemma's scale and soft cap, gpt-oss's sinks."""
+    layers = None
+    if model_config.layer_types:
+        layers = tuple(model_config.layer_window(i) is not None for i in range(model_config.num_layers))
+    return AttnOptions(
+        window_layers=layers,
+        sm_scale=model_config.attn_scale,
+        soft_cap=model_config.attn_softcap,
+        sinks=model_config.attention_sinks,
+    )
+
+
 def make_context(
     config: EngineConfig,
     kv_cache: MHAKVCachePool,
@@ -278,8 +292,7 @@ def make_context(
         triton_decode_max_bs=0 if cfg.batch_invariant else cfg.decode_triton_max_bs,
         dtype=cfg.torch_dtype,
         sliding_window=sliding_window,
-        full_layers=frozenset(model_config.full_attention_layers),
-        sinks=model_config.attention_sinks,
+        options=attention_options(model_config),
     )
     moe_backend = (
         create_moe_backend(cfg.moe_backend, cfg.torch_device, cfg.torch_dtype)

@@ -80,6 +80,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
         WINDOW: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
@@ -123,6 +124,8 @@ if triton is not None:
             if DOT_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+            if SOFT_CAP > 0:  # Gemma 2: cap * tanh(score / cap), tanh(x) = 2 sigmoid(2x) - 1
+                scores = SOFT_CAP * (2.0 * tl.sigmoid(scores * (2.0 / SOFT_CAP)) - 1.0)
             scores = tl.where(tmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp(m - m_new)
@@ -213,6 +216,7 @@ def decode_attention(
     pdl: bool | None = None,
     kv_scales: torch.Tensor | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its first `lens[i]` tokens, or only the last
     `window` of them (a sliding window; None: none). q: (B, H, D); k, v: (locations, KVH, D), H a
@@ -260,6 +264,7 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits, DOT_F32=_DOT_F32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, WINDOW=window or 0,
+        SOFT_CAP=float(soft_cap or 0.0),
         **options,
     )  # fmt: skip
     if splits > 1:

@@ -52,6 +52,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         FP8: tl.constexpr,
         WINDOW: tl.constexpr,
+        SOFT_CAP: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         if USE_PDL:  # see minisgl.kernels.pdl: q and the KV cache come from the kernel before
@@ -100,6 +101,8 @@ if triton is not None:
             if DOT_F32:
                 k = k.to(tl.float32)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+            if SOFT_CAP > 0:  # Gemma 2: cap * tanh(score / cap), tanh(x) = 2 sigmoid(2x) - 1
+                scores = SOFT_CAP * (2.0 * tl.sigmoid(scores * (2.0 / SOFT_CAP)) - 1.0)
             visible = t[None, :] < n[:, None]
             if WINDOW > 0:
                 visible = visible & (t[None, :] >= n[:, None] - WINDOW)
@@ -139,6 +142,7 @@ def prefill_attention(
     pdl: bool | None = None,
     kv_scales: torch.Tensor | None = None,
     window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over the first `lens[t]` tokens of its block's page-table row, or
     with `window` (a sliding window of that many tokens; None: none) over the last `window` of them.
@@ -173,6 +177,7 @@ def prefill_attention(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=ALIGN, BLOCK_N=BLOCK_N, DOT_F32=_DOT_F32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, WINDOW=window or 0,
+        SOFT_CAP=float(soft_cap or 0.0),
         num_warps=8 if ALIGN * group_p >= 128 else 4, **options,
     )  # fmt: skip
     return out

@@ -125,13 +125,18 @@ def norm_linear_keep(
     return linear(normed, weight), normed, residual
 
 
-def silu_mul_linear(gate_up: torch.Tensor, w_down: torch.Tensor | Fp8Linear) -> torch.Tensor:
+def silu_mul_linear(
+    gate_up: torch.Tensor, w_down: torch.Tensor | Fp8Linear, act: str = "silu"
+) -> torch.Tensor:
     """The second half of the SwiGLU MLP, whose gate and up projections are one weight of 2 *
-    intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`.
+    intermediate rows: gate_up = [gate | up] on the last dimension -> `linear(silu(gate) * up, w_down)`;
+    `act` "gelu_tanh": GeGLU (Gemma), `gelu(gate, approximate="tanh") * up`, unfused.
     On the GEMV kernel's path with ``use_fused_kernels`` on, the op `minisgl::silu_mul_linear` runs one
     row as one kernel and more as a Triton SiLU-and-multiply and cuBLAS; an FP8 weight there runs
     `minisgl::fp8_silu_mul_linear` (up to 2 rows one kernel writes the product's e4m3 row)."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if act != "silu":
+        return linear(F.gelu(gate, approximate="tanh") * up, w_down)
     if _fused_gemv(gate, w_down):
         return silu_mul_linear_op(gate_up, w_down)
     if _fused_fp8(gate, w_down):

@@ -1,4 +1,6 @@
-"""Rotary position embeddings (the rotate-half layout of Llama and Qwen) with Llama 3 and YaRN scaling."""
+"""Rotary position embeddings (the rotate-half layout of Llama and Qwen) with linear, Llama 3, YaRN
+(gpt-oss) and LongRoPE (Phi-3) scaling, over the whole head or its first `rotary_dim` columns (partial
+rotary)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -20,16 +22,23 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # YaRN (gpt-oss): the ramp between interpolated and kept frequencies, and the factor cos and sin are
-    # scaled by (None: 0.1 ln(factor) + 1)
+    # YaRN (gpt-oss): the ramp between interpolated and kept frequencies (`beta_fast`, `beta_slow`,
+    # `truncate`). YaRN and LongRoPE: the factor cos and sin are scaled by (`rope_scale`; YaRN's None:
+    # 0.1 ln(factor) + 1). LongRoPE (Phi-3): the per-frequency divisors below and beyond
+    # `original_max_position_embeddings`
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
-def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _inv_freq(head_dim: int, rope: RopeConfig, factors: tuple[float, ...] = ()) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if factors:  # LongRoPE: each frequency divided by its factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -67,21 +76,44 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> t
 
 
 def rope_scale(rope: RopeConfig) -> float:
-    """The factor cos and sin are multiplied by: YaRN's attention factor, else 1."""
-    if rope.rope_type != "yarn":
+    """The factor cos and sin are multiplied by: YaRN's and LongRoPE's attention factor, else 1."""
+    if rope.rope_type not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
-    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+    return 0.1 * math.log(rope.factor) + 1.0 if rope.rope_type == "yarn" and rope.factor > 1 else 1.0
 
 
 def build_rope_cache(
     head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """A float32 table of shape (max_positions, head_dim): cos in the first half, sin in the second."""
-    inv_freq = _inv_freq(head_dim, rope)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_scale(rope)).to(device)
+    """A float32 table of shape (max_positions, head_dim): cos in the first half, sin in the second
+    (`head_dim`: the rotated columns), both times `rope_scale`. LongRoPE stacks two, (2 * max_positions,
+    head_dim): the short factors' rows, then the long factors' (`longrope_positions` picks)."""
+    sets = (rope.short_factor, rope.long_factor) if rope.rope_type == "longrope" else ((),)
+    tables = []
+    for factors in sets:
+        freqs = torch.outer(
+            torch.arange(max_positions, dtype=torch.float32), _inv_freq(head_dim, rope, factors)
+        )
+        tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * rope_scale(rope))
+    return torch.cat(tables).to(device)
+
+
+def longrope_positions(
+    positions: torch.Tensor, last_indices: torch.Tensor | None, original_max: int, max_positions: int
+) -> torch.Tensor:
+    """The rows of a LongRoPE table (`build_rope_cache`) for `positions` (T,): the long factors' rows
+    for every token of a request whose last position in this forward is at least `original_max` (its
+    length then exceeds it: transformers' rule at that length), the short factors' otherwise.
+    `last_indices` (sorted): each request's last row; None: every row is a request of its own (decode).
+    Device work only (no host sync)."""
+    ends = positions
+    if last_indices is not None and last_indices.numel() > 0:
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        request = torch.searchsorted(last_indices, rows).clamp_(max=last_indices.shape[0] - 1)
+        ends = torch.maximum(positions[last_indices][request], positions)
+    return positions + (ends >= original_max).to(positions.dtype) * max_positions
 
 
 def rope_cos_sin(
@@ -121,8 +153,13 @@ def mrope_axes(head_dim: int, section: tuple[int, ...], interleaved: bool) -> to
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim), cos_sin from `rope_cos_sin`."""
+    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim), cos_sin from `rope_cos_sin`; a
+    table narrower than the heads rotates their first columns only (partial rotary), the rest pass."""
     cos, sin = cos_sin[0], cos_sin[1]
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        q_rot, k_rot = apply_rope(q[..., :rot], k[..., :rot], cos_sin)
+        return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from minisgl.models.config import SUPPORTED_ARCHITECTURES, Fp8Config, ModelConfig
 from minisgl.models.default import DEFAULT_MODEL_ALIAS, default_model_path
 from minisgl.models.fp8 import init_dummy_fp8
+from minisgl.models.gemma3 import Gemma3ForConditionalGeneration
 from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.packed import init_dummy_packed, keep_packed
@@ -40,6 +41,14 @@ MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,  # sinks, per-layer windows, biased experts: minisgl.models.gpt_oss
     "qwen2_5_vl": QwenVLForConditionalGeneration,  # vision-language: docs/vision.md
     "qwen3_vl": QwenVLForConditionalGeneration,
+    # Llama's layers with the families' options (minisgl.models.config_families)
+    "gemma2": LlamaForCausalLM,
+    "gemma3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+}
+# architectures whose model class is not their family's
+MODEL_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # the text model: models/gemma3.py
 }
 
 
@@ -65,7 +74,7 @@ def build_model(
     (or with dummy weights, without touching the disk). With `cfg.quantization` the projections are FP8
     (see minisgl.models.fp8): read from an FP8 checkpoint, quantized at load, or random."""
     with torch.device(device), _default_dtype(dtype):
-        model = MODEL_FAMILIES[cfg.family](cfg, max_seq_len)
+        model = MODEL_ARCHITECTURES.get(cfg.architecture, MODEL_FAMILIES[cfg.family])(cfg, max_seq_len)
     if isinstance(cfg.quantization, PackedConfig):
         where = "packed" if keep_packed(device) else f"dequantized at load to {dtype} (the reference path)"
         logger.info("%s: projections %s", cfg.quantization.describe(), where)
@@ -91,4 +100,6 @@ def build_model(
             ignored=model.checkpoint_ignored(),
             optional=model.checkpoint_optional(),
         )
+        if hasattr(model, "after_load"):  # Gemma: its norms' 1 + weight
+            model.after_load()
     return model.eval()

@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minisgl.layers.rope import SUPPORTED_ROPE_TYPES, RopeConfig
+from minisgl.layers.rope import RopeConfig
+from minisgl.models.config_families import GEMMA3_TEXT_DEFAULTS, family_fields
+from minisgl.models.config_keys import (
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+    _is_int,
+    _json_type,
+    _Keys,
+    _rope_config,
+    _show,
+)
 from minisgl.models.quant_config import PACKED_METHODS, PackedConfig, parse_packed
 
 # architecture name in config.json -> model family implemented in minisgl.models
@@ -30,6 +39,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its text model only (config_families.IMAGES_NOTE)
+    "Phi3ForCausalLM": "phi3",
     # the bare models (no LM head): checkpoints of embedding models such as Qwen3-Embedding
     "LlamaModel": "llama",
     "MistralModel": "mistral",
@@ -54,12 +67,6 @@ FP8_PROJECTIONS = (
 )
 # the weight blocks of the setting `quantization: fp8` (Qwen's FP8 releases use the same)
 FP8_DEFAULT_BLOCK = (128, 128)
-
-# upper bounds of the integer keys (see the module docstring)
-MAX_WIDTH = 2**20
-MAX_VOCAB = 2**24
-MAX_COUNT = 2**16
-MAX_POSITIONS = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,8 @@ class ModelConfig:
     quantization: Fp8Config | PackedConfig | None = None
     # sliding-window attention (Mistral's `sliding_window`): each token attends to the last W tokens, its
     # own included (keys at positions p - W < k <= p, transformers' mask); None: full causal attention.
-    # Every layer has the same window; the attention backends read it (minisgl.attention)
+    # Every layer has it, or those `layer_types` names sliding; the attention backends read it
+    # (minisgl.attention)
     sliding_window: int | None = None
     # vision-language models (VL_TEXT_FAMILIES): the vision encoder's config (a
     # `minisgl.models.vision.VisionConfig`), the placeholder token of image embeddings, and M-RoPE's split
@@ -131,20 +139,56 @@ class ModelConfig:
     image_token_id: int | None = None
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
-    # gpt-oss (minisgl.models.gpt_oss): the layers that attend to every earlier token although the model
-    # has a `sliding_window` (its "full_attention" layer_types); learned attention sinks (a logit per head
-    # in the softmax's denominator); the experts' clamped SwiGLU (None: plain SwiGLU) and biases; its
-    # experts stored as MXFP4 in the checkpoint (dequantized at load, minisgl.models.mxfp4)
-    full_attention_layers: tuple[int, ...] = ()
+    # per-layer attention (Gemma 2 / 3, gpt-oss): each layer's "sliding_attention" (within
+    # `sliding_window`) or "full_attention"; (): all layers alike (`sliding_window` or none).
+    # `local_rope`: the sliding layers' RoPE (Gemma 3; None: `rope`)
+    layer_types: tuple[str, ...] = ()
+    local_rope: RopeConfig | None = None
+    # gpt-oss (minisgl.models.gpt_oss): learned attention sinks (a logit per head in the softmax's
+    # denominator); the experts' clamped SwiGLU (None: plain SwiGLU) and biases; its experts stored as
+    # MXFP4 in the checkpoint (dequantized at load, minisgl.models.mxfp4)
     attention_sinks: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     mxfp4_experts: bool = False
+    # Gemma 2 / 3 and Phi-3 (minisgl.models.config_families): the MLP's activation ("silu"; "gelu_tanh":
+    # GeGLU), RMSNorm weights stored as offsets from `norm_offset` (Gemma: 1 + weight), Gemma's four
+    # norms a layer (`sandwich_norms`: after attention and after the MLP too), embeddings times
+    # sqrt(hidden_size), the softmax scale (None: head_dim ** -0.5), tanh soft caps of the attention
+    # scores and of the final logits (None: none)
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rotary_dim: int = 0  # the rotated columns of a head (Phi-3's partial_rotary_factor); 0: head_dim
+    fused_checkpoint: bool = False  # Phi-3: qkv_proj and gate_up_proj are one tensor each in the checkpoint
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer_id] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def is_multimodal(self) -> bool:
         """Takes images (a vision-language model)."""
         return self.vision is not None
+
+    @property
+    def why_no_images(self) -> str:
+        """Why this model takes no images and what to do instead (for a request that carries some)."""
+        if self.architecture == "Gemma3ForConditionalGeneration":
+            return (
+                f"minisgl serves only the text model of {self.architecture}; its vision tower (SigLIP) is not "
+                "implemented yet: send text only, or serve a Qwen2.5-VL or Qwen3-VL model (docs/vision.md)"
+            )
+        return (
+            f"{self.architecture} is a text-only model: send text only, or serve a vision-language model "
+            "(docs/vision.md)"
+        )
 
     @property
     def has_lm_head(self) -> bool:
@@ -182,8 +226,10 @@ class ModelConfig:
         top = raw
         if family in VL_TEXT_FAMILIES:  # the text model's keys are under text_config (transformers 5)
             raw = {**raw, **(raw.get("text_config") or {})}
+        elif arch == "Gemma3ForConditionalGeneration":
+            raw = {**GEMMA3_TEXT_DEFAULTS, **raw, **(raw.get("text_config") or {})}
         keys = _Keys(raw, source, f" for {arch}")
-        _check_unsupported_features(keys)
+        _check_unsupported_features(keys, family)
 
         hidden_size = keys.integer("hidden_size", le=MAX_WIDTH)
         num_layers = keys.integer("num_hidden_layers")
@@ -206,14 +252,15 @@ class ModelConfig:
         text_family = VL_TEXT_FAMILIES.get(family, family)
         # transformers 5 writes `dtype`, older versions `torch_dtype`
         dtype, torch_dtype = keys.text("dtype", None), keys.text("torch_dtype", None)
-        return cls(
+        head_dim = _head_dim(keys, hidden_size, num_heads)
+        fields: dict[str, Any] = dict(
             architecture=arch,
             family=family,
             hidden_size=hidden_size,
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_head_dim(keys, hidden_size, num_heads),
+            head_dim=head_dim,
             intermediate_size=keys.integer("intermediate_size", le=MAX_WIDTH),
             vocab_size=vocab_size,
             rms_norm_eps=keys.number("rms_norm_eps", 1e-6),
@@ -235,6 +282,9 @@ class ModelConfig:
             **gpt_oss,
             **(_vision(top, keys, family) if family in VL_TEXT_FAMILIES else {}),
         )
+        if family in ("gemma2", "gemma3", "phi3"):
+            fields.update(family_fields(keys, family, num_layers, head_dim))
+        return cls(**fields)
 
     @classmethod
     def from_path(cls, model_path: str | Path) -> ModelConfig:
@@ -247,104 +297,6 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not a valid JSON file ({e})") from e
         return cls.from_dict(raw, source=str(path))
-
-
-_REQUIRED: Any = object()  # the default of a key that must be given
-
-
-class _Keys:
-    """Reads the keys of one JSON object of config.json and checks each one's type and range.
-
-    Errors start with the file and read ``key=value must be ...``; ``names`` maps a key to how messages
-    name it where that differs (the RoPE parameters: ``rope_scaling.factor``)."""
-
-    def __init__(
-        self, raw: Mapping[str, Any], source: str, context: str = "", names: Mapping[str, str] | None = None
-    ) -> None:
-        self.raw, self.source, self.context, self.names = raw, source, context, names or {}
-
-    def error(self, key: str, value: Any, valid: str) -> ValueError:
-        return ValueError(f"{self.source}: {self.names.get(key, key)}={_show(value)} must be {valid}")
-
-    def get(self, key: str, default: Any) -> tuple[Any, bool]:
-        """(value, given): the key's value, or `default` where it is absent or, with a default, null."""
-        if key not in self.raw:
-            if default is _REQUIRED:
-                raise ValueError(f"{self.source}: missing required key {key!r}{self.context}")
-            return default, False
-        value = self.raw[key]
-        if value is None and default is not _REQUIRED:
-            return default, False
-        return value, True
-
-    def integer(
-        self, key: str, default: Any = _REQUIRED, *, ge: int = 1, le: int = MAX_COUNT, why: str = ""
-    ) -> Any:
-        value, given = self.get(key, default)
-        if given and not (_is_int(value) and ge <= value <= le):
-            raise self.error(key, value, f"an integer in [{ge}, {le}]{why}")
-        return value
-
-    def number(self, key: str, default: Any = _REQUIRED, *, gt: float = 0.0) -> float:
-        value, given = self.get(key, default)
-        if given and not (_is_finite_number(value) and value > gt):
-            raise self.error(key, value, f"a finite number > {gt:g}")
-        return float(value) if given else value
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        value, given = self.get(key, default)
-        if given and not isinstance(value, bool):
-            raise self.error(key, value, "true or false")
-        return value
-
-    def text(self, key: str, default: Any = _REQUIRED) -> Any:
-        value, given = self.get(key, default)
-        if given and not isinstance(value, str):
-            raise self.error(key, value, "a string")
-        return value
-
-    def object(self, key: str) -> dict[str, Any]:
-        value, given = self.get(key, {})
-        if given and not isinstance(value, dict):
-            raise self.error(key, value, "a JSON object or null")
-        return value
-
-    def token_ids(self, key: str, vocab_size: int) -> tuple[int, ...]:
-        """One token id or a list of them, each in [0, vocab_size)."""
-        value, _ = self.get(key, [])
-        ids = value if isinstance(value, list) else [value]
-        if not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
-            raise self.error(
-                key, value, f"a token id in [0, {vocab_size - 1}] or a list of them (vocab_size={vocab_size})"
-            )
-        return tuple(ids)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_finite_number(value: Any) -> bool:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an integer too large for a float
-        return False
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _show(value: Any) -> str:
-    """`value` as config.json writes it (true, null, "64"), cut short where it is long."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _architecture(raw: dict[str, Any], source: str) -> tuple[str, str]:
@@ -360,9 +312,9 @@ def _architecture(raw: dict[str, Any], source: str) -> tuple[str, str]:
     return arch, SUPPORTED_ARCHITECTURES[arch]
 
 
-def _check_unsupported_features(keys: _Keys) -> None:
+def _check_unsupported_features(keys: _Keys, family: str) -> None:
     hidden_act, _ = keys.get("hidden_act", "silu")
-    if hidden_act != "silu":
+    if hidden_act != "silu" and family not in ("gemma2", "gemma3"):  # Gemma's: config_families
         raise ValueError(
             f'{keys.source}: hidden_act={_show(hidden_act)} is not supported; minisgl supports "silu"'
         )
@@ -465,47 +417,6 @@ def _sliding_window(keys: _Keys) -> int | None:
     if "sliding_window" not in keys.raw:
         return MISTRAL_DEFAULT_WINDOW
     return keys.integer("sliding_window", None, le=MAX_POSITIONS)
-
-
-def _rope_config(keys: _Keys) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta included); older configs write `rope_theta` and
-    # `rope_scaling` separately. `rope_parameters` wins where both set a key.
-    scaling, params = keys.object("rope_scaling"), keys.object("rope_parameters")
-    names = {**{k: f"rope_scaling.{k}" for k in scaling}, **{k: f"rope_parameters.{k}" for k in params}}
-    rope = _Keys({**scaling, **params}, keys.source, names=names)
-    theta = rope.number("rope_theta", None)
-    if theta is None:
-        theta = keys.number("rope_theta", 10000.0)
-    rope_type = rope.raw.get("rope_type", rope.raw.get("type", "default"))
-    if rope_type == "mrope":  # Qwen2.5-VL's older configs: the default frequencies, split by mrope_section
-        rope_type = "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        key = "rope_type" if "rope_type" in rope.raw else "type"
-        raise ValueError(
-            f"{keys.source}: {names[key]}={_show(rope_type)} is not supported; minisgl supports rope types "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    low_freq_factor = rope.number("low_freq_factor", 1.0)
-    high_freq_factor = rope.number("high_freq_factor", 4.0)
-    if rope_type == "llama3" and high_freq_factor <= low_freq_factor:
-        raise rope.error("high_freq_factor", high_freq_factor, f"> low_freq_factor={low_freq_factor:g}")
-    truncate, _ = rope.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise rope.error("truncate", truncate, "true or false")
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=rope.number("factor", 1.0),
-        low_freq_factor=low_freq_factor,
-        high_freq_factor=high_freq_factor,
-        original_max_position_embeddings=rope.integer(
-            "original_max_position_embeddings", 8192, le=MAX_POSITIONS
-        ),
-        beta_fast=rope.number("beta_fast", 32.0),
-        beta_slow=rope.number("beta_slow", 1.0),
-        truncate=truncate,
-        attention_factor=rope.number("attention_factor", None),
-    )
 
 
 def _vision(top: dict[str, Any], keys: _Keys, family: str) -> dict[str, Any]:

@@ -113,11 +113,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.layers = nn.ModuleList(GptOssLayer(cfg) for _ in range(cfg.num_layers))
         self._init_kv_scales(cfg.num_layers)
 
-    def _attention(self, layer, layer_id, qkv, rope, fused_rope, lora=None) -> torch.Tensor:
+    def _attention(self, layer, layer_id, qkv, rope, fused_rope, lora=None, table=None) -> torch.Tensor:
         """`LlamaForCausalLM._attention`'s arguments; RoPE unfused, then attention with the layer's sinks."""
         cfg, heads = self.cfg, layer.heads
         if fused_rope:  # `rope` holds the positions: the fused kernel does not add sinks
-            rope = rope_cos_sin(rope, self.cos_sin, qkv.dtype)
+            rope = rope_cos_sin(rope, self.cos_sin if table is None else table, qkv.dtype)
         num_tokens, d = qkv.shape[0], cfg.head_dim
         q, k, v = qkv.split([heads.num_heads * d, heads.num_kv_heads * d, heads.num_kv_heads * d], dim=-1)
         q, k = apply_rope(q.view(num_tokens, -1, d), k.view(num_tokens, -1, d), rope)

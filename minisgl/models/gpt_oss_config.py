@@ -5,35 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.models.config_keys import MAX_POSITIONS, _Keys, layer_types
 from minisgl.models.mxfp4 import check_mxfp4_shape
 
-MAX_POSITIONS = 2**31 - 1  # minisgl.models.config's bound
-
-LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_WINDOW = 128  # transformers' GptOssConfig
 
 
-def gpt_oss_fields(keys: Any, num_layers: int) -> dict[str, Any]:
+def gpt_oss_fields(keys: _Keys, num_layers: int) -> dict[str, Any]:
     """The fields of a gpt-oss config.json (`keys`: minisgl.models.config's reader of it), as published (`rope_scaling`, `rope_theta`,
     `quantization_config` of MXFP4) or as transformers 5 saves it (`rope_parameters`); `window` is the
     sliding window (the caller's `sliding_window`)."""
     raw = keys.raw
     window = None if "sliding_window" in raw and raw["sliding_window"] is None else DEFAULT_WINDOW
     window = keys.integer("sliding_window", window, le=MAX_POSITIONS)
-    types, given = keys.get("layer_types", None)
-    if not given:  # transformers' default: sliding, full, sliding, ...
-        types = [LAYER_TYPES[i % 2] for i in range(num_layers)]
-    if not (isinstance(types, list) and len(types) == num_layers and all(t in LAYER_TYPES for t in types)):
-        raise keys.error(
-            "layer_types", types, f'a list of {num_layers} of "sliding_attention" / "full_attention"'
-        )
     experts_key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
     num_experts = keys.integer(experts_key)
     top_k_key = "num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token"
     inter = keys.integer("intermediate_size", le=2**20)
     return dict(
         window=window,
-        full_attention_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        layer_types=layer_types(keys, num_layers, 2),  # transformers' default: sliding, full, ...
         attention_sinks=True,
         num_experts=num_experts,
         num_experts_per_tok=keys.integer(top_k_key, 4, le=num_experts, why=f" ({experts_key}={num_experts})"),
@@ -45,7 +36,7 @@ def gpt_oss_fields(keys: Any, num_layers: int) -> dict[str, Any]:
     )
 
 
-def _mxfp4(keys: Any, inter: int) -> bool:
+def _mxfp4(keys: _Keys, inter: int) -> bool:
     """Whether the checkpoint's experts are MXFP4 (`quantization_config.quant_method: mxfp4`)."""
     quant = keys.object("quantization_config")
     if not quant:

@@ -1,5 +1,8 @@
 """Llama-style dense decoders: Llama (2, 3.x, SmolLM2), Mistral (Llama's layers under a sliding attention
-window, `ModelConfig.sliding_window`), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+window, `ModelConfig.sliding_window`), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 2 and 3 (GeGLU,
+1 + weight norms folded in at load, four norms a layer, scaled embeddings, soft caps, sliding and full
+layers with their own RoPE) and Phi-3 (fused checkpoint projections, partial rotary, LongRoPE): the
+families' options of `ModelConfig` (minisgl.models.config_families).
 
 The module only holds weights; `forward` composes the pure functions of `minisgl.layers`, with Q/K/V
 and gate/up merged (fewer, larger GEMMs). `checkpoint_map` gives each tensor-parallel rank its `Shard`
@@ -34,6 +37,7 @@ from minisgl.layers import (
 from minisgl.layers.basic import lm_head
 from minisgl.layers.fp8 import Fp8Linear
 from minisgl.layers.lora import LoraBatch, lora_add
+from minisgl.layers.rope import longrope_positions
 from minisgl.models.config import ModelConfig
 from minisgl.models.fp8 import (
     KvScale,
@@ -44,7 +48,7 @@ from minisgl.models.fp8 import (
     make_projection,
     projection_map,
 )
-from minisgl.models.weights import Shard
+from minisgl.models.weights import Fused, Shard
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -92,15 +96,43 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(hidden)
         self.gate_up_proj = make_projection(projections["gate_up_proj"], cfg, tp.size)
         self.down_proj = make_projection(projections["down_proj"], cfg, tp.size)
+        # Gemma: the norms of the attention's and the MLP's outputs (`post_norm` is the one before the MLP)
+        self.post_attn_norm = _param(hidden) if cfg.sandwich_norms else None
+        self.post_mlp_norm = _param(hidden) if cfg.sandwich_norms else None
+
+    def norms(self) -> list[torch.Tensor]:
+        """The layer's RMSNorm weights."""
+        norms = (
+            self.input_norm,
+            self.post_norm,
+            self.q_norm,
+            self.k_norm,
+            self.post_attn_norm,
+            self.post_mlp_norm,
+        )
+        return [norm for norm in norms if norm is not None]
 
     def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor | Shard]:
-        out: dict[str, torch.Tensor | Shard] = {
-            f"{prefix}.input_layernorm.weight": self.input_norm,
-            f"{prefix}.post_attention_layernorm.weight": self.post_norm,
-        }
+        out: dict[str, torch.Tensor | Shard | Fused] = {f"{prefix}.input_layernorm.weight": self.input_norm}
+        if self.post_attn_norm is None:
+            out[f"{prefix}.post_attention_layernorm.weight"] = self.post_norm
+        else:
+            out[f"{prefix}.post_attention_layernorm.weight"] = self.post_attn_norm
+            out[f"{prefix}.pre_feedforward_layernorm.weight"] = self.post_norm
+            out[f"{prefix}.post_feedforward_layernorm.weight"] = self.post_mlp_norm
         for attr, projection in self.projections.items():
             weight: torch.Tensor | Fp8Linear = getattr(self, attr)
-            out.update(projection_map(prefix, projection, weight, cfg))
+            entries = projection_map(prefix, projection, weight, cfg)
+            if cfg.fused_checkpoint and len(projection.names) > 1:  # Phi-3: one tensor of the merged rows
+                if cfg.quantization is not None and cfg.quantization.in_checkpoint:
+                    raise ValueError(
+                        f"FP8 checkpoints of {cfg.architecture} (fused {attr}) are not supported; load the "
+                        "unquantized checkpoint with the setting quantization: fp8"
+                    )
+                parts = tuple(entries.pop(f"{prefix}.{name}.weight") for name in projection.names)
+                module = "self_attn" if attr == "qkv_proj" else "mlp"
+                entries[f"{prefix}.{module}.{attr}.weight"] = Fused(parts)
+            out.update(entries)
         qkv = self.projections["qkv_proj"]
         for index, name, rows in qkv.row_slices():
             segment = qkv.segments[index]
@@ -131,10 +163,22 @@ class LlamaForCausalLM(nn.Module):
         untied = cfg.has_lm_head and not cfg.tie_word_embeddings
         self.lm_head = _param(vocab, cfg.hidden_size) if untied else None
         self.prefix = "model." if cfg.has_lm_head else ""  # of the checkpoint's decoder names
-        self.register_buffer(
-            "cos_sin",
-            build_rope_cache(cfg.head_dim, max_seq_len, cfg.rope, self.embed_tokens.device),
-            persistent=False,
+        self.max_seq_len = max_seq_len
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        device = self.embed_tokens.device
+        table = build_rope_cache(self.rotary_dim, max_seq_len, cfg.rope, device)
+        self.register_buffer("cos_sin", table, persistent=False)
+        # Gemma 3: the sliding layers' RoPE table (their own base); None: every layer reads `cos_sin`
+        local = (
+            None if cfg.local_rope is None else build_rope_cache(self.rotary_dim, max_seq_len, cfg.local_rope)
+        )
+        self.register_buffer("cos_sin_local", None if local is None else local.to(device), persistent=False)
+        self.local_layers = {i for i in range(cfg.num_layers) if cfg.layer_window(i) is not None}
+        # Gemma: sqrt(hidden_size) in the model's dtype (transformers rounds it so)
+        self.embed_multiplier = (
+            float(torch.tensor(cfg.hidden_size**0.5, dtype=self.embed_tokens.dtype))
+            if cfg.embed_scale
+            else None
         )
         self._init_kv_scales(cfg.num_layers)
         self.mrope_axes: torch.Tensor | None = None  # M-RoPE's column axes (minisgl.models.qwen_vl)
@@ -172,6 +216,14 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint tensors the model takes where they are present: the KV-cache scales."""
         return frozenset(self._kv_scale_map())
 
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Gemma's norms scale by 1 + weight: the 1 is added to the loaded weights once (every kernel then
+        runs them as plain RMSNorm weights)."""
+        if self.cfg.norm_offset:
+            for norm in [self.norm, *(n for layer in self.layers for n in layer.norms())]:
+                norm.add_(self.cfg.norm_offset)
+
     def checkpoint_ignored(self) -> frozenset[str]:
         # tied checkpoints sometimes still store a copy of the embedding as lm_head
         tied = frozenset({"lm_head.weight"}) if self.lm_head is None else frozenset()
@@ -189,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         when `last_indices` is None). `lora`: each row's adapter slot of `lora_pool` (without a pool, or
         None: the base model, and not one op more). Vision-language models (minisgl.models.qwen_vl):
         positions may be (3, T) M-RoPE positions, and `images` the embeddings of the image tokens."""
-        hidden = self.hidden_states(input_ids, positions, lora, images)
+        hidden = self.hidden_states(input_ids, positions, lora, images, last_indices)
         if last_indices is not None:
             hidden = hidden[last_indices]
         return self.logits(self.final_norm(hidden))
@@ -199,10 +251,13 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits of rows after `final_norm` (a bare model's head is its tied embedding)."""
-        return lm_head(
+        """float32 logits of rows after `final_norm` (a bare model's head is its tied embedding), soft-capped
+        where the model caps them (Gemma 2)."""
+        logits = lm_head(
             hidden, self.embed_tokens if self.lm_head is None else self.lm_head, self.cfg.vocab_size
         )
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def hidden_states(
         self,
@@ -210,29 +265,45 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         lora: LoraBatch | None = None,
         images: ImageBatch | None = None,
+        last_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every row's hidden state after the last decoder layer, before the final norm (`images`: as
-        `forward` takes them)."""
+        """Every row's hidden state after the last decoder layer, before the final norm (`images`,
+        `last_indices`: as `forward` takes them; LongRoPE reads the requests' extents from the latter)."""
         cfg = self.cfg
         lora = lora if self.lora_pool is not None else None
         hidden = embed(input_ids, self.embed_tokens)
+        if self.embed_multiplier is not None:
+            hidden = hidden * self.embed_multiplier
+        if cfg.rope.rope_type == "longrope":  # the rows of the short or the long factors' table
+            original = cfg.rope.original_max_position_embeddings
+            positions = longrope_positions(positions, last_indices, original, self.max_seq_len)
         if images is not None:  # image embeddings replace those of their placeholder tokens
             hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
         # the fused q/k-norm + RoPE + KV-store kernel reads cos and sin itself (1D positions only); the
         # unfused path looks the rows up once per forward
         fused_rope = (
-            fused_kernels_mode() and positions.dim() == 1 and rope_store_applies(hidden, cfg.head_dim)
+            fused_kernels_mode()
+            and positions.dim() == 1
+            and self.rotary_dim == cfg.head_dim
+            and rope_store_applies(hidden, cfg.head_dim)
         )
-        rope = (
-            positions if fused_rope else rope_cos_sin(positions, self.cos_sin, hidden.dtype, self.mrope_axes)
-        )
+        tables = [self.cos_sin] if self.cos_sin_local is None else [self.cos_sin, self.cos_sin_local]
+        ropes = [
+            positions if fused_rope else rope_cos_sin(positions, table, hidden.dtype, self.mrope_axes)
+            for table in tables
+        ]
         residual = None  # the first layer's input norm has no residual to add
         for layer_id, layer in enumerate(self.layers):
             qkv, residual = self._norm_linear(
                 layer_id, "qkv_proj", hidden, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias, lora
             )
-            hidden = self._attention(layer, layer_id, qkv, rope, fused_rope, lora)
+            local = len(tables) > 1 and layer_id in self.local_layers
+            hidden = self._attention(layer, layer_id, qkv, ropes[local], fused_rope, lora, tables[local])
+            if layer.post_attn_norm is not None:
+                hidden = rms_norm(hidden, layer.post_attn_norm, cfg.rms_norm_eps)
             hidden, residual = self._mlp(layer, layer_id, hidden, residual, lora)
+            if layer.post_mlp_norm is not None:
+                hidden = rms_norm(hidden, layer.post_mlp_norm, cfg.rms_norm_eps)
             if images is not None and layer_id < len(images.deepstack):  # Qwen3-VL's DeepStack features
                 hidden = hidden.index_add(0, images.rows, images.deepstack[layer_id].to(hidden.dtype))
         return residual + hidden
@@ -289,9 +360,9 @@ class LlamaForCausalLM(nn.Module):
             layer_id, "gate_up_proj", hidden, residual, layer.post_norm, layer.gate_up_proj, None, lora
         )
         if lora is None or "down_proj" not in self.lora_pool.sizes:
-            return all_reduce(silu_mul_linear(gate_up, layer.down_proj)), residual
+            return all_reduce(silu_mul_linear(gate_up, layer.down_proj, self.cfg.hidden_act)), residual
         gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = (F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")) * up
         return all_reduce(
             self._lora(lora, layer_id, "down_proj", act, linear(act, layer.down_proj))
         ), residual
@@ -304,16 +375,17 @@ class LlamaForCausalLM(nn.Module):
         rope: torch.Tensor,
         fused_rope: bool,
         lora: LoraBatch | None = None,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention from the QKV projection's output, then the row-parallel o_proj (its LoRA delta added
-        before the all-reduce). `rope`: the positions (fused kernel) or the cos and sin rows of
-        `rope_cos_sin` (unfused)."""
+        before the all-reduce). `rope`: the positions (fused kernel, which reads `table`, the layer's
+        RoPE table) or the cos and sin rows of `rope_cos_sin` (unfused)."""
         cfg, heads = self.cfg, layer.heads  # this rank's heads
         num_tokens = qkv.shape[0]
         q_size, kv_size = heads.num_heads * cfg.head_dim, heads.num_kv_heads * cfg.head_dim
         if fused_rope:
             out = rope_attention(
-                qkv, rope, self.cos_sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, layer_id,
+                qkv, rope, self.cos_sin if table is None else table, layer.q_norm, layer.k_norm, cfg.rms_norm_eps, layer_id,
                 heads.num_heads, heads.num_kv_heads, cfg.head_dim,
             )  # fmt: skip
         else:

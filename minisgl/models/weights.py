@@ -62,7 +62,12 @@ class Destination(Protocol):
 def source_dtype(source: Any) -> str:
     """The safetensors dtype name of a lazy slice ('BF16', 'F8_E4M3', ...) or of a tensor."""
     if isinstance(source, torch.Tensor):
-        names = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float16: "F16"}
+        names = {
+            torch.float8_e4m3fn: "F8_E4M3",
+            torch.bfloat16: "BF16",
+            torch.float16: "F16",
+            torch.float32: "F32",
+        }
         return names.get(source.dtype, str(source.dtype).removeprefix("torch."))
     return source.get_dtype()
 
@@ -95,6 +100,34 @@ class Shard:
             source[(slice(None),) * self.dim + (slice(start, stop),)]
         )
         self.dest.narrow(self.dim, stop - start, size - (stop - start)).zero_()
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One checkpoint tensor that holds several destinations' tensors along its rows, in order (Phi-3's
+    qkv_proj and gate_up_proj): each `parts` entry (a tensor or a `Destination`) receives its rows."""
+
+    parts: tuple[Any, ...]
+
+    @staticmethod
+    def _shape(dest: Any) -> tuple[int, ...]:
+        return tuple(dest.shape) if isinstance(dest, torch.Tensor) else tuple(dest.full_shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shapes = [self._shape(dest) for dest in self.parts]
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+    def load(self, source: Any) -> None:
+        start = 0
+        for dest in self.parts:
+            rows = self._shape(dest)[0]
+            part = source[start : start + rows]
+            if isinstance(dest, torch.Tensor):
+                dest.copy_(part)
+            else:
+                dest.load(part)
+            start += rows
 
 
 @torch.no_grad()

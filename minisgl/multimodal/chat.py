@@ -67,10 +67,7 @@ class VisionPrompter:
     def check_count(self, count: int) -> None:
         """Raises a ValueError for `count` images to a text-only model, or more than the setting allows."""
         if not self.model_config.is_multimodal:
-            raise ValueError(
-                f"the request carries {count} image(s), but {self.model_config.architecture} is a "
-                "text-only model: send text only, or serve a vision-language model (docs/vision.md)"
-            )
+            raise ValueError(f"the request carries {count} image(s), but {self.model_config.why_no_images}")
         limit = self.media.max_images_per_request
         if count > limit:
             raise ValueError(

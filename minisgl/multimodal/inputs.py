@@ -145,10 +145,7 @@ def check_images(config: ModelConfig, prompt: Sequence[int], images: ImageInputs
             )
         return
     if not config.is_multimodal:
-        raise ValueError(
-            f"images were given, but {config.architecture} is a text-only model: send text only, or serve "
-            "a vision-language model (docs/vision.md)"
-        )
+        raise ValueError(f"images were given, but {config.why_no_images}")
     if images.mrope_positions.shape[1] != len(prompt):
         raise ValueError(
             f"the images were prepared for a prompt of {images.mrope_positions.shape[1]} tokens, not this "

@@ -57,7 +57,8 @@ def test_bf16_logits_match_transformers(tmp_path) -> None:
     )
     seqs = gpu_seqs()
     engine = Engine(EngineConfig(model_path=str(folder), dtype=torch.bfloat16, device="cuda", page_size=16))
-    assert isinstance(engine.attn_backend, TorchAttnBackend) and engine.attn_backend.full_layers == {1}
+    assert isinstance(engine.attn_backend, TorchAttnBackend) and engine.attn_backend.options.sinks
+    assert engine.attn_backend.options.window_layers == (True, False, True)
     got = teacher_forced_logits(engine, seqs, GPU_PROMPT_LENS, GPU_STEPS)
     engine.shutdown()
     err = rel_err(got, reference_logits(folder, seqs, GPU_PROMPT_LENS, GPU_STEPS))
