@@ -50,7 +50,7 @@ def durations(session: nox.Session) -> None:
     files"). Arguments after `--` go to pytest after those: `nox -s durations -- tests/test_tp.py`
     measures that file again and keeps the others' times."""
     _install(session)
-    args = ["-q", *XDIST, "--record-durations", "tests/durations.json", *session.posargs]
+    args = ["-q", *XDIST, "--record-durations", *session.posargs]
     session.run(
         "python", "-m", "pytest", *args, env={**OFFLINE, "OMP_NUM_THREADS": "1"}, success_codes=[0, 5]
     )
