@@ -22,6 +22,9 @@ from hypothesis import HealthCheck, settings
 # minisgl.kernels, so it is set here, before any test module imports minisgl.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from interpreter import skip_repeated_patching
+
+    skip_repeated_patching()
 
 logging.basicConfig(level=logging.INFO)
 
