@@ -391,6 +391,7 @@ def serve(quiet: bool, **kwargs: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics; SGLang's /generate) on --host (127.0.0.1) and --port until SIGINT or
     SIGTERM; --dp N runs N replicas behind it (docs/scale-out.md)."""
+    from minisgl.launch.tp import exit_now
     from minisgl.server.app import serve as run_server
     from minisgl.server.replicas import replica_settings
 
@@ -402,7 +403,13 @@ def serve(quiet: bool, **kwargs: Any) -> None:
         replica_settings(EngineSettings.load(kwargs["config"], **explicit), explicit)
     except (SettingsError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-    run_server(explicit, kwargs["config"])
+    try:
+        run_server(explicit, kwargs["config"])
+    except SystemExit as e:  # as Python ends on it: a message goes to stderr with status 1
+        if isinstance(e.code, str):
+            sys.stderr.write(e.code + "\n")
+        exit_now(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
+    exit_now()  # the server stopped: the process ends without tearing its modules down
 
 
 @main.command()

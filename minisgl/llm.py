@@ -33,7 +33,7 @@ from minisgl.multimodal.inputs import ImageInputs, ImagePrompt, check_images
 from minisgl.scheduler import RequestState, Scheduler
 from minisgl.scheduler.speculative import Speculator, max_verify_batch
 from minisgl.settings import EngineSettings
-from minisgl.templates import load_tokenizer, render_chat
+from minisgl.templates import eos_token_id_from_files, load_tokenizer, render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -161,17 +161,28 @@ class LLM:
         self.model_name = Path(model_path).name
         has_tokenizer = any((Path(model_path) / name).is_file() for name in TOKENIZER_FILES)
         # dummy-weight folders hold only config.json: token-id prompts still work, texts are empty
-        self.tokenizer = load_tokenizer(model_path) if has_tokenizer else None
+        self._tokenizer: Any = None
+        self._tokenizer_path = model_path if has_tokenizer else None
+        self._tokenizer_lock = threading.Lock()
+        # detokenize=False (the server's scheduler process) needs the tokenizer for structured output's
+        # grammars only: it loads at the first use (transformers' imports take seconds of a start)
+        # unless the EOS id can only be had from it
+        eos_id = eos_token_id_from_files(model_path) if has_tokenizer and not detokenize else None
+        tokenizer = self.tokenizer if has_tokenizer and eos_id is None else None
+        if tokenizer is not None:
+            eos_id = tokenizer.eos_token_id
         self.scheduler = Scheduler(
             self.engine,
             scheduler_config,
-            eos_token_ids=_eos_token_ids(model_path, self.engine, self.tokenizer),
-            tokenizer=self.tokenizer if detokenize else None,
-            grammar_tokenizer=self.tokenizer,
+            eos_token_ids=_eos_token_ids(model_path, self.engine, eos_id),
+            tokenizer=tokenizer if detokenize else None,
+            grammar_tokenizer=tokenizer,
             model_name=self.model_name,
             link=None if self.group is None else self.group.link,
             speculator=self._speculator(scheduler_config),
         )
+        if tokenizer is None and has_tokenizer:
+            self.scheduler.grammars.load_tokenizer = lambda: self.tokenizer
         if self.group is not None:
             self.group.start(self.scheduler)
         # embeddings (docs/embeddings.md): the pooling and normalization served; pooling files minisgl
@@ -192,6 +203,16 @@ class LLM:
         self._closed = False
         self._closing = False  # a shutdown waits for the lock: stepping threads let it have it
         self._prompter: VisionPrompter | None = None  # messages with images (`vision_prompter`)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (None: the model folder has none); with detokenize=False
+        loaded at the first use."""
+        if self._tokenizer is None and self._tokenizer_path is not None:
+            with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self._tokenizer_path)
+        return self._tokenizer
 
     def _draft_footprint(self, engine_config: Any) -> Any:
         """With speculative_method 'draft': the draft model's weights and KV bytes per page, which the
@@ -647,13 +668,13 @@ def _has_parts(messages: list[dict[str, Any]]) -> bool:
     return any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
-def _eos_token_ids(model_path: str, engine: Engine, tokenizer: Any) -> set[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer together."""
+def _eos_token_ids(model_path: str, engine: Engine, tokenizer_eos: int | None) -> set[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer's (`tokenizer_eos`) together."""
     ids = set(engine.config.model_config.eos_token_ids)
     gen_config = Path(model_path) / "generation_config.json"
     if gen_config.is_file():
         eos = json.loads(gen_config.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    if tokenizer_eos is not None:
+        ids.add(tokenizer_eos)
     return ids

@@ -30,6 +30,39 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return tokenizer
 
 
+def eos_token_id_from_files(folder: str | os.PathLike[str]) -> int | None:
+    """The id `load_tokenizer(folder).eos_token_id` has, read from the folder's tokenizer_config.json
+    and tokenizer.json without transformers (whose imports take seconds): the `eos_token` the config
+    names, found among tokenizer.json's added tokens or its vocabulary. None where these files cannot
+    tell for sure (no such files, a special_tokens_map.json, no EOS named, the token not found, or two
+    files disagreeing): then only the tokenizer can."""
+    root = Path(folder)
+    if (root / "special_tokens_map.json").exists():
+        return None
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str) or not isinstance(model, dict):
+        return None
+    ids = set()
+    for entry in config.get("added_tokens_decoder", {}).items():
+        if isinstance(entry[1], dict) and entry[1].get("content") == eos:
+            ids.add(int(entry[0]))
+    for token in model.get("added_tokens") or ():
+        if isinstance(token, dict) and token.get("content") == eos:
+            ids.add(token.get("id"))
+    vocab = (model.get("model") or {}).get("vocab")
+    if not ids and isinstance(vocab, dict) and eos in vocab:
+        ids.add(vocab[eos])
+    found = ids.pop() if len(ids) == 1 else None
+    return found if isinstance(found, int) else None
+
+
 def json_chat_template(folder: str | os.PathLike[str]) -> str | dict[str, str] | None:
     """The chat template of `folder`'s `chat_template.json`: its `chat_template` string (or named
     templates: an object of strings, or a list of {"name", "template"} as tokenizer_config.json writes

@@ -56,7 +56,7 @@ class Process:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         output = self.output()  # before `stop` closes the log
         self.stop()
         raise AssertionError(f"{what} did not happen in {timeout} s:\n{output}")

@@ -15,13 +15,15 @@ MASTER_ADDR and MASTER_PORT set): rank 0 runs the LLM as usual, the others run `
 from __future__ import annotations
 
 import ast
+import atexit
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from minisgl.core import FatalEngineError
 from minisgl.engine import Engine
@@ -74,6 +76,24 @@ def worker_main(
     finally:
         link.close()
         engine.shutdown(abort=failed)  # rank 0 tears down with us unless this rank failed
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """Ends this process as a return from its main would, less the interpreter's teardown: the atexit
+    handlers run (logging's flush, multiprocessing's finalizers and children), the output is flushed,
+    then the process exits. Freeing every module and object of torch and transformers one by one
+    (seconds of a server's stop) changes nothing outside the process."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _spawned_worker(*args: Any) -> None:
+    """`worker_main` in a rank `start_workers` spawned: the process ends with it."""
+    worker_main(*args)
+    exit_now()
 
 
 class TPGroup:
@@ -184,7 +204,7 @@ def start_workers(
     ctx = mp.get_context("spawn")
     workers = [
         ctx.Process(
-            target=worker_main,
+            target=_spawned_worker,
             args=(rank, settings, config, os.getpid(), setup),
             daemon=True,
             name=f"minisgl-rank{rank}",

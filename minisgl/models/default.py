@@ -61,9 +61,10 @@ def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     The cache directory is `cache_dir`, else $MINISGL_CACHE_DIR, else $XDG_CACHE_HOME/minisgl
     (~/.cache/minisgl when XDG_CACHE_HOME is unset).
     """
+    ready = prepared_default_model_path(cache_dir)
+    if ready is not None:
+        return ready
     target = _cache_root(cache_dir) / _FOLDER_NAME
-    if _is_complete(target):
-        return target
     gguf_path = _find_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target)
@@ -75,6 +76,12 @@ def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed into place
     return target
+
+
+def prepared_default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """`default_model_path`'s folder where it is prepared already, else None (this prepares nothing)."""
+    target = _cache_root(cache_dir) / _FOLDER_NAME
+    return target if _is_complete(target) else None
 
 
 def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:

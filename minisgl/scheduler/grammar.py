@@ -212,8 +212,14 @@ class Grammars:
         except Exception as e:  # xgrammar raises RuntimeError, ValueError, its own errors...
             return _invalid(field, e)
 
+    # where `tokenizer` is None: a function that loads it at the first grammar (the server's scheduler
+    # process loads none at its start: LLM.tokenizer)
+    load_tokenizer: Callable[[], Any] | None = None
+
     def _get_compiler(self, field: str) -> Any:
         if self._compiler is None:
+            if self.tokenizer is None and self.load_tokenizer is not None:
+                self.tokenizer = self.load_tokenizer()
             if self.tokenizer is None:
                 raise ValueError(f"{field} needs the model's tokenizer, and this model folder has none")
             import xgrammar as xgr

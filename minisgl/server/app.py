@@ -42,12 +42,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             yield
         finally:
-            if state.client is not None:
-                await state.client.close()
-            if state.tokenizers is not None:
-                state.tokenizers.shutdown()
-            if state.trace is not None:
-                state.trace.close()
+            await state.close()
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 

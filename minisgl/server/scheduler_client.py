@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.core import SamplingParams
+from minisgl.launch.tp import exit_now
 from minisgl.server.jobs import Choice
 from minisgl.server.replicas import kill_process_group
 from minisgl.server.worker import (
@@ -56,7 +57,8 @@ def _scheduler_entry(devices: str | None, *args: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if devices is not None:  # a data-parallel replica's GPUs (before anything here touches CUDA)
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
-    scheduler_main(*args)
+    scheduler_main(*args)  # raises SystemExit(1) when the engine fails
+    exit_now()
 
 
 class SchedulerClient:
@@ -287,10 +289,22 @@ class SchedulerClient:
             choice.job.news(step_time, sent, now)
 
     async def _watch(self) -> None:
-        while self.failed is None:
-            await asyncio.sleep(0.5)
-            if not self.proc.is_alive():
-                self._fail(f"the scheduler process exited (exit code {self.proc.exitcode})")
+        """Fails the client when the scheduler process exits: at once when its sentinel turns readable,
+        else (a process it forked holds the sentinel open) at the next check, every 0.5 s."""
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        sentinel = self.proc.sentinel
+        loop.add_reader(sentinel, lambda: exited.done() or exited.set_result(None))
+        try:
+            while self.proc.is_alive():
+                if exited.done():  # its end of the sentinel closed: it is exiting
+                    self.proc.join()
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), 0.5)
+        finally:
+            loop.remove_reader(sentinel)
+        self._fail(f"the scheduler process exited (exit code {self.proc.exitcode})")
 
     def _fail(self, error: str) -> None:
         if self.failed is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from minisgl.metrics import HotHistogram
+from minisgl.models.default import DEFAULT_MODEL_ALIAS, prepared_default_model_path
 from minisgl.scheduler.grammar import Grammars
 from minisgl.server import protocol
 from minisgl.server.jobs import Job, trace_record
@@ -61,6 +63,9 @@ class ServerState:
             settings.to_media_config()
         )  # image inputs (docs/vision.md): read by the tokenizer workers
         self.explicit, self.config = explicit, config
+        self.model_path = settings.model_path
+        # the tokenizers' load: (model folder, its future), started with the engine where the folder is known
+        self._tokenizing: tuple[str, asyncio.Future] | None = None
         self.tp_size, self.dp_size = settings.tp_size, settings.dp_size
         self.allow_runtime_lora = settings.allow_runtime_lora  # POST /v1/load_lora_adapter and unload
         self.replicas = replica_settings(settings, explicit)  # per replica: settings, GPUs
@@ -101,7 +106,39 @@ class ServerState:
             restart = server.engine_restart
             self.client = Replicas(self.replicas, self.config, self.client_class, restart=restart, **limits)
         self.client.on_failure = self.on_failure
+        # the tokenizers load while the engine starts, where its model folder is known before it is up
+        folder = self._known_model_folder()
+        if folder is not None:
+            self._tokenizing = (folder, asyncio.ensure_future(self._load_tokenizers(folder)))
         asyncio.create_task(self._when_ready())
+
+    def _known_model_folder(self) -> str | None:
+        """The folder the engine will load its model from, where that is known now: a local folder,
+        or the default model's prepared already (None: a hub id, or the default model to prepare)."""
+        model = self.model_path
+        if model is None or model == DEFAULT_MODEL_ALIAS:
+            folder = prepared_default_model_path()
+            return None if folder is None else str(folder)
+        return model if Path(model).is_dir() else None
+
+    async def _load_tokenizers(self, path: str) -> tuple[Any, Any, TokenizerPool] | None:
+        """The tokenizers of the model folder `path` (None: it has none): the encoder (with the
+        setting chat_template's template, or a chat_template.json's), the decoder and the prompts'
+        pool, started."""
+        if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        load = load_tokenizer
+        encoder, decoder = await asyncio.to_thread(lambda: (load(path), load(path)))
+        if self.chat_template is not None:
+            encoder.chat_template = self.chat_template
+        workers = self.server.tokenizer_workers or default_workers()
+        pool = TokenizerPool(path, workers, self.chat_template, self.media)
+        try:
+            await pool.warm()
+        except BaseException:
+            pool.shutdown()
+            raise
+        return encoder, decoder, pool
 
     async def _when_ready(self) -> None:
         client = self.client
@@ -110,19 +147,18 @@ class ServerState:
         if self.served_model is None:
             self.served_model = info["model_name"]
         path = info["model_path"]
-        if any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-            load = load_tokenizer  # with a chat_template.json's template
-            self.encoder, self.decoder = await asyncio.to_thread(lambda: (load(path), load(path)))
-            if self.chat_template is not None:
-                self.encoder.chat_template = self.chat_template
+        if self._tokenizing is None or not os.path.samefile(self._tokenizing[0], path):
+            self._close_tokenizing()  # loaded for a folder other than the engine's
+            self._tokenizing = (path, asyncio.ensure_future(self._load_tokenizers(path)))
+        loaded = await self._tokenizing[1]
+        if loaded is not None:
+            self.encoder, self.decoder, self.tokenizers = loaded
+            self.tokenizers.limit(info["max_context"])
             if self.server.tool_call_parser and "tools" not in str(self.encoder.chat_template or ""):
                 logger.warning(
                     "tool_call_parser is set but the chat template never reads `tools`: the model will "
                     "not see them (configs/templates/hermes-tools.jinja renders them; docs/tools.md)"
                 )
-            workers = self.server.tokenizer_workers or default_workers()
-            self.tokenizers = TokenizerPool(path, workers, self.chat_template, self.media)
-            await self.tokenizers.warm(info["max_context"])
         self.limit = info["max_running_req"] + self.server.max_waiting_requests
         # structured output's check before a request is sent on (compiles lazily: nothing until used)
         self.grammars = Grammars(
@@ -139,6 +175,27 @@ class ServerState:
         self.registry.register(self.delivery)
         self.ready = True
         logger.info("serving %s at http://%s:%d/v1", self.served_model, self.server.host, self.server.port)
+
+    def _close_tokenizing(self) -> None:
+        """Shuts the pool of the tokenizers being loaded down once they are (where they were not used)."""
+
+        def done(future: asyncio.Future) -> None:
+            loaded = None if future.cancelled() or future.exception() else future.result()
+            if loaded is not None and loaded[2] is not self.tokenizers:
+                loaded[2].shutdown()
+
+        if self._tokenizing is not None:
+            self._tokenizing[1].add_done_callback(done)
+
+    async def close(self) -> None:
+        """At the server's end: stops the scheduler process(es), the tokenizers, the request trace."""
+        if self.client is not None:
+            await self.client.close()
+        if self.tokenizers is not None:
+            self.tokenizers.shutdown()
+        self._close_tokenizing()
+        if self.trace is not None:
+            self.trace.close()
 
     def served(self) -> protocol.Served:
         """The names the `model` field may take now: the served model's, then its LoRA adapters'."""

@@ -186,6 +186,7 @@ class TokenizerPool:
     ) -> None:
         self.workers = workers
         self.max_bytes: int | None = None  # set by `limit`: longer prompts are refused untokenized
+        self._per_token: int | None = None  # `token_bytes_bound` (found by `warm`)
         self._large = ThreadPoolExecutor(
             1,
             thread_name_prefix="minisgl-tokenize-large",
@@ -235,14 +236,17 @@ class TokenizerPool:
         future = self._lane(len(text)).submit(encode_text_with_images, text, refs)
         return await asyncio.wrap_future(future)
 
-    async def warm(self, max_context: int) -> None:
+    async def warm(self) -> None:
         """Starts the workers (each loads the tokenizer and compiles its chat template) before the
-        first request needs one, and sets the byte bound of a prompt of `max_context` tokens."""
+        first request needs one, and finds the most bytes of text a token stands for (`limit`)."""
         jobs = [self.text("warm") for _ in range(self.workers)]
-        per_token, *_ = await asyncio.gather(
+        self._per_token, *_ = await asyncio.gather(
             asyncio.wrap_future(self._large.submit(token_bytes_bound)), *jobs
         )
-        self.max_bytes = None if per_token is None else max_context * per_token
+
+    def limit(self, max_context: int) -> None:
+        """Sets the byte bound of a prompt of `max_context` tokens (after `warm`)."""
+        self.max_bytes = None if self._per_token is None else max_context * self._per_token
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
