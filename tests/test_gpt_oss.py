@@ -181,6 +181,37 @@ def test_radix_cache_chunks_and_preemption(tiny_gpt_oss) -> None:
     engine.shutdown()
 
 
+def test_logprobs_equal_transformers_log_softmax(tiny_gpt_oss) -> None:
+    """Sampled (temperature 0.9, seeded) with logprobs and prompt_logprobs, a prompt past the window:
+    each token's log probability and its top 3 equal `torch.log_softmax` of transformers' logits on the
+    same sequence (float32, within 1e-4; top ids the same, the random model has no ties)."""
+    folder = tiny_gpt_oss[0]
+    prompt = _prompts([13], seed=9)[0]
+    engine = _engine(folder)
+    sched = Scheduler(engine, SchedulerConfig(), eos_token_ids=[2])
+    params = SamplingParams(
+        max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    state = sched.add_request(prompt, params)
+    while sched.has_work():
+        sched.step()
+    engine.shutdown()
+    ids = prompt + state.output_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    scored = [*list(state.prompt_logprobs)[1:], *state.logprobs]  # tokens 1 .. len(ids) - 1
+    assert len(scored) == len(ids) - 1 and list(state.prompt_logprobs)[0] is None
+    for p, entry in enumerate(scored):
+        assert entry.token_id == ids[p + 1]
+        assert abs(entry.logprob - ref[p, ids[p + 1]].item()) < 1e-4, p
+        top = ref[p].topk(3)
+        assert [t for t, _ in entry.top] == top.indices.tolist(), p
+        assert torch.allclose(
+            torch.tensor([v for _, v in entry.top], dtype=torch.float64), top.values, atol=1e-4
+        )
+
+
 GPT_OSS_20B = {
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
