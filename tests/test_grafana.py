@@ -165,10 +165,11 @@ def send_requests(server: Server, count: int) -> None:
 
 
 @pytest.fixture(scope="module", params=["2", "1"], ids=["dp2", "dp1"])
-def server(request) -> Iterator[Server]:
-    """`minisgl-run serve --dp N` on the default model, with every family's series present: one round
-    of requests served before the tests look."""
-    srv = Server("--dp", request.param, "--max-running-req", "8")
+def server(request, tiny_server_args: list[str]) -> Iterator[Server]:
+    """`minisgl-run serve --dp N`, with every family's series present: one round of requests served
+    before the tests look. The metrics are the front end's and the schedulers', whatever the model: a
+    tiny one served as the default one (conftest.py)."""
+    srv = Server(*tiny_server_args, "--dp", request.param, "--max-running-req", "8")
     try:
         send_requests(srv, 4)
         yield srv
