@@ -6,9 +6,11 @@ with greedy generation; bad inputs answered 400 while the server goes on."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -68,15 +70,28 @@ def folders(smollm2_path, tmp_path_factory) -> dict[str, Path]:
     return {"last": smollm2_path, "mean": mean, "bare": bare}
 
 
+@functools.lru_cache(maxsize=1)
+def _auto_model(folder: Path) -> torch.nn.Module:
+    """transformers' AutoModel of `folder`, float32, in eval mode: loaded once for a folder's run of
+    `reference` calls (the default model's load is most of a call), one folder's model kept at a time."""
+    import transformers
+
+    return transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_reference_model() -> Iterator[None]:
+    """The cached reference model goes with the module (the worker runs other modules after it)."""
+    yield
+    _auto_model.cache_clear()
+
+
 def reference(folder: Path, ids: list[int], mode: str | None = None, normalize: bool = True) -> torch.Tensor:
     """transformers' AutoModel `last_hidden_state` pooled by `mode` (default: as the folder says, else
     last), normalized unless told not to."""
-    import transformers
-
     mode = mode or folder_pooling(folder)[0] or "last"
-    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        hidden = _auto_model(folder)(torch.tensor([ids])).last_hidden_state[0]
     pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[mode]
     return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
 
