@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: one process per rank (spawned), gloo collectives, the same tokens as TP=1.
+"""Tensor parallelism on CPU: one process per rank (spawned, kept for the module: tests/tp_ranks.py),
+gloo collectives, the same tokens as TP=1.
 
 Every rank builds its own Engine and runs the same prompts in lockstep; greedy decoding makes every rank
 produce the same tokens. Each run also returns the first step's (prefill) logits, compared to TP=1.
@@ -7,154 +8,63 @@ produce the same tokens. Each run also returns the first step's (prefill) logits
 from __future__ import annotations
 
 import json
-import os
-import queue
-import socket
 import time
-import traceback
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 from conftest import make_tiny_model, rel_err
+from tp_ranks import (
+    COLLECTIVE_TIMEOUT_S,
+    MAX_TOKENS,
+    PROMPTS,
+    RankFailure,
+    RankPool,
+    make_engine,
+    run_prompts,
+)
 
-from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo, HeadShard, set_tp_info, shard_heads
-from minisgl.engine import Engine, EngineConfig
 from minisgl.models import ModelConfig, build_model
 from minisgl.models.weights import Shard
-from minisgl.scheduler import BatchPreparer, generate
-
-PROMPTS = [[5, 17, 42, 9, 100, 3], [7], list(range(20, 61)), [300, 12, 250, 8]]
-MAX_TOKENS = 8
-RUN_TIMEOUT_S = 240.0  # a whole multi-rank run, spawn included
-COLLECTIVE_TIMEOUT_S = 60.0  # a dead rank fails the others' collectives after this long
 
 
-def _engine(model_path: Path, tp: DistributedInfo, port: int = 0, dummy: bool = False) -> Engine:
-    return Engine(
-        EngineConfig(
-            model_path=str(model_path),
-            tp_info=tp,
-            device="cpu",
-            dtype=torch.float32,
-            max_running_req=len(PROMPTS),
-            max_seq_len_override=128,
-            distributed_addr=f"tcp://127.0.0.1:{port}",
-            distributed_timeout=COLLECTIVE_TIMEOUT_S,
-            use_dummy_weight=dummy,
-        )
-    )
-
-
-def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], np.ndarray]:
-    """(generated tokens, first-step logits) of the prompts."""
-    prep = BatchPreparer(engine)
-    reqs = [prep.add_request(p, SamplingParams(max_tokens=1)) for p in prompts]
-    logits = engine.forward_logits(prep.prefill(reqs)).numpy()
-    prep.release(reqs)
-    return generate(engine, prompts, SamplingParams(max_tokens=max_tokens), preparer=prep), logits
-
-
-def _worker(
-    rank: int,
-    size: int,
-    model_path: Path,
-    port: int,
-    prompts: list[list[int]],
-    max_tokens: int,
-    dummy: bool,
-    crash_rank: int | None,
-    results,
-) -> None:
-    torch.set_num_threads(1)  # the ranks share this machine's few cores
-    engine = None
+@pytest.fixture(scope="module")
+def ranks():
+    """The module's rank processes (tests/tp_ranks.py): started once, each a rank of one run after another."""
+    pool = RankPool()
     try:
-        engine = _engine(model_path, DistributedInfo(rank, size), port, dummy)
-        if rank == crash_rank:
-            os._exit(1)  # dies without a word, as a crashed process would
-        tokens, logits = _run(engine, prompts, max_tokens)
-        results.put((rank, "ok", (tokens, logits)))
-    except BaseException as e:  # noqa: BLE001  (reported to the test, which fails)
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        yield pool
     finally:
-        if engine is not None:
-            engine.shutdown()
+        pool.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_tp(
-    model_path: Path,
-    size: int,
-    prompts: list[list[int]] = PROMPTS,
-    max_tokens: int = MAX_TOKENS,
-    dummy: bool = False,
-    crash_rank: int | None = None,
-) -> list[tuple[str, object]]:
-    """Runs `size` ranks in spawned processes; returns each rank's ("ok", (tokens, logits)) or
-    ("error", message). Never hangs: a rank that dies without reporting, or a run past the deadline,
-    fails the test, and every process is killed on the way out."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(rank, size, model_path, port, prompts, max_tokens, dummy, crash_rank, results),
-            daemon=True,
-        )
-        for rank in range(size)
-    ]
-    got: dict[int, tuple[str, object]] = {}
+def run_tp(ranks: RankPool, model_path: Path, size: int, **kw) -> list[tuple[str, object]]:
+    """Runs `size` ranks (`RankPool.run`); returns each rank's ("ok", (tokens, logits)) or ("error",
+    message). Never hangs: a rank that dies without reporting, or a run past the deadline, fails the
+    test, and the run's ranks that did not report are killed."""
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while len(got) < size:
-            # ranks already exited before the wait: what they sent is in the pipe by now
-            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-                got[rank] = (status, payload)
-                continue
-            except queue.Empty:
-                pass
-            if dead:
-                pytest.fail(
-                    f"rank(s) {dead} of {size} exited (codes {[procs[r].exitcode for r in dead]}) without a result"
-                )
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"TP={size} run did not finish in {RUN_TIMEOUT_S:.0f} s; results from ranks {sorted(got)}"
-                )
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        results.close()
-    return [got[rank] for rank in range(size)]
+        return ranks.run(model_path, size, **kw)
+    except RankFailure as e:
+        pytest.fail(str(e))
 
 
 def assert_tp_matches_single(
-    model_path: Path, size: int, prompts=PROMPTS, max_tokens=MAX_TOKENS, logits_tol: float = 1e-5
+    ranks: RankPool,
+    model_path: Path,
+    size: int,
+    prompts=PROMPTS,
+    max_tokens=MAX_TOKENS,
+    logits_tol: float = 1e-5,
 ) -> None:
-    single = _engine(model_path, DistributedInfo())
+    single = make_engine(model_path, DistributedInfo())
     try:
-        want_tokens, want_logits = _run(single, prompts, max_tokens)
+        want_tokens, want_logits = run_prompts(single, prompts, max_tokens)
     finally:
         single.shutdown()
-    for rank, (status, payload) in enumerate(run_tp(model_path, size, prompts, max_tokens)):
+    outcomes = run_tp(ranks, model_path, size, prompts=prompts, max_tokens=max_tokens)
+    for rank, (status, payload) in enumerate(outcomes):
         assert status == "ok", f"rank {rank} of {size} failed: {payload}"
         tokens, logits = payload
         err = rel_err(torch.from_numpy(logits), torch.from_numpy(want_logits))
@@ -179,30 +89,32 @@ def test_shard_heads():
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tp2_matches_tp1(tiny_model, arch):
+def test_tp2_matches_tp1(tiny_model, arch, ranks):
     """llama: llama3 RoPE scaling; mistral: a sliding window (12); qwen2: q/k/v biases; qwen3: q/k norms.
     4 query, 2 KV heads: split."""
-    assert_tp_matches_single(tiny_model(arch), 2)
+    assert_tp_matches_single(ranks, tiny_model(arch), 2)
 
 
-def test_tp4_replicates_kv_heads(tiny_model):
+def test_tp4_replicates_kv_heads(tiny_model, ranks):
     """4 query heads, 2 KV heads, 4 ranks: one query head per rank, each with a copy of its KV head;
     tied embeddings, so the vocab-parallel LM head reuses the embedding's slice."""
-    assert_tp_matches_single(tiny_model("llama", tie_word_embeddings=True), 4)
+    assert_tp_matches_single(ranks, tiny_model("llama", tie_word_embeddings=True), 4)
 
 
-def test_tp3_smollm2(smollm2_path):
+def test_tp3_smollm2(smollm2_path, ranks):
     """The real SmolLM2-135M-Instruct: 9 heads, 3 KV heads, intermediate 1536, vocab 49152 over 3 ranks."""
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 30], [504, 3458, 282, 4649, 314], [42] * 3]
-    assert_tp_matches_single(smollm2_path, 3, prompts, max_tokens=16, logits_tol=1e-4)  # 30 layers: ~3e-6
+    assert_tp_matches_single(
+        ranks, smollm2_path, 3, prompts, max_tokens=16, logits_tol=1e-4
+    )  # 30 layers: ~3e-6
 
 
 @pytest.mark.parametrize(("arch", "size", "tied"), [("qwen3", 2, False), ("llama", 4, True)])
-def test_vocab_the_ranks_do_not_divide(tiny_model, arch, size, tied):
+def test_vocab_the_ranks_do_not_divide(tiny_model, arch, size, tied, ranks):
     """A vocabulary of 317 (prime): each rank holds ceil(317 / size) rows, the last ones zero padding, and
     the gathered logits are cut back to 317 columns (tied: the LM head reuses the padded embedding)."""
     folder = tiny_model(arch, vocab_size=317, tie_word_embeddings=tied)
-    assert_tp_matches_single(folder, size)
+    assert_tp_matches_single(ranks, folder, size)
 
 
 def test_padded_shard_loads_its_part():
@@ -215,26 +127,26 @@ def test_padded_shard_loads_its_part():
     assert torch.equal(torch.cat(parts)[:5], full) and torch.equal(parts[2][1], torch.zeros(2))
 
 
-def test_sizes_that_do_not_divide(tiny_model):
+def test_sizes_that_do_not_divide(tiny_model, ranks):
     folder = tiny_model("llama")  # 4 heads, intermediate 96, vocab 320
     with pytest.raises(
         ValueError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"
     ):
-        _engine(folder, DistributedInfo(0, 3))
+        make_engine(folder, DistributedInfo(0, 3))
     odd = tiny_model("llama", intermediate_size=90)
     with pytest.raises(
         ValueError, match="intermediate_size=90 is not divisible by the tensor-parallel size 4"
     ):
-        _engine(odd, DistributedInfo(0, 4))
+        make_engine(odd, DistributedInfo(0, 4))
     # the same error reaches a real multi-process launch, from every rank, without hanging
-    for status, message in run_tp(folder, 3):
+    for status, message in run_tp(ranks, folder, 3):
         assert status == "error" and "num_attention_heads=4 is not divisible" in message
 
 
-def test_tp2_qwen3_moe_matches_tp1(tiny_model):
+def test_tp2_qwen3_moe_matches_tp1(tiny_model, ranks):
     """Qwen3-MoE: 8 experts, top-2, moe_intermediate_size 32 split over 2 ranks (every rank holds every
     expert's half), replicated router, all-reduced MoE output; layer 1 is dense (mlp_only_layers)."""
-    assert_tp_matches_single(tiny_model("qwen3_moe"), 2)
+    assert_tp_matches_single(ranks, tiny_model("qwen3_moe"), 2)
 
 
 def test_qwen3_moe_shards_experts(tmp_path):
@@ -271,21 +183,21 @@ def test_qwen3_moe_shards_experts(tmp_path):
         set_tp_info(DistributedInfo())
 
 
-def test_dummy_weights_under_tp(tmp_path):
+def test_dummy_weights_under_tp(tmp_path, ranks):
     """Dummy weights fill each rank's local shards without a checkpoint; the ranks still agree."""
     folder = make_tiny_model(tmp_path, "qwen3")
     for file in folder.glob("*.safetensors"):
         file.unlink()
-    outcomes = run_tp(folder, 2, dummy=True)
+    outcomes = run_tp(ranks, folder, 2, dummy=True)
     assert [status for status, _ in outcomes] == ["ok", "ok"], outcomes
     (tokens0, _), (tokens1, _) = (payload for _, payload in outcomes)
     assert tokens0 == tokens1 and all(len(t) == MAX_TOKENS for t in tokens0)
 
 
-def test_dead_rank_fails_fast(tiny_model):
+def test_dead_rank_fails_fast(tiny_model, ranks):
     """A rank that dies mid-run fails the test at once (not after the collective timeout), and the
     surviving rank, stuck in a collective, is killed."""
     started = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"rank\(s\) \[1\] of 2 exited"):
-        run_tp(tiny_model("llama"), 2, crash_rank=1)
+        run_tp(ranks, tiny_model("llama"), 2, crash_rank=1)
     assert time.monotonic() - started < COLLECTIVE_TIMEOUT_S
