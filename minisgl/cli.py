@@ -155,7 +155,7 @@ def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
 
 
 def _make_llm(kwargs: dict[str, Any]):
-    from minisgl.launch import launched_rank, worker_main
+    from minisgl.launch.tp import exit_now, launched_rank, worker_main
     from minisgl.llm import LLM, resolve_model
 
     logging.basicConfig(
@@ -168,7 +168,7 @@ def _make_llm(kwargs: dict[str, Any]):
         if "model_path" in explicit:
             explicit["model_path"] = resolve_model(explicit["model_path"])
         worker_main(rank, {"tp_size": size, "distributed_addr": "env://", **explicit}, kwargs["config"])
-        sys.exit(0)
+        exit_now()  # as a spawned rank ends: no interpreter teardown
     model = explicit.pop("model_path", None)
     if kwargs["metrics_port"] is not None:
         try:

@@ -12,6 +12,10 @@ from minisgl.llm import LLM
 
 pytestmark = pytest.mark.slow
 
+# the KV pool of a `minisgl-run` rank of SmolLM2: 218 pages (3488 tokens), plenty for these prompts; the
+# default budget (10% of the RAM) commits about 1 GB in each of the 3 ranks at start, seconds of CPU
+SMALL_KV = ["--cpu-kv-budget-gib", "0.05"]
+
 
 def _addr() -> str:
     with socket.socket() as s:
@@ -111,6 +115,7 @@ def test_cli_generate_tp3_on_the_default_model(smollm2_path):
             "3",
             "--device",
             "cpu",
+            *SMALL_KV,
             "--distributed-addr",
             _addr(),
             "-q",
@@ -146,6 +151,7 @@ def test_torchrun_style_ranks_from_the_environment(smollm2_path):
         "8",
         "--device",
         "cpu",
+        *SMALL_KV,
         "-q",
     ]
     procs = [
