@@ -95,6 +95,14 @@ def test_tp2_matches_tp1(tiny_model, arch, ranks):
     assert_tp_matches_single(ranks, tiny_model(arch), 2)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "gpt_oss"])
+def test_tp2_matches_tp1_for_the_newer_families(tiny_model, arch, ranks):
+    """gemma2: soft caps and a window of 7; gemma3: q/k norms and RoPE per layer type; phi3: fused
+    qkv / gate_up split at load, then sharded, partial rotary and LongRoPE; gpt_oss: sinks sharded with
+    their heads, biased experts and YaRN. Prompts past every window and past Phi-3's LongRoPE threshold."""
+    assert_tp_matches_single(ranks, tiny_model(arch), 2)
+
+
 def test_tp4_replicates_kv_heads(tiny_model, ranks):
     """4 query heads, 2 KV heads, 4 ranks: one query head per rank, each with a copy of its KV head;
     tied embeddings, so the vocab-parallel LM head reuses the embedding's slice."""
