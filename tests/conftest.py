@@ -55,6 +55,19 @@ def smollm2_server():
         assert srv.stop() == 0, srv.output()
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    """A module's tensor-parallel rank processes (tests/tp_ranks.py, `assert_tp_matches_single` of
+    test_tp.py): started once, each a rank of one run after another."""
+    from tp_ranks import RankPool
+
+    pool = RankPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     """`tiny_model(arch, **overrides)`: `make_tiny_model`'s folder (`tokenizer=True`:

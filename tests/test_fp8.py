@@ -319,11 +319,11 @@ def test_tp_ranks_hold_their_blocks(tmp_path, tiny_model):
     [((16, 16), {}), (None, {"head_dim": 64, "intermediate_size": 256})],
     ids=["blocks", "per-tensor"],
 )
-def test_tp2_fp8_checkpoint_matches_tp1(tmp_path, tiny_model, block, shape):
+def test_tp2_fp8_checkpoint_matches_tp1(tmp_path, tiny_model, block, shape, ranks):
     from test_tp import assert_tp_matches_single
 
     folder = write_fp8_checkpoint(tiny_model("qwen3", **shape), tmp_path / "fp8", block)
-    assert_tp_matches_single(folder, 2, logits_tol=1e-4)
+    assert_tp_matches_single(ranks, folder, 2, logits_tol=1e-4)
 
 
 @pytest.mark.parametrize(

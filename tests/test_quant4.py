@@ -261,12 +261,12 @@ def test_qwen3_moe_experts_are_dequantized(tmp_path, tiny_model, monkeypatch):
     eng.shutdown()
 
 
-def test_tp2_matches_tp1(tmp_path, tiny_model):
+def test_tp2_matches_tp1(tmp_path, tiny_model, ranks):
     """GPTQ with act order over 2 ranks: rows and columns split on group boundaries, each rank's g_idx."""
     from test_tp import assert_tp_matches_single
 
     folder = write_checkpoint(tiny_model("llama"), tmp_path / "q", "gptq-4bit-g32-actorder-asym-v1")
-    assert_tp_matches_single(folder, 2, max_tokens=4)
+    assert_tp_matches_single(ranks, folder, 2, max_tokens=4)
 
 
 def test_lora_over_a_packed_base(tmp_path, tiny_model, monkeypatch):

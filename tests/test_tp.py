@@ -30,16 +30,6 @@ from minisgl.models import ModelConfig, build_model
 from minisgl.models.weights import Shard
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    """The module's rank processes (tests/tp_ranks.py): started once, each a rank of one run after another."""
-    pool = RankPool()
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
 def run_tp(ranks: RankPool, model_path: Path, size: int, **kw) -> list[tuple[str, object]]:
     """Runs `size` ranks (`RankPool.run`); returns each rank's ("ok", (tokens, logits)) or ("error",
     message). Never hangs: a rank that dies without reporting, or a run past the deadline, fails the
