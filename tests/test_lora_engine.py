@@ -128,12 +128,27 @@ def test_chunked_prefill_keeps_the_adapter(llama):
     assert rel_err(logits[0], refs["all"][1][0]) < 1e-4 and rel_err(logits[1], refs[None][3][0]) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe", "mistral"])
+# Phi-3's modules as PEFT sees them: q/k/v and gate/up fused (minisgl cuts an adapter on them at the
+# parts' rows), a rank and an alpha of their own
+PHI3 = dict(
+    r=2,
+    lora_alpha=4,
+    target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    rank_pattern={"gate_up_proj": 4},
+    alpha_pattern={"qkv_proj": 6},
+)
+
+
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "qwen2", "qwen3_moe", "mistral", "gemma2", "gemma3", "phi3", "gpt_oss"]
+)
 def test_other_families_match_peft(tmp_path, tiny_model, arch):
     """Qwen3 (q/k norms, head_dim != hidden / heads), Qwen2 (q/k/v biases: the unfused norm path),
-    Qwen3-MoE (attention projections only) and Mistral."""
+    Qwen3-MoE and gpt-oss (attention projections only), Mistral, Gemma 2 and 3, Phi-3 (its fused
+    modules)."""
     folder = tiny_model(arch)
-    lora = ATTENTION if arch == "qwen3_moe" else ADAPTERS["all"]
+    moe = arch in ("qwen3_moe", "gpt_oss")
+    lora = ATTENTION if moe else PHI3 if arch == "phi3" else ADAPTERS["all"]
     adapter = _save_adapter(folder, tmp_path / "adapter", 7, **lora)
     engine = _engine(folder, max_loras=2)
     engine.load_lora(1, engine.read_lora("a", adapter))

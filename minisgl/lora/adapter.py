@@ -10,6 +10,10 @@ holds A stacked by segment, (n_seg, rank, in_local), and B with the scaling fold
 rank), zero where a module has a smaller rank or no adapter. Column-parallel projections (qkv, gate_up)
 keep this rank's rows of B, row-parallel ones (o, down) its columns of A: the model all-reduces their
 output, and the ranks' B (A_r x_r) sum to B A x. Everything else is refused with a `LoraError`.
+
+Phi-3 (`fused_checkpoint`) has one module for q/k/v (`qkv_proj`) and one for gate/up (`gate_up_proj`),
+as transformers builds it, so PEFT targets those: an adapter on a fused module reads as one on each of
+its parts, with the same A, B's rows cut at the parts' sizes, the fused module's r and alpha.
 """
 
 from __future__ import annotations
@@ -88,19 +92,32 @@ def lora_projections(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> di
 
 
 def supported_modules(cfg: ModelConfig) -> tuple[str, ...]:
-    """The modules of a layer that take LoRA: q/k/v/o_proj, and gate/up/down_proj but in a MoE model."""
-    return tuple(n.rpartition(".")[2] for proj in lora_projections(cfg).values() for n in proj.names)
+    """The modules of a layer that take LoRA, as PEFT names them: q/k/v/o_proj, and gate/up/down_proj
+    but in a MoE model (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
+    return tuple(n.rpartition(".")[2] for n in _peft_parts(cfg))
 
 
 def _module_names(cfg: ModelConfig) -> list[str]:
     """The names of every module that takes LoRA, as in transformers (model.layers.0.self_attn.q_proj)."""
-    names = [n for proj in lora_projections(cfg).values() for n in proj.names]
-    return [_full(i, name) for i in range(cfg.num_layers) for name in names]
+    return [_full(i, name) for i in range(cfg.num_layers) for name in _peft_parts(cfg)]
 
 
 def _full(layer: int, name: str) -> str:
     """The full name of module `name` ("self_attn.q_proj") of `layer`."""
     return f"model.layers.{layer}.{name}"
+
+
+def _peft_parts(cfg: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The modules of a layer as PEFT sees them ("self_attn.qkv_proj" for Phi-3), each with its parts
+    among minisgl's (module name, rows): itself alone where the checkpoint is not fused."""
+    modules: dict[str, tuple[tuple[str, int], ...]] = {}
+    for key, projection in lora_projections(cfg).items():
+        parts = tuple((n, segment.size) for n, segment in zip(projection.names, projection.segments))
+        if cfg.fused_checkpoint and len(parts) > 1:
+            modules[f"{projection.names[0].rpartition('.')[0]}.{key}"] = parts
+        else:
+            modules.update({name: ((name, rows),) for name, rows in parts})
+    return modules
 
 
 def load_adapter(
@@ -128,16 +145,56 @@ def load_adapter(
             "setting max_lora_rank to serve it"
         )
     weights = _read_weights(folder, cfg, set(targeted), where)
+    found = {module_name.rpartition(".")[2] for module_name, _ in weights}
+    scalings = {}
+    for module, r in ranks.items():
+        alpha = _pattern_value(config, "alpha_pattern", "lora_alpha", module)
+        scalings[module] = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+    weights, ranks, scalings = _split_fused(cfg, weights, ranks, scalings, where)
     projections = lora_projections(cfg, tp_rank, tp_size)
     rank = max(ranks.values(), default=0)
     layers = [
-        {p: _packed(i, proj, weights, config, ranks, rank, dtype, where) for p, proj in projections.items()}
+        {p: _packed(i, proj, weights, ranks, scalings, rank, dtype, where) for p, proj in projections.items()}
         for i in range(cfg.num_layers)
     ]
-    found = {module_name.rpartition(".")[2] for module_name, _ in weights}
     return LoraAdapter(
         name, str(path), rank, tuple(m for m in modules if m in found), layers, tp_rank, tp_size
     )
+
+
+def _split_fused(
+    cfg: ModelConfig,
+    weights: dict[tuple[str, str], torch.Tensor],
+    ranks: dict[str, int],
+    scalings: dict[str, float],
+    where: str,
+) -> tuple[dict[tuple[str, str], torch.Tensor], dict[str, int], dict[str, float]]:
+    """Phi-3: each fused module's (A, B), r and scaling as its parts' (the same A, B's rows cut at the
+    parts' sizes); the others unchanged."""
+    fused = {name: parts for name, parts in _peft_parts(cfg).items() if len(parts) > 1}
+    if not fused:
+        return weights, ranks, scalings
+    weights, ranks, scalings = dict(weights), dict(ranks), dict(scalings)
+    for layer in range(cfg.num_layers):
+        for name, parts in fused.items():
+            module = _full(layer, name)
+            if (module, "A") not in weights:
+                continue
+            lora_a, lora_b = weights.pop((module, "A")), weights.pop((module, "B"))
+            r, scaling = ranks.pop(module), scalings.pop(module)
+            rows = sum(size for _, size in parts)
+            if tuple(lora_b.shape) != (rows, r):
+                raise LoraError(
+                    f"{where}: {module}.lora_B.weight has shape {list(lora_b.shape)}, expected {[rows, r]} "
+                    f"(rank r={r} of {CONFIG_FILE}; the fused module has {rows} rows)"
+                )
+            start = 0
+            for part, size in parts:
+                weights[_full(layer, part), "A"] = lora_a
+                weights[_full(layer, part), "B"] = lora_b[start : start + size]
+                ranks[_full(layer, part)], scalings[_full(layer, part)] = r, scaling
+                start += size
+    return weights, ranks, scalings
 
 
 def _resolve(path: str, where: str) -> Path:
@@ -295,8 +352,8 @@ def _packed(
     layer: int,
     projection: Projection,
     weights: dict[tuple[str, str], torch.Tensor],
-    config: dict[str, Any],
     ranks: dict[str, int],
+    scalings: dict[str, float],
     rank: int,
     dtype: torch.dtype,
     where: str,
@@ -322,8 +379,7 @@ def _packed(
                     f"{where}: {module}.{what}.weight has shape {list(tensor.shape)}, expected {list(shape)} "
                     f"(rank r={r} of {CONFIG_FILE}; the model's weight is {list(full)})"
                 )
-        alpha = _pattern_value(config, "alpha_pattern", "lora_alpha", module)
-        scaling = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+        scaling = scalings[module]
         dim, part, parts = projection.split(index)
         if dim == 0:  # column-parallel: this rank's rows of B
             lora_b = lora_b[part * segment.size : (part + 1) * segment.size]
