@@ -27,7 +27,7 @@ def _install(session: nox.Session) -> None:
 # README's test command: two workers, each test file on one (its module fixtures start once), the files
 # handed out in tests/durations.json's order, the slowest first (tests/durations.py, loaded by
 # tests/conftest.py, orders them and turns off xdist's own reorder by test count)
-XDIST = ["-n", "3", "--dist", "loadfile"]
+XDIST = ["-n", "2", "--dist", "loadfile"]
 
 
 @nox.session
