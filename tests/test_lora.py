@@ -117,18 +117,21 @@ def test_mixed_batch_matches_transformers_and_peft(llm, reference) -> None:
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(llm, reference) -> None:
-    """The same (long enough to be cached) prompt under the base and both adapters, one after the other
-    in every order: each gets its own reference's tokens, never another's cached KV."""
+    """The same (long enough to be cached) prompt under the base and both adapters, one after the other,
+    each directly after each of the others (a sequence through all six ordered pairs): each gets its own
+    reference's tokens, never another's cached KV."""
     prompt = llm.tokenizer(" ".join(PROMPTS) * 2)["input_ids"]
     scored = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    for order in itertools.permutations([None, "attn", "mlp"]):
-        for name in order:
-            [out] = llm.generate([prompt], scored, lora=name)
-            assert out.token_ids == reference(prompt, name), (order, name)
-            # log probabilities too: KV of the prompt computed under another adapter would move them
-            # (the tokens alone could survive it)
-            got = [entry.logprob for entry in out.logprobs]
-            assert got == pytest.approx(reference.logprobs(prompt, name), abs=1e-3), (order, name)
+    sequence = [None, "attn", "mlp", "attn", None, "mlp", None]
+    pairs = set(zip(sequence, sequence[1:]))
+    assert pairs == set(itertools.permutations([None, "attn", "mlp"], 2))
+    for step, name in enumerate(sequence):
+        [out] = llm.generate([prompt], scored, lora=name)
+        assert out.token_ids == reference(prompt, name), (step, name)
+        # log probabilities too: KV of the prompt computed under another adapter would move them (the
+        # tokens alone could survive it)
+        got = [entry.logprob for entry in out.logprobs]
+        assert got == pytest.approx(reference.logprobs(prompt, name), abs=1e-3), (step, name)
     assert llm.scheduler.prefix_cached_tokens > 0  # the cache was used: same-adapter repeats hit
     _clean(llm)
 
