@@ -297,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
             qkv, residual = self._norm_linear(
                 layer_id, "qkv_proj", hidden, residual, layer.input_norm, layer.qkv_proj, layer.qkv_bias, lora
             )
-            local = len(tables) > 1 and layer_id in self.local_layers
+            local = (
+                1 if len(tables) > 1 and layer_id in self.local_layers else 0
+            )  # an index (dynamo: no bool)
             hidden = self._attention(layer, layer_id, qkv, ropes[local], fused_rope, lora, tables[local])
             if layer.post_attn_norm is not None:
                 hidden = rms_norm(hidden, layer.post_attn_norm, cfg.rms_norm_eps)

@@ -8,7 +8,7 @@ request of a 4-bit model against bf16 (dummy weights).
 (at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
 and Qwen3-30B-A3B's (attention, and one expert's w13 / w2: the experts themselves are dequantized at
 load); columns: `bf16` (F.linear), `op` (what `torch.ops.minisgl.packed_linear` runs at that row
-count: the GEMV to 16 rows, the GEMM beyond), their ratio (above 1: the packed weights are faster),
+count: the GEMV to 4 rows, dequantize-then-cuBLAS beyond), their ratio (above 1: the packed weights are faster),
 and the op's relative error against dequantize-then-matmul.
 
 `request`: one engine per variant in one process, bf16 then AWQ 4-bit (the model's config.json with an

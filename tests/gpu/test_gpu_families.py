@@ -28,7 +28,9 @@ SHAPES = {
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
     # LongRoPE's switch is on the CPU tests (tests/test_families.py): past these prompts here
-    "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=1024),
+    "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=1024,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)],
+                               "long_factor": [2.0] * 32}),  # a factor per rotated pair (64 of 128 dims)
 }  # fmt: skip
 
 
@@ -40,11 +42,18 @@ def family(request, tmp_path_factory):
     engine = _engine(folder, attention_backend="torch", page_size=16)
     ref = teacher_forced_logits(engine, gpu_seqs(512), PROMPT_LENS, STEPS)
     engine.shutdown()
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        full = [model(torch.tensor([s])).logits[0] for s in gpu_seqs(512)]
-    want = torch.stack([f[n - 1 : n + STEPS] for f, n in zip(full, PROMPT_LENS)])
-    assert rel_err(ref.cpu(), want) < BF16_TOL, arch
+
+    def logits(dtype: torch.dtype) -> torch.Tensor:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        with torch.no_grad():
+            full = [model(torch.tensor([s])).logits[0].float() for s in gpu_seqs(512)]
+        return torch.stack([f[n - 1 : n + STEPS] for f, n in zip(full, PROMPT_LENS)])
+
+    want = logits(torch.float32)
+    # this Gemma 3's logits move 5% in bf16 in transformers itself (its q/k norms at this shape): the
+    # bound is bf16's tolerance or 1.5x transformers' own bf16 error, whichever is larger
+    bound = max(BF16_TOL, 1.5 * rel_err(logits(torch.bfloat16), want))
+    assert rel_err(ref.cpu(), want) < bound, arch
     return folder, ref
 
 

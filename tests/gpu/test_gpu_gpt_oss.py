@@ -61,5 +61,5 @@ def test_bf16_logits_match_transformers(tmp_path) -> None:
     assert engine.attn_backend.options.window_layers == (True, False, True)
     got = teacher_forced_logits(engine, seqs, GPU_PROMPT_LENS, GPU_STEPS)
     engine.shutdown()
-    err = rel_err(got, reference_logits(folder, seqs, GPU_PROMPT_LENS, GPU_STEPS))
+    err = rel_err(got.cpu(), reference_logits(folder, seqs, GPU_PROMPT_LENS, GPU_STEPS))
     assert err < BF16_TOL, f"relative error {err:.2e}"
