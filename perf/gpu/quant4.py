@@ -1,7 +1,7 @@
 """4- and 8-bit projections on the GPU (`minisgl.kernels.packed_gemm`) against bf16 cuBLAS, and one
 request of a 4-bit model against bf16 (dummy weights).
 
-    python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128]
+    python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128] [--sweep]
     python -m perf.gpu.quant4 request [--model configs/models/qwen3-8b] [--new-tokens 512] [--reps 3]
 
 `kernels`: device time per call in microseconds, inside a CUDA graph of calls on distinct weight copies
@@ -43,15 +43,33 @@ SHAPES = [
 ]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_BYTES = 256 * 2**20
+# the GEMV's (BLOCK_N, BLOCK_W, warps) tried by `kernels --sweep`
+GEMV_SWEEP = [(n, w, warps) for n in (8, 16, 32) for w in (32, 64, 128, 256) for warps in (4, 8)]
 
 
-def time_rows(x, dense, qs, scales, zeros, bits) -> tuple[float, float, float]:
-    """(bf16 us, op us, the op's relative error against dequantize-then-matmul) at x's row count."""
+def time_rows(x, dense, qs, scales, zeros, bits, sweep: bool = False) -> tuple[float, float, float]:
+    """(bf16 us, op us, the op's relative error against dequantize-then-matmul) at x's row count; with
+    `sweep` (at most GEMV_MAX_ROWS rows) the op's time is the GEMV's under its fastest block sizes (printed)."""
+    from minisgl.kernels import packed_gemm as P
     from minisgl.kernels.packed_gemm import packed_linear_op, packed_reference
 
     copies = len(qs)
     bf16 = graph_us(lambda: [F.linear(x, w) for w in dense], reps=10) / copies
     op = graph_us(lambda: [packed_linear_op(x, q, scales, zeros, None, None, bits) for q in qs], 10) / copies
+    if sweep and x.shape[0] <= P.GEMV_MAX_ROWS:
+        default, times = P.gemv_config, {}
+        for config in GEMV_SWEEP:
+            if config[0] * config[1] * x.shape[0] <= 4096:  # registers
+                P.gemv_config = lambda m, config=config: config
+                times[config] = graph_us(
+                    lambda: [P.packed_gemv(x, q, scales, zeros, None, None, bits) for q in qs], 10
+                )
+        P.gemv_config = default
+        best = min(times, key=times.get)
+        op = times[best] / copies
+        print(
+            f"  fastest (BLOCK_N, BLOCK_W, warps) at {x.shape[0]} rows: {best}, default {default(x.shape[0])}"
+        )
     call = (x, qs[0], scales, zeros, None, None, bits)
     want = packed_reference(*call).float()
     return bf16, op, ((packed_linear_op(*call).float() - want).norm() / want.norm()).item()
@@ -74,7 +92,7 @@ def kernels(args: argparse.Namespace) -> None:
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16, op, err = time_rows(x, dense, qs, scales, zeros, bits)
+            bf16, op, err = time_rows(x, dense, qs, scales, zeros, bits, args.sweep)
             total[m][0] += bf16
             total[m][1] += op
             print(f"{name:>10} {m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f} {err:9.2e}", flush=True)
@@ -116,6 +134,7 @@ def main() -> None:
     k.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES])
     k.add_argument("--bits", type=int, default=4, choices=(4, 8))
     k.add_argument("--group", type=int, default=128)
+    k.add_argument("--sweep", action="store_true", help="the GEMV's rows at its fastest block sizes")
     r = sub.add_parser("request")
     r.add_argument("--model", default="configs/models/qwen3-8b")
     r.add_argument("--new-tokens", type=int, default=512)
