@@ -28,7 +28,7 @@ try:
 except ImportError:  # CPU-only installs: the reference serves
     triton = None
 
-# the most rows the GEMV (CUDA cores) takes; more run the GEMM (tensor cores)
+# the most rows the GEMV (CUDA cores) takes; more run dequantize-then-cuBLAS
 GEMV_MAX_ROWS = 4
 
 
@@ -70,10 +70,10 @@ if triton is not None:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(ms < M)[:, None] & row_mask[None, :])
 
     @triton.jit
-    def _values(q, j, BITS: tl.constexpr):
-        """The j-th value of each word as float32: OR-ed into the mantissa of 2^23 and 2^23 taken away
-        (exact, and cheaper than an int-to-float conversion)."""
-        u = ((q >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+    def _values(q, shift, BITS: tl.constexpr):
+        """The values at bit `shift` of the words as float32: OR-ed into the mantissa of 2^23 and 2^23
+        taken away (exact, and cheaper than an int-to-float conversion)."""
+        u = ((q >> shift) & ((1 << BITS) - 1)) | 0x4B000000
         return u.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
@@ -99,7 +99,7 @@ if triton is not None:
             ux = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], dtype=tl.float32)
             xs = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
             for j in tl.static_range(PACK):
-                u = _values(q, j, BITS)
+                u = _values(q, j * BITS, BITS)
                 x = _x_slice(x_ptr, perm_ptr, ms, m_mask, words, KW, x_stride, j, PACK, HAS_PERM).to(
                     tl.float32
                 )
@@ -121,25 +121,19 @@ if triton is not None:
         words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         q, s, z = _tile(q_ptr, s_ptr, z_ptr, rows64, row_mask, words, KW, G, PACK, GROUP_WORDS)
         js = tl.arange(0, PACK)
-        u = ((q[:, :, None] >> (js * BITS)[None, None, :]) & ((1 << BITS) - 1)) | 0x4B000000
-        w = (u.to(tl.float32, bitcast=True) - 8388608.0 - z[:, :, None]) * s[:, :, None]
+        w = (_values(q[:, :, None], (js * BITS)[None, None, :], BITS) - z[:, :, None]) * s[:, :, None]
         cols = words[:, None] * PACK + js[None, :]
         out = w_ptr + rows64[:, None, None] * (KW * PACK) + cols[None, :, :]
         mask = row_mask[:, None, None] & (words < KW)[None, :, None]
         tl.store(out, w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def _common(x, qweight, scales, perm, bias, bits):
+def _shape(qweight, scales, bits) -> tuple[int, int, int, int]:
+    """(N, words a row, groups a row, words a group) of a packed weight (a group is a multiple of 32 /
+    bits columns)."""
     n, words = qweight.shape
-    k = words * 32 // bits
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     groups = max(scales.shape[1], 1)
-    group_words = k // groups * bits // 32  # a group's words (a group is a multiple of 32 / bits columns)
-    y = x.new_empty(x.shape[0], n)
-    dummy = qweight  # pointer arguments the kernel does not read
-    args = (perm if perm is not None else dummy, bias if bias is not None else dummy, y)
-    return x, y, (n, words, groups, x.stride(0)), group_words, args
+    return n, words, groups, words // groups
 
 
 def gemv_config(m: int) -> tuple[int, int, int]:
@@ -150,12 +144,16 @@ def gemv_config(m: int) -> tuple[int, int, int]:
 
 def packed_gemv(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = None) -> torch.Tensor:
     """x (M, K), 1 <= M <= GEMV_MAX_ROWS, times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype."""
-    x, y, (n, words, g, stride), group_words, args = _common(x, qweight, scales, perm, bias, bits)
+    n, words, g, group_words = _shape(qweight, scales, bits)
+    x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
+    y = x.new_empty(m, n)
     block_n, block_w, warps = gemv_config(m)
     use_pdl = pdl_enabled(x) if pdl is None else pdl
+    dummy = qweight  # pointer arguments the kernel does not read
     _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, *args, m, n, words, g, stride,
+        x, qweight, scales, zeros, dummy if perm is None else perm, dummy if bias is None else bias, y,
+        m, n, words, g, x.stride(0),
         BITS=bits, GROUP_WORDS=group_words, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n, BLOCK_W=block_w,
         num_warps=warps, **launch_options(use_pdl),
@@ -166,7 +164,7 @@ def packed_gemv(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = 
 def packed_gemm(x, qweight, scales, zeros, perm, bias, bits) -> torch.Tensor:
     """x (M, K) times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype: the weight dequantized
     into a buffer of x's dtype (`_dequantize_kernel`), then cuBLAS."""
-    x, _, (n, words, g, _stride), group_words, _ = _common(x, qweight, scales, perm, bias, bits)
+    n, words, g, group_words = _shape(qweight, scales, bits)
     w = x.new_empty(n, words * 32 // bits)
     block_n, block_w = 16, 64
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(words, block_w))](
