@@ -355,11 +355,23 @@ def teacher_forced_logits(
     return torch.stack(out, dim=1).float()
 
 
-def reference_logits(folder: Path, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
-    """transformers' logits at the same positions as `teacher_forced_logits`, each sequence alone."""
+def hf_model(folder: Path | str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' model of `folder` in `dtype`, in eval mode. gpt-oss's clamped SwiGLU takes the
+    config's `swiglu_limit` / `swiglu_alpha` (transformers up to 5.18 fixed them at 7.0 / 1.702, which
+    real checkpoints use, and ignored the tiny models' low limit)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    limit = getattr(model.config, "swiglu_limit", None)
+    for module in model.modules():
+        if limit is not None and hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.limit, module.alpha = limit, getattr(model.config, "swiglu_alpha", 1.702)
+    return model
+
+
+def reference_logits(folder: Path, seqs: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+    """transformers' logits at the same positions as `teacher_forced_logits`, each sequence alone."""
+    model = hf_model(folder)
     with torch.no_grad():
         full = [model(torch.tensor([s])).logits[0] for s in seqs]
     return torch.stack([f[n - 1 : n + steps] for f, n in zip(full, prompt_lens)])
@@ -393,10 +405,9 @@ def make_peft_adapter(model_folder: Path | str, out: Path, seed: int, scale: flo
 def make_peft_model(model_folder: Path | str, out: Path, seed: int, scale: float = 0.3, **lora: Any):
     """`make_peft_adapter`'s (PEFT model, folder)."""
     import torch
-    import transformers
     from peft import LoraConfig, get_peft_model
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    model = hf_model(model_folder)
     peft_model = get_peft_model(model, LoraConfig(**lora)).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import hf_model
 from safetensors.torch import load_file, save_file
 
 from minisgl.attention import AttnOptions, TorchAttnBackend, create_attention_backend
@@ -34,7 +35,7 @@ def _prompts(lens: list[int] = PROMPT_LENS, seed: int = 5) -> list[list[int]]:
 
 
 def _hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_model(folder)
     out = []
     for prompt in prompts:
         ids = model.generate(
@@ -197,7 +198,7 @@ def test_logprobs_equal_transformers_log_softmax(tiny_gpt_oss) -> None:
         sched.step()
     engine.shutdown()
     ids = prompt + state.output_ids
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_model(folder)
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
     scored = [*list(state.prompt_logprobs)[1:], *state.logprobs]  # tokens 1 .. len(ids) - 1

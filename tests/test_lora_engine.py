@@ -12,8 +12,7 @@ import logging
 
 import pytest
 import torch
-import transformers
-from conftest import make_peft_adapter, make_tiny_model, rel_err, teacher_forced_logits
+from conftest import hf_model, make_peft_adapter, make_tiny_model, rel_err, teacher_forced_logits
 from peft import PeftModel
 
 from minisgl.core import Req, SamplingParams
@@ -49,7 +48,7 @@ def _seqs(n_steps=STEPS, lens=PROMPT_LENS, seed=1):
 def _reference(model_folder, adapter_folder, seqs, lens=PROMPT_LENS, steps=STEPS):
     """transformers' logits (with the PEFT adapter read from `adapter_folder`, or none) at the positions
     `_engine_logits` gives, each sequence alone."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    model = hf_model(model_folder)
     if adapter_folder is not None:
         model = PeftModel.from_pretrained(model, adapter_folder)
     model.eval()
