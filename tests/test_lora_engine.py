@@ -15,6 +15,7 @@ import torch
 from conftest import hf_model, make_peft_adapter, make_tiny_model, rel_err, teacher_forced_logits
 from peft import PeftModel
 
+import minisgl.models.llama as llama_module
 from minisgl.core import Req, SamplingParams
 from minisgl.engine import Engine, EngineConfig
 from minisgl.scheduler import BatchPreparer
@@ -88,7 +89,7 @@ def llama(tmp_path_factory):
     return folder, adapters, refs
 
 
-def test_a_mixed_batch_matches_peft_and_swapped_slots_follow(llama, caplog):
+def test_a_mixed_batch_matches_peft_and_swapped_slots_follow(llama, caplog, monkeypatch):
     folder, adapters, refs = llama
     with caplog.at_level(logging.INFO, logger="minisgl.engine.start"):
         engine = _engine(folder, max_loras=3)
@@ -108,6 +109,13 @@ def test_a_mixed_batch_matches_peft_and_swapped_slots_follow(llama, caplog):
     engine.clear_lora(1)
     got = _engine_logits(engine, seqs, [0, 1, 1, 2, -1])
     _check(got, [refs["o-mlp"][0], refs[None][1], refs[None][2], refs["o-mlp"][3], refs[None][4]], "swapped")
+    # a batch of base rows only runs no adapter work (the projections' LoRA op is not called)
+    calls, lora_add = [], llama_module.lora_add
+    monkeypatch.setattr(llama_module, "lora_add", lambda *args: calls.append(1) or lora_add(*args))
+    _check(_engine_logits(engine, seqs, [-1] * len(seqs)), refs[None], "base only")
+    assert calls == []
+    _check(_engine_logits(engine, seqs[:1], [2], PROMPT_LENS[:1]), refs["o-mlp"][:1], "one adapter row")
+    assert calls
     engine.shutdown()
     assert engine.lora_pool is None
 

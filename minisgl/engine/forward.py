@@ -16,7 +16,7 @@ import torch
 
 from minisgl.core import Batch, Context, FatalEngineError, Req
 from minisgl.engine.graph import GraphRunner
-from minisgl.engine.lora import EngineLora
+from minisgl.engine.lora import EngineLora, has_adapter_rows
 
 # how a forward runs: a CUDA graph replay, the compiled forward without a graph, or the eager model
 ForwardMode = Literal["cuda_graph", "compiled", "eager"]
@@ -190,8 +190,9 @@ class ForwardPath:
 
     def _eager(self, batch: Batch, pool: list[bool] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager model's logits of the planned rows, and with `pool` the pooled vectors (`run`)."""
-        # each row's LoRA slot (a graph replay or the compiled forward builds its own)
-        lora = None if self.lora is None else self.lora.batch(batch)
+        # each row's LoRA slot (a graph replay or the compiled forward builds its own); a batch of base
+        # rows only runs the base model, no adapter work
+        lora = None if self.lora is None or not has_adapter_rows(batch) else self.lora.batch(batch)
         last_indices = batch.attn_metadata.last_indices
         # a vision-language prefill's image embeddings (only then: text models take no images)
         images = {} if batch.images is None else {"images": batch.images}

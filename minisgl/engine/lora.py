@@ -31,6 +31,11 @@ def batch_rows(batch: Batch) -> tuple[list[int], list[int]]:
     return [req.extend_len for req in batch.reqs], [req.lora_slot for req in batch.reqs]
 
 
+def has_adapter_rows(batch: Batch) -> bool:
+    """Whether any request of the batch runs under an adapter (read from the requests, on the host)."""
+    return any(req.lora_slot != NO_ADAPTER for req in batch.reqs)
+
+
 def host_fields(batch: LoraBatch) -> torch.Tensor:
     """A host LoraBatch's tensors, flattened into one (the layout of `StaticLoraBatch`'s buffer)."""
     return torch.cat([getattr(batch, f.name).flatten() for f in dataclasses.fields(batch)])

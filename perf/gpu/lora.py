@@ -1,0 +1,264 @@
+"""LoRA's GPU figures: the decode step with and without adapters, and a runtime adapter load, with dummy
+weights (docs/lora.md, "Benchmark").
+
+    python -m perf.gpu.lora [--model configs/models/qwen3-8b] [--batch 1 32 128] [--context 512]
+                            [--steps 50] [--adapters 8] [--rank 16] [--max-lora-rank N] [--out FILE.json]
+    python -m perf.gpu.lora --shape cpu      # a tiny Qwen3 on the CPU: the dry run of the script
+
+In one process, one engine after the other (dummy weights, bf16, CUDA graphs to the largest batch):
+`no_slots`, an engine without adapter slots; then one engine with `--adapters` slots and as many
+rank-`--rank` adapters (random A and B on q/k/v/o/gate/up/down_proj, written as PEFT folders:
+adapter_config.json and adapter_model.safetensors, in a temporary folder), on which `slots_base` runs
+base-only requests and `mixed` the same requests with row i under adapter i mod `--adapters`. Each
+configuration: `batch` requests of `--context` random prompt tokens (greedy, ignore_eos), stepped until
+every one has its first token, then `--steps` decode steps; `wall_ms` is the median time between two
+step returns (what the host sees, overlap scheduling included), `device_ms` the median device time of
+a decode forward (the scheduler's step records; CUDA only). The ratios are `slots_base` and `mixed`
+over `no_slots` by wall time, beside the goals: base requests on an adapter engine at least 0.97x the
+speed of the engine without (a time ratio of at most 1/0.97), mixed at most 1.10x / 1.20x / 1.25x the
+base step at batch 1 / 32 / 128. `rows_changed`: the mixed rows whose tokens differ from the same
+rows' base tokens (the adapters ran). Last, `LLM.load_lora` of one more such adapter (read and laid
+out on the host; its copy into a slot comes at the first request), `--loads` times, each unloaded
+again: the median. A plain script, not a test (tests/test_perf_lora.py runs the dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from minisgl.core import SamplingParams
+from perf.common import ROOT, goal_note, median
+from perf.gpu.latency import _clear, _run_until, _step
+
+MODEL = ROOT / "configs" / "models" / "qwen3-8b"
+TINY_QWEN3 = Path(__file__).resolve().parent / "tiny-qwen3"
+# PEFT's module names under model.layers.N, and (input, output) sizes from a config.json
+MODULES = {
+    "self_attn.q_proj": lambda hidden, q, kv, inter: (hidden, q),
+    "self_attn.k_proj": lambda hidden, q, kv, inter: (hidden, kv),
+    "self_attn.v_proj": lambda hidden, q, kv, inter: (hidden, kv),
+    "self_attn.o_proj": lambda hidden, q, kv, inter: (q, hidden),
+    "mlp.gate_proj": lambda hidden, q, kv, inter: (hidden, inter),
+    "mlp.up_proj": lambda hidden, q, kv, inter: (hidden, inter),
+    "mlp.down_proj": lambda hidden, q, kv, inter: (inter, hidden),
+}
+BASE_GOAL = 1 / 0.97  # slots_base / no_slots, at most
+MIXED_GOALS = {1: 1.10, 32: 1.20, 128: 1.25}  # mixed / no_slots at most, by the largest batch <= the row's
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: Path
+    batches: tuple[int, ...]
+    context: int
+    steps: int
+    adapters: int
+    loads: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+GPU = Shape(MODEL, (1, 32, 128), 512, 50, 8, 5, dict(device="cuda", dtype="bfloat16", page_size=256))
+CPU = Shape(
+    TINY_QWEN3, (1, 2), 16, 4, 2, 2,
+    dict(device="cpu", dtype="float32", attention_backend="torch", page_size=16, cpu_kv_budget_gib=0.25),
+)  # fmt: skip
+
+
+def write_adapter(
+    folder: Path, model_config: dict[str, Any], rank: int, seed: int, dtype: torch.dtype
+) -> str:
+    """A PEFT LoRA adapter of rank `rank` on every layer's seven projections, N(0, 0.02) A and B and
+    lora_alpha 2 * rank, saved in `folder` as `save_pretrained` writes it; the folder's path."""
+    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    sizes = (hidden, heads * head_dim)
+    sizes += (model_config.get("num_key_value_heads", heads) * head_dim, model_config["intermediate_size"])
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_config["num_hidden_layers"]):
+        for module, io in MODULES.items():
+            n_in, n_out = io(*sizes)
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            for ab, shape in (("A", (rank, n_in)), ("B", (n_out, rank))):
+                weight = torch.empty(shape).normal_(0.0, 0.02, generator=generator)
+                tensors[f"{key}.lora_{ab}.weight"] = weight.to(dtype)
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank}
+    config |= {"target_modules": [m.rpartition(".")[2] for m in MODULES], "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return str(folder)
+
+
+def decode_steps(
+    llm: Any, batch: int, context: int, steps: int, loras: Sequence[str | None]
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """`batch` requests, row i under `loras[i % len(loras)]` (None: the base), stepped past their
+    prefills, then `steps` timed decode steps: the row of figures, and each request's output tokens."""
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    vocab = llm.engine.config.model_config.vocab_size
+    rng = random.Random(batch)
+    with llm._lock:
+        states = [
+            sched.add_request(
+                [rng.randrange(vocab) for _ in range(context)], params, lora=loras[i % len(loras)]
+            )
+            for i in range(batch)
+        ]
+    kept = sched.record_steps
+    try:
+        _run_until(llm, lambda: all(s.first_token_time for s in states), "prefill")
+        sched.record_steps = steps + 8
+        returns = [_step(llm) for _ in range(steps + 1)]
+        decodes = [r for r in sched.step_records if r.phase == "decode" and r.batch_size == batch]
+    finally:
+        sched.record_steps = kept
+        _clear(llm, states)
+    row = {"wall_ms": 1e3 * statistics.median(b - a for a, b in zip(returns, returns[1:]))}
+    row["device_ms"] = median(r.device_ms for r in decodes[-steps:])
+    return row, [list(s.output_ids[: steps + 1]) for s in states]
+
+
+def start(shape: Shape, args: argparse.Namespace, **lora: Any) -> Any:
+    from minisgl.llm import LLM
+
+    top = max(args.batch)
+    settings = dict(use_dummy_weight=True, detokenize=False, **shape.settings, **lora)
+    llm = LLM(args.model, **settings, cuda_graph_max_bs=top, max_running_req=max(top, 8))
+    decode_steps(llm, top, args.context, 2, [None])  # warm-up
+    return llm
+
+
+def run_engines(shape: Shape, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    model_config = json.loads((Path(args.model) / "config.json").read_text())
+    dtype = getattr(torch, shape.settings["dtype"])
+    paths = {
+        f"a{i}": write_adapter(folder / f"a{i}", model_config, args.rank, i, dtype)
+        for i in range(args.adapters)
+    }
+    extra = write_adapter(folder / "extra", model_config, args.rank, args.adapters, dtype)
+    results: dict[str, Any] = {"batches": {}}
+    base_tokens: dict[int, list[list[int]]] = {}
+    with start(shape, args) as llm:
+        for batch in args.batch:
+            row, base_tokens[batch] = decode_steps(llm, batch, args.context, args.steps, [None])
+            results["batches"][str(batch)] = {"no_slots": row}
+            print(f"bs {batch} no_slots: {row['wall_ms']:.3f} ms", flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    slots = dict(max_loras=args.adapters, allow_runtime_lora=True, lora_modules=paths)
+    if args.max_lora_rank:
+        slots["max_lora_rank"] = args.max_lora_rank
+    with start(shape, args, **slots) as llm:
+        results["max_lora_rank"] = llm.engine.config.max_lora_rank
+        for batch in args.batch:
+            rows = results["batches"][str(batch)]
+            rows["slots_base"], tokens = decode_steps(llm, batch, args.context, args.steps, [None])
+            rows["mixed"], mixed = decode_steps(llm, batch, args.context, args.steps, list(paths))
+            rows["base_same_tokens"] = tokens == base_tokens[batch]
+            rows["rows_changed"] = sum(m != t for m, t in zip(mixed, tokens))
+            rows["resident"] = llm.scheduler.lora.resident
+            for name in ("slots_base", "mixed"):
+                rows[name]["ratio"] = rows[name]["wall_ms"] / rows["no_slots"]["wall_ms"]
+                device, base_device = rows[name]["device_ms"], rows["no_slots"]["device_ms"]
+                rows[name]["ratio_device"] = device / base_device if device and base_device else None
+            print(
+                f"bs {batch} slots_base {rows['slots_base']['wall_ms']:.3f} ms, mixed "
+                f"{rows['mixed']['wall_ms']:.3f} ms, rows changed {rows['rows_changed']}",
+                flush=True,
+            )
+        loads = []
+        for i in range(args.loads):
+            started = time.perf_counter()
+            llm.load_lora(f"extra{i}", extra)
+            loads.append(1e3 * (time.perf_counter() - started))
+            llm.unload_lora(f"extra{i}")
+        results["load_ms"] = {"median": statistics.median(loads), "runs": loads}
+    return results
+
+
+def mixed_goal(batch: int) -> float:
+    return MIXED_GOALS[max((b for b in MIXED_GOALS if b <= batch), default=min(MIXED_GOALS))]
+
+
+def _ms(row: dict[str, Any]) -> str:
+    device = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
+    return f"{row['wall_ms']:.3f} ({device})"
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        f"decode step, context {results['context']}: median ms per step, wall (device); ratios by wall "
+        f"over no_slots; {results['adapters']} adapters of rank {results['rank']}, "
+        f"max_lora_rank {results.get('max_lora_rank')}",
+        f"{'batch':>5} {'no_slots':>18} {'slots_base':>18} {'mixed':>18} {'rows changed':>12}  ratios",
+    ]
+    for batch, rows in results.get("batches", {}).items():
+        if "mixed" not in rows:
+            continue
+        base, mixed = rows["slots_base"]["ratio"], rows["mixed"]["ratio"]
+        lines.append(
+            f"{batch:>5} {_ms(rows['no_slots']):>18} {_ms(rows['slots_base']):>18} {_ms(rows['mixed']):>18} "
+            f"{rows['rows_changed']:>8}/{batch:<3}  base {base:.3f}x{goal_note(base, round(BASE_GOAL, 3), True)}, "
+            f"mixed {mixed:.3f}x{goal_note(mixed, mixed_goal(int(batch)), True)}"
+        )
+    if "load_ms" in results:
+        runs = ", ".join(f"{v:.1f}" for v in results["load_ms"]["runs"])
+        lines.append(
+            f"adapter load (LLM.load_lora, rank {results['rank']}): median {results['load_ms']['median']:.1f} ms ({runs})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=["full", "cpu"], default="full", help="cpu: a small dry run")
+    parser.add_argument(
+        "--model", default=None, help=f"model folder, run with dummy weights (default {MODEL.name})"
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="decode batch sizes (1 32 128)")
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens per request (512)")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps per configuration (50)")
+    parser.add_argument("--adapters", type=int, default=None, help="adapters and slots (8)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="the engine's (default: its default)")
+    parser.add_argument("--loads", type=int, default=None, help="timed adapter loads (5)")
+    parser.add_argument("--out", default=None, help="write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    shape = CPU if args.shape == "cpu" else GPU
+    for name in ("model", "batch", "context", "steps", "adapters", "loads"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(shape, name if name != "batch" else "batches"))
+    args.model = str(args.model)
+    os.environ["TQDM_DISABLE"] = "1"
+    results: dict[str, Any] = {"shape": args.shape, "model": args.model, "context": args.context}
+    results |= {"steps": args.steps, "adapters": args.adapters, "rank": args.rank}
+    if torch.cuda.is_available() and shape.settings["device"] == "cuda":
+        results["device"] = torch.cuda.get_device_name()
+    with tempfile.TemporaryDirectory(prefix="minisgl-lora-") as tmp:
+        results |= run_engines(shape, args, Path(tmp))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n--- LoRA ({args.shape}; {args.model}) ---\n{table(results)}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
