@@ -3,6 +3,7 @@ request of a 4-bit model against bf16 (dummy weights).
 
     python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128] [--sweep]
     python -m perf.gpu.quant4 request [--model configs/models/qwen3-8b] [--new-tokens 512] [--reps 3]
+    python -m perf.gpu.quant4 offline [--model configs/models/qwen3-8b] [--passes 3] [--batch 32]
 
 `kernels`: device time per call in microseconds, inside a CUDA graph of calls on distinct weight copies
 (at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
@@ -14,7 +15,12 @@ and the op's relative error against dequantize-then-matmul.
 `request`: one engine per variant in one process, bf16 then AWQ 4-bit (the model's config.json with an
 AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUDA graphs to batch 1;
 `--reps` requests of 128 random prompt tokens and `--new-tokens` greedy ones each
-(`minisgl.bench.offline.run_single`), tokens/s and their median. A plain script, not a test.
+(`minisgl.bench.offline.run_single`), tokens/s and their median.
+
+`offline`: the same two variants with CUDA graphs to the engine's default batch sizes: the offline
+workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes` passes after a warm-up) and the
+decode step at `--batch` requests of 512 tokens of context (`perf.gpu.lora.decode_steps`: median wall
+and device ms over 50 steps); the 4-bit figures over bf16's. A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ SHAPES = [
 ]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_BYTES = 256 * 2**20
+# the engines of `request` and `offline` (dummy weights), and `offline`'s workload (WorkloadShape's fields)
+ENGINE: dict = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
+WORKLOAD: dict = {}
 # the GEMV's (BLOCK_N, BLOCK_W, warps) tried by `kernels --sweep`
 GEMV_SWEEP = [(n, w, warps) for n in (8, 16, 32) for w in (32, 64, 128, 256) for warps in (4, 8)]
 
@@ -104,20 +113,48 @@ def kernels(args: argparse.Namespace) -> None:
         print(f"{m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f}")
 
 
+def variants(model: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """(("bf16", `model`), ("awq-4bit", a folder of its config.json with an AWQ quantization_config,
+    group 128)): the two engines' models (dummy weights)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    folder = Path(tempfile.mkdtemp()) / "awq"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": awq}))
+    return ("bf16", model), ("awq-4bit", str(folder))
+
+
+def offline(args: argparse.Namespace) -> None:
+    from minisgl.bench.offline import WorkloadShape, run_bench
+    from minisgl.llm import LLM
+    from perf.gpu.lora import decode_steps
+
+    results = {}
+    for variant, model in variants(args.model):
+        with LLM(model, **ENGINE, detokenize=False) as llm:
+            report = run_bench(llm, WorkloadShape(**WORKLOAD), passes=args.passes)
+            rates = [p["tokens_per_s"] for p in report["passes"]]
+            step, _ = decode_steps(llm, args.batch, 512, 50, [None])
+        results[variant] = (statistics.median(rates), step["wall_ms"], step["device_ms"] or float("nan"))
+        print(
+            f"{variant}: offline " + ", ".join(f"{r:,.0f}" for r in rates) + " output tokens/s; decode step "
+            f"at batch {args.batch}: {step['wall_ms']:.3f} ms ({results[variant][2]:.3f} device)",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    (rate, wall, device), (rate4, wall4, device4) = results["bf16"], results["awq-4bit"]
+    print(f"4-bit / bf16: offline {rate4 / rate:.2f}x (goal >= 0.9x), decode step at batch {args.batch} "
+          f"{wall4 / wall:.2f}x wall, {device4 / device:.2f}x device (goal <= 0.6x)", flush=True)  # fmt: skip
+
+
 def request(args: argparse.Namespace) -> None:
     from minisgl.bench.offline import run_single
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
-    folder = Path(tempfile.mkdtemp()) / "awq"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": awq}))
     results = {}
-    for variant, model in (("bf16", args.model), ("awq-4bit", str(folder))):
-        settings = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
-        with LLM(model, **settings, cuda_graph_max_bs=1, max_running_req=8) as llm:
+    for variant, model in variants(args.model):
+        with LLM(model, **ENGINE, cuda_graph_max_bs=1, max_running_req=8) as llm:
             llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
             rates = [run_single(llm, new_tokens=args.new_tokens)["tokens_per_s"] for _ in range(args.reps)]
         results[variant] = statistics.median(rates)
@@ -139,8 +176,12 @@ def main() -> None:
     r.add_argument("--model", default="configs/models/qwen3-8b")
     r.add_argument("--new-tokens", type=int, default=512)
     r.add_argument("--reps", type=int, default=3)
+    o = sub.add_parser("offline")
+    o.add_argument("--model", default="configs/models/qwen3-8b")
+    o.add_argument("--passes", type=int, default=3)
+    o.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
-    kernels(args) if args.what == "kernels" else request(args)
+    {"kernels": kernels, "request": request, "offline": offline}[args.what](args)
 
 
 if __name__ == "__main__":
