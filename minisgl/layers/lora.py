@@ -4,9 +4,10 @@
 (x[t] @ a[s, iR:(i+1)R]^T) @ b[s, rows_i]^T to out[t, rows_i], with a (slots, n_seg * R, K) and b
 (slots, N, R) one layer's buffers of `minisgl.lora.LoraPool` and `sizes` its segments' rows. On CUDA it
 runs the Triton kernels of `minisgl.kernels.lora` (under torch.compile as the op `minisgl::lora_add`);
-elsewhere a torch path that loops over the slots with a row mask. Neither reads anything on the host,
-and the shapes depend on the batch's rows T and segments S (and the pool's dims) only, so the op runs
-inside CUDA graphs and torch.compile (the slot indices are tensors). A row-parallel projection (o,
+elsewhere a torch path: on the CPU over the slots the rows name, each on its rows; on another device
+over every slot with a row mask. The kernels read nothing on the host, and their shapes depend on the
+batch's rows T and segments S (and the pool's dims) only, so the op runs inside CUDA graphs and
+torch.compile (the slot indices are tensors). A row-parallel projection (o,
 down) adds its delta before the all-reduce.
 """
 
@@ -108,17 +109,29 @@ def lora_add_reference(
     row_slots: torch.Tensor,
     sizes: Sequence[int],
 ) -> torch.Tensor:
-    """`lora_add` in torch, in float32 (x A^T rounded to the weights' dtype): every slot's delta of every row, kept where the row names the
-    slot (max_loras times the work of one adapter; no host sync, no branch on the batch)."""
+    """`lora_add` in torch, in float32 (x A^T rounded to the weights' dtype). On the CPU, eagerly, each
+    slot the rows name computes the delta of its rows (the slots read on the host, where they are);
+    elsewhere (and under torch.compile) every slot's delta of every row, kept where the row names the
+    slot (max_loras times the work of one adapter, but no host sync and no branch on the batch)."""
     rank = b.shape[2]
     x32 = x.float()
-    delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    for slot in range(a.shape[0]):
-        y = (x32 @ a[slot].float().T).to(b.dtype).float()  # (T, n_seg * R), rounded as the kernels do
+
+    def delta_of(slot: int, rows: torch.Tensor) -> torch.Tensor:
+        y = (rows @ a[slot].float().T).to(b.dtype).float()  # (rows, n_seg * R), rounded as the kernels do
         parts = [
             y[:, i * rank : (i + 1) * rank] @ b_i.T
             for i, b_i in enumerate(b[slot].float().split(list(sizes)))
         ]
-        delta = torch.where((row_slots == slot)[:, None], torch.cat(parts, dim=1), delta)
+        return torch.cat(parts, dim=1)
+
+    delta = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    if row_slots.device.type == "cpu" and not torch.compiler.is_compiling():
+        for slot in row_slots.unique().tolist():
+            if slot != NO_ADAPTER:
+                rows = (row_slots == slot).nonzero().squeeze(1)
+                delta[rows] = delta_of(slot, x32[rows])
+    else:
+        for slot in range(a.shape[0]):
+            delta = torch.where((row_slots == slot)[:, None], delta_of(slot, x32), delta)
     out.copy_(out.float() + delta)
     return out
