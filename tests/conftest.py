@@ -363,9 +363,11 @@ def hf_model(folder: Path | str, dtype: torch.dtype = torch.float32) -> torch.nn
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     limit = getattr(model.config, "swiglu_limit", None)
-    for module in model.modules():
-        if limit is not None and hasattr(module, "limit") and hasattr(module, "alpha"):
-            module.limit, module.alpha = limit, getattr(model.config, "swiglu_alpha", 1.702)
+    if limit is not None:
+        alpha = getattr(model.config, "swiglu_alpha", 1.702)
+        for module in model.modules():
+            if hasattr(module, "limit") and hasattr(module, "alpha"):
+                module.limit, module.alpha = limit, alpha
     return model
 
 

@@ -12,9 +12,8 @@ dropped the cap or the per-layer window would fail). Skips without CUDA or flash
 
 import pytest
 import torch
-import transformers
 from conftest import GPU_PROMPT_LENS as PROMPT_LENS
-from conftest import GPU_SHAPE, gpu_seqs, make_tiny_model, rel_err, teacher_forced_logits
+from conftest import GPU_SHAPE, gpu_seqs, hf_model, make_tiny_model, rel_err, teacher_forced_logits
 from conftest import GPU_STEPS as STEPS
 
 # the same marks (CUDA, flashinfer), tolerance, window and engine settings as Mistral's GPU tests
@@ -46,7 +45,7 @@ def family(request, tmp_path_factory):
     engine.shutdown()
 
     def logits(dtype: torch.dtype) -> torch.Tensor:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        model = hf_model(folder, dtype)
         with torch.no_grad():
             full = [model(torch.tensor([s])).logits[0].float() for s in gpu_seqs(512)]
         return torch.stack([f[n - 1 : n + STEPS] for f, n in zip(full, PROMPT_LENS)])
