@@ -417,3 +417,19 @@ def test_kernels_under_the_interpreter():
         args = (x, qweight, scales, zeros, perm, bias, bits)
         kernel = packed_gemm.packed_gemv if rows <= packed_gemm.GEMV_MAX_ROWS else packed_gemm.packed_gemm
         assert rel_err(kernel(*args), packed_gemm.packed_reference(*args)) < 1e-6, bits
+
+
+def test_the_gemm_buffer_is_reserved_once_and_grows_only():
+    """`reserve_workspace` gives the bytes it adds (a model's load counts them as weights) and the GEMM
+    path writes into that buffer rather than allocating one each call."""
+    from minisgl.kernels import packed_gemm
+
+    dtype = torch.float64  # a key no other test uses
+    try:
+        assert packed_gemm.reserve_workspace(100, dtype, torch.device("cpu")) == 800
+        assert packed_gemm.reserve_workspace(60, dtype, "cpu") == 0
+        assert packed_gemm.reserve_workspace(150, dtype, torch.device("cpu")) == 400
+        assert packed_gemm._WORKSPACE[(torch.device("cpu"), dtype)].numel() == 150
+    finally:
+        packed_gemm._WORKSPACE.pop((torch.device("cpu"), dtype), None)
+

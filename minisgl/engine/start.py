@@ -29,7 +29,9 @@ from minisgl.distributed import (
 from minisgl.engine.config import CUDA_HOST_THREADS, EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.lora import EngineLora, pool_bytes
+from minisgl.kernels.packed_gemm import reserve_workspace
 from minisgl.kvcache import MHAKVCachePool, bytes_per_page
+from minisgl.layers.packed import PackedLinear
 from minisgl.models import ModelConfig, build_model
 from minisgl.models.llama import check_tensor_parallel_fp8
 from minisgl.moe import create_moe_backend
@@ -116,7 +118,8 @@ def join_group(config: EngineConfig) -> tuple[bool, int]:
 
 
 def load_model(config: EngineConfig) -> tuple[torch.nn.Module, int]:
-    """Builds the model and loads this rank's weights; returns it and their size in bytes."""
+    """Builds the model and loads this rank's weights; returns it and their size in bytes (with the
+    buffer its packed 4- or 8-bit projections dequantize into for many rows, `reserve_workspace`)."""
     model = build_model(
         config.model_config,
         config.model_path,
@@ -125,7 +128,11 @@ def load_model(config: EngineConfig) -> tuple[torch.nn.Module, int]:
         config.torch_dtype,
         dummy=config.use_dummy_weight,
     )
-    return model, sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = [m.shape for m in model.modules() if isinstance(m, PackedLinear)]
+    if packed and config.torch_device.type == "cuda":  # the packed GEMM's buffer counts as weights
+        weights += reserve_workspace(max(n * k for n, k in packed), config.torch_dtype, config.torch_device)
+    return model, weights
 
 
 def make_lora(config: EngineConfig, model: torch.nn.Module) -> EngineLora:

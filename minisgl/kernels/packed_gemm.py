@@ -7,7 +7,9 @@
   sweeps their words contiguously; the j-th value of every word multiplies x's columns word * P + j
   (no unpacked tile is rearranged), and each word's scale and zero point apply once to its sum.
 - `packed_gemm` (more rows): the weight dequantized into a buffer of x's dtype (a Triton kernel), then
-  cuBLAS. A fused tensor-core kernel is the open part (docs/quantization.md).
+  cuBLAS. A fused tensor-core kernel is the open part (docs/quantization.md). The buffer is one per
+  device and dtype (`reserve_workspace`, made at load at the size of the model's largest packed weight),
+  so no call allocates it: a CUDA graph's pool never holds a copy of it.
 
 The op picks by row count when it runs (one compiled graph for every batch size, nothing read on the
 host: CUDA-graph safe). Elsewhere (the CPU, no Triton) it dequantizes and multiplies: the reference.
@@ -161,11 +163,31 @@ def packed_gemv(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = 
     return y
 
 
+_WORKSPACE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def reserve_workspace(numel: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Grows the dequantized-weight buffer of `device` and `dtype` to `numel` values (the process keeps
+    it; engines on the device share it, their forwards never overlap). Returns the bytes it grew by."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the key a tensor's own device gives
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    have = _WORKSPACE.get(key)
+    if have is not None and have.numel() >= numel:
+        return 0
+    _WORKSPACE.pop(key, None)
+    _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
+    return (numel - (0 if have is None else have.numel())) * _WORKSPACE[key].element_size()
+
+
 def packed_gemm(x, qweight, scales, zeros, perm, bias, bits) -> torch.Tensor:
     """x (M, K) times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype: the weight dequantized
-    into a buffer of x's dtype (`_dequantize_kernel`), then cuBLAS."""
+    into the workspace of x's device and dtype (`_dequantize_kernel`), then cuBLAS."""
     n, words, g, group_words = _shape(qweight, scales, bits)
-    w = x.new_empty(n, words * 32 // bits)
+    k = words * 32 // bits
+    reserve_workspace(n * k, x.dtype, x.device)  # a no-op once the model's load reserved it
+    w = _WORKSPACE[(x.device, x.dtype)][: n * k].view(n, k)
     block_n, block_w = 16, 64
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(words, block_w))](
         qweight, scales, zeros, w, n, words, g, BITS=bits, GROUP_WORDS=group_words,

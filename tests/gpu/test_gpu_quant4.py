@@ -69,6 +69,29 @@ def test_op_in_a_cuda_graph_and_compiled():
         assert torch.equal(compiled(x2), fn(x2)), m
 
 
+def test_graph_capture_of_the_gemm_allocates_no_weight_buffer():
+    """More rows than the GEMV takes dequantize into the reserved buffer: capturing a graph of them adds
+    only the output to the graph's pool, not an (N, K) weight (which once filled the card as the graphs of
+    every batch size each kept one)."""
+    from minisgl.kernels.packed_gemm import reserve_workspace
+
+    n, k, m = 2048, 4096, 64
+    qweight, scales, zeros, perm = packed_weight(n, k, 4, 128, False)
+    reserve_workspace(n * k, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    packed_linear_op(x, qweight, scales, zeros, perm, None, 4)  # Triton's compile, outside the capture
+    torch.cuda.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_reserved()
+    with torch.cuda.graph(graph, pool=pool):
+        y = packed_linear_op(x, qweight, scales, zeros, perm, None, 4)
+    grew = torch.cuda.memory_reserved() - before
+    assert grew < n * k * 2 // 2, f"the capture reserved {grew} bytes; the weight is {n * k * 2}"
+    graph.replay()
+    assert rel_err(y, packed_reference(x, qweight, scales, zeros, perm, None, 4)) < 1e-2
+
+
 def test_tiny_qwen3_awq_on_cuda_matches_the_cpu_reference(tmp_path, tiny_qwen3):
     """Packed projections, bf16, CUDA graphs (and PDL on sm90) against the CPU's float32 path on the
     dequantized weights."""
