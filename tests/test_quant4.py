@@ -432,4 +432,3 @@ def test_the_gemm_buffer_is_reserved_once_and_grows_only():
         assert packed_gemm._WORKSPACE[(torch.device("cpu"), dtype)].numel() == 150
     finally:
         packed_gemm._WORKSPACE.pop((torch.device("cpu"), dtype), None)
-
