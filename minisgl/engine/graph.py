@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from minisgl.compile import mark_unbacked, raise_recompile_limit
 from minisgl.core import Batch, Context, Req
-from minisgl.engine.lora import EngineLora, StaticLoraBatch, batch_rows
+from minisgl.engine.lora import EngineLora, StaticLoraBatch, batch_rows, has_adapter_rows
 from minisgl.kernels.prefill_attention import ALIGN
 from minisgl.layers.lora import NO_ADAPTER, LoraBatch
 
@@ -68,7 +68,9 @@ class GraphRunner:
     eagerly, for ablation; the ``compile_prefill`` setting). A batch-invariant engine runs them eagerly
     whatever it says. ``lora``: the engine's LoRA part (None: no adapters); with it every graph
     captures a `StaticLoraBatch` of its rows, rewritten before each replay, so one graph serves any mix
-    of adapters, and the compiled forward takes the batch's `LoraBatch`.
+    of adapters, and the compiled forward takes the batch's `LoraBatch`. A decode batch whose rows are
+    all the base model's replays a second graph of its size, captured without LoRA (no adapter kernel
+    launched), which writes its logits into the first one's output (the sampler's graphs read those).
     """
 
     lora: EngineLora | None = None
@@ -105,6 +107,8 @@ class GraphRunner:
         # the compiled graph's kernels depend on the token count, so batch invariance rules it out
         self.compile_prefill = compile_prefill and not ctx.batch_invariant
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # with a LoRA pool: the decode graphs of base-only batches, by batch size (the same outputs)
+        self.base_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if device.type != "cuda" or cuda_graph_max_bs == 0:
             logger.info(
                 "CUDA graphs: disabled (%s)",
@@ -157,6 +161,8 @@ class GraphRunner:
                     tokens, 2 * (tokens // ALIGN) + 1, slots, device
                 )
         self._capture(sizes)
+        if self.max_loras:
+            self._capture(sizes, base=True)
         self.batch_sizes = sizes
         if prefill_sizes:
             # each request's last row, then padding rows: the rows whose logits a prefill graph computes
@@ -199,10 +205,15 @@ class GraphRunner:
         return None if static is None else static.batch
 
     def _capture_one(
-        self, batch: Batch, last_indices: torch.Tensor | None, lora: LoraBatch | None = None
+        self,
+        batch: Batch,
+        last_indices: torch.Tensor | None,
+        lora: LoraBatch | None = None,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Captures the compiled forward of a planned dummy batch (compiled, for the first size only,
-        and warmed up off the capture), with the graph's static LoraBatch where there is a pool."""
+        and warmed up off the capture), with the graph's static LoraBatch where there is a pool. `out`:
+        the graph copies its logits there (the output of another graph of the same rows)."""
         stream = torch.cuda.Stream(self.device)
         with self.ctx.forward_batch(batch):
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -213,19 +224,27 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 logits = self.compiled_forward(batch.input_ids, batch.positions, last_indices, lora)
+                if out is not None:
+                    logits = out.copy_(logits)
         return graph, logits
 
     @torch.inference_mode()
-    def _capture(self, sizes: list[int]) -> None:
-        bar = tqdm(sorted(sizes, reverse=True), desc="capturing CUDA graphs", unit="graph")
+    def _capture(self, sizes: list[int], base: bool = False) -> None:
+        """The decode graphs, largest first; `base`: the base-only set (no LoRA), each writing into the
+        output of the graph of its size."""
+        what = "base-only CUDA graphs" if base else "CUDA graphs"
+        bar = tqdm(sorted(sizes, reverse=True), desc=f"capturing {what}", unit="graph")
         for bs in bar:
             batch = self._dummy_batch(bs)
             self.ctx.attn_backend.prepare_metadata(batch, graph_bs=bs)
-            self.graphs[bs] = self._capture_one(batch, None, self._static_lora("decode", bs))
+            if base:
+                self.base_graphs[bs] = self._capture_one(batch, None, None, out=self.graphs[bs][1])
+            else:
+                self.graphs[bs] = self._capture_one(batch, None, self._static_lora("decode", bs))
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
             bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
         bar.close()
-        logger.info("CUDA graphs: captured %d batch sizes (%d..%d)", len(sizes), sizes[0], sizes[-1])
+        logger.info("%s: captured %d batch sizes (%d..%d)", what, len(sizes), sizes[0], sizes[-1])
 
     @torch.inference_mode()
     def _capture_prefill(self, sizes: list[int]) -> None:
@@ -332,8 +351,8 @@ class GraphRunner:
         the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
         (and the sizes of a LoraBatch's tensors) unbacked and copies an inference-mode input to a normal
         tensor, so one graph serves every call and engine (docs/gpu.md#compiled-forward-and-cuda-graphs).
-        An engine with a LoRA pool passes `lora` to every call (the model's forward with and without one
-        would be two compiled graphs)."""
+        An engine with a LoRA pool passes `lora` to every call but its base-only decode graphs' captures
+        (the model's forward with and without one: two compiled graphs)."""
         if last_indices is None:
             if input_ids.shape[0] > self.rows.shape[0]:
                 raise ValueError(
@@ -419,10 +438,11 @@ class GraphRunner:
         self.positions[:bs].copy_(batch.positions, non_blocking=True)
         self.out_loc[:bs].copy_(batch.out_loc, non_blocking=True)
         self.out_loc[bs:graph_bs].fill_(self.dummy_loc)  # padding writes its KV to the dummy page
-        if self.max_loras:
+        base = bool(self.base_graphs) and not has_adapter_rows(batch)  # no adapter work to launch
+        if self.max_loras and not base:
             self.lora_batches["decode", graph_bs].refresh(*batch_rows(batch))
         self.ctx.attn_backend.prepare_metadata(batch, graph_bs=graph_bs)
-        graph, logits = self.graphs[graph_bs]
+        graph, logits = (self.base_graphs if base else self.graphs)[graph_bs]
         graph.replay()
         return logits[:bs]
 
@@ -489,6 +509,7 @@ class GraphRunner:
 
     def destroy(self) -> None:
         self.graphs.clear()
+        self.base_graphs.clear()
         self.prefill_graphs = {}
         self.verify_graphs = {}
         self.batch_sizes = []

@@ -173,7 +173,8 @@ def test_an_engine_replays_one_graph_for_every_adapter_mix(lora_engines):
                 e.load_lora(slot, e.read_lora(f"a{slot}", path))
     runner.run_compiled, runner.replay_prefill = run, replay
     assert compiled == [sum(lens)] * 2 and replayed == [lens[1], lens[3]] * 2
-    assert len(_debug_get_cache_entry_list(type(graphs.model).forward.__code__)) == 1
+    # two compiled forwards: with a LoraBatch, and without one (the base-only decode graphs)
+    assert len(_debug_get_cache_entry_list(type(graphs.model).forward.__code__)) == 2
     # against transformers + PEFT in float32 (the slots hold the adapters in their first order again)
     slots = [0, -1, 1, 0, 1]
     got = _lora_logits(graphs, seqs, lens, slots, steps)
@@ -184,6 +185,47 @@ def test_an_engine_replays_one_graph_for_every_adapter_mix(lora_engines):
         with torch.no_grad():
             full = model.eval()(torch.tensor([seqs[i]])).logits[0]
         assert rel_err(got[i], full[lens[i] - 1 : lens[i] + steps]) < 2e-2, (i, slot)
+
+
+def test_base_only_decode_batches_replay_graphs_without_adapter_work(lora_engines):
+    """A decode batch of base rows only replays the graph captured without LoRA (its logits in the
+    same output the sampler's graphs read), equal to the eager engine's base logits; a batch with one
+    adapter row after it replays the LoRA graph again, equal to the eager engine's mix."""
+    from conftest import gpu_seqs, rel_err
+
+    _, _, eager, graphs = lora_engines
+    runner = graphs.graph_runner
+    assert sorted(runner.base_graphs) == runner.batch_sizes
+    for bs, (_, logits) in runner.base_graphs.items():
+        assert logits.data_ptr() == runner.graphs[bs][1].data_ptr()
+    replayed = []
+    for bs, (graph, logits) in list(runner.base_graphs.items()):
+        runner.base_graphs[bs] = (_Spy(graph, replayed, ("base", bs)), logits)
+    for bs, (graph, logits) in list(runner.graphs.items()):
+        runner.graphs[bs] = (_Spy(graph, replayed, ("lora", bs)), logits)
+    try:
+        lens, steps = [9, 40, 3], 4
+        seqs = gpu_seqs(512, lens)
+        for slots, kind in (([-1, -1, -1], "base"), ([-1, 0, -1], "lora")):
+            replayed.clear()
+            got, want = (_lora_logits(e, seqs, lens, slots, steps) for e in (graphs, eager))
+            assert rel_err(got, want) < 2e-2, slots
+            assert replayed and {k for k, _ in replayed} == {kind}, (slots, replayed)
+    finally:
+        for graph_set in (runner.base_graphs, runner.graphs):
+            for bs, (graph, logits) in list(graph_set.items()):
+                graph_set[bs] = (graph.graph, logits)
+
+
+class _Spy:
+    """A CUDA graph that records its replays."""
+
+    def __init__(self, graph, log: list, name) -> None:
+        self.graph, self.log, self.name = graph, log, name
+
+    def replay(self) -> None:
+        self.log.append(self.name)
+        self.graph.replay()
 
 
 def test_verify_graphs_read_each_rows_adapter(lora_engines):
