@@ -4,8 +4,8 @@ verify step, logits alone, a batch with embedding requests), and its output on t
 `ForwardPath.run` chooses how the batch runs (a CUDA graph replay, the compiled forward without a graph,
 or the eager model), runs it inside the engine's context and marks the computed tokens cached. It gives
 the logits of each request's last token or of the rows asked, and for embedding requests the pooled
-hidden states too (then eagerly: the graphs and the compiled forward give logits only). The graphs and
-the compiled forward are `minisgl.engine.graph`'s.
+hidden states too (the graphs and the compiled forward give every row's hidden state beside the
+logits). The graphs and the compiled forward are `minisgl.engine.graph`'s.
 """
 
 from __future__ import annotations
@@ -136,16 +136,24 @@ class ForwardPath:
         """The logits of the batch: of each request's last token, or of the token `rows` given (a prefill
         with prompt log probabilities, a verify step's every row). A CUDA graph writes them into its
         static output, which the next replay overwrites: `own_output` returns a copy (sampling reads them
-        at once and needs none). `pool`, which requests are embedding requests: the batch runs eagerly
-        from its hidden states, which give their pooled vectors too. Marks the computed tokens cached."""
+        at once and needs none). `pool`, which requests are embedding requests: their pooled vectors come
+        from the hidden states of the same forward (a prefill graph's, the compiled forward's or the eager
+        model's). Marks the computed tokens cached."""
         self._check(batch)
-        mode = "eager" if pool is not None else self.mode(batch, all_rows=rows is not None, verify=verify)
+        mode = self.mode(batch, all_rows=rows is not None, verify=verify)
+        # embedding inputs are prefill only; a batch that is not pools eagerly (the eager path pools any)
+        if pool is not None and not batch.is_prefill:
+            mode = "eager"
         pooled = None
         with self.ctx.forward_batch(batch):
             if mode == "cuda_graph" and verify:
                 logits = self.graph_runner.replay_verify(batch)
             elif mode == "cuda_graph":
-                logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
+                if pool is None:
+                    logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
+                else:
+                    logits, hidden = self.graph_runner.replay_prefill(batch, hidden=True)
+                    pooled = self._pool(batch, pool, hidden)
                 if own_output:
                     logits = logits.clone()
             else:
@@ -153,7 +161,10 @@ class ForwardPath:
                     self.ctx.attn_backend.prepare_metadata(batch)
                 if rows is not None:
                     batch.attn_metadata.last_indices = rows
-                if mode == "compiled":
+                if mode == "compiled" and pool is not None:
+                    logits, hidden = self.graph_runner.run_compiled_hidden(batch)
+                    pooled = self._pool(batch, pool, hidden)
+                elif mode == "compiled":
                     logits = self.graph_runner.run_compiled(batch)
                 else:
                     logits, pooled = self._eager(batch, pool)

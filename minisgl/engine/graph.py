@@ -97,6 +97,8 @@ class GraphRunner:
         self.batch_sizes: list[int] = []
         self.prefill_sizes: list[int] = []  # token counts of the prefill graphs
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # each prefill graph's every row's hidden state (the pooled vectors of embedding inputs read them)
+        self.prefill_hidden: dict[int, torch.Tensor] = {}
         # speculative decoding's verify graphs (`capture_verify`), by token count, and the rows each
         # request's block gives logits of
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -210,23 +212,24 @@ class GraphRunner:
         last_indices: torch.Tensor | None,
         lora: LoraBatch | None = None,
         out: torch.Tensor | None = None,
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         """Captures the compiled forward of a planned dummy batch (compiled, for the first size only,
         and warmed up off the capture), with the graph's static LoraBatch where there is a pool. `out`:
-        the graph copies its logits there (the output of another graph of the same rows)."""
+        the graph copies its logits there (the output of another graph of the same rows). Returns the
+        graph and its static logits and hidden states."""
         stream = torch.cuda.Stream(self.device)
         with self.ctx.forward_batch(batch):
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.compiled_forward(batch.input_ids, batch.positions, last_indices, lora)
+                    self.compiled_both(batch.input_ids, batch.positions, last_indices, lora)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self.compiled_forward(batch.input_ids, batch.positions, last_indices, lora)
+                logits, hidden = self.compiled_both(batch.input_ids, batch.positions, last_indices, lora)
                 if out is not None:
                     logits = out.copy_(logits)
-        return graph, logits
+        return graph, logits, hidden
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int], base: bool = False) -> None:
@@ -238,9 +241,9 @@ class GraphRunner:
             batch = self._dummy_batch(bs)
             self.ctx.attn_backend.prepare_metadata(batch, graph_bs=bs)
             if base:
-                self.base_graphs[bs] = self._capture_one(batch, None, None, out=self.graphs[bs][1])
+                self.base_graphs[bs] = self._capture_one(batch, None, None, out=self.graphs[bs][1])[:2]
             else:
-                self.graphs[bs] = self._capture_one(batch, None, self._static_lora("decode", bs))
+                self.graphs[bs] = self._capture_one(batch, None, self._static_lora("decode", bs))[:2]
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
             bar.set_postfix_str(f"bs {bs}, {free:.1f} GiB free")
         bar.close()
@@ -252,7 +255,8 @@ class GraphRunner:
         for tokens in sorted(sizes, reverse=True):
             batch = self._prefill_dummy(tokens)
             lora = self._static_lora("prefill", tokens)
-            self.prefill_graphs[tokens] = self._capture_one(batch, self.prefill_last[: tokens // ALIGN], lora)
+            graph, logits, hidden = self._capture_one(batch, self.prefill_last[: tokens // ALIGN], lora)
+            self.prefill_graphs[tokens], self.prefill_hidden[tokens] = (graph, logits), hidden
         logger.info("prefill CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
     @torch.inference_mode()
@@ -275,7 +279,7 @@ class GraphRunner:
             blocks = tokens // ALIGN
             batch = self._prefill_dummy(tokens)
             lora = self._static_lora("prefill", tokens)
-            self.verify_graphs[tokens] = self._capture_one(batch, self.verify_last[: blocks * rows], lora)
+            self.verify_graphs[tokens] = self._capture_one(batch, self.verify_last[: blocks * rows], lora)[:2]
         self.verify_rows = rows
         logger.info("verify CUDA graphs: captured %d token counts (%d..%d)", len(sizes), sizes[0], sizes[-1])
 
@@ -329,7 +333,7 @@ class GraphRunner:
             last[i * rows : i * rows + req.extend_len] = torch.arange(i * ALIGN, i * ALIGN + req.extend_len)
             picks.append(torch.arange(i * rows, i * rows + req.extend_len))
         starts = [i * ALIGN for i in range(batch.size)]
-        last, pick = self._lay_out(batch, starts, tokens, last, picks)
+        last, _, pick = self._lay_out(batch, starts, tokens, last, picks)
         self._refresh_lora_layout(batch, starts, tokens)
         self.verify_last[: len(last)].copy_(last, non_blocking=True)
         graph, logits = self.verify_graphs[tokens]
@@ -347,7 +351,12 @@ class GraphRunner:
         return batch
 
     def compiled_forward(self, input_ids, positions, last_indices=None, lora=None) -> torch.Tensor:
-        """The model's forward (its arguments), compiled; logits of every row when `last_indices` is None (it is then
+        """The logits of `compiled_both`."""
+        return self.compiled_both(input_ids, positions, last_indices, lora)[0]
+
+    def compiled_both(self, input_ids, positions, last_indices=None, lora=None):
+        """The model's forward (its arguments), compiled, as (logits, every row's hidden state): one
+        compiled graph serves generation and the pooled vectors of embedding inputs; logits of every row when `last_indices` is None (it is then
         the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
         (and the sizes of a LoraBatch's tensors) unbacked and copies an inference-mode input to a normal
         tensor, so one graph serves every call and engine (docs/gpu.md#compiled-forward-and-cuda-graphs).
@@ -364,11 +373,11 @@ class GraphRunner:
         for tensor in inputs:
             mark_unbacked(tensor, 0)
         if lora is None:
-            return self.forward(*inputs)
+            return self.forward(*inputs, return_hidden=True)
         fields = {f.name: _normal_tensor(getattr(lora, f.name)) for f in dataclasses.fields(lora)}
         for tensor in fields.values():
             mark_unbacked(tensor, 0)
-        return self.forward(*inputs, LoraBatch(**fields))
+        return self.forward(*inputs, LoraBatch(**fields), return_hidden=True)
 
     def warm_up_prefill(self) -> None:
         """Runs a prefill through the compiled forward at start (two dummy requests of 3 and 2 tokens on
@@ -400,8 +409,12 @@ class GraphRunner:
 
     def run_compiled(self, batch: Batch) -> torch.Tensor:
         """The compiled forward without a graph (attention planned; with LoRA, its rows' slots built)."""
+        return self.run_compiled_hidden(batch)[0]
+
+    def run_compiled_hidden(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run_compiled`'s logits and every row's hidden state."""
         lora = None if self.lora is None else self.lora.batch(batch)
-        return self.compiled_forward(batch.input_ids, batch.positions, batch.attn_metadata.last_indices, lora)
+        return self.compiled_both(batch.input_ids, batch.positions, batch.attn_metadata.last_indices, lora)
 
     @property
     def enabled(self) -> bool:
@@ -446,28 +459,32 @@ class GraphRunner:
         graph.replay()
         return logits[:bs]
 
-    def replay_prefill(self, batch: Batch) -> torch.Tensor:
+    def replay_prefill(self, batch: Batch, hidden: bool = False):
         """Lays the prefill batch out in the smallest bucket that holds it (docs/gpu.md#prefill-graphs),
-        plans its attention on the device, replays; the logits of each request's last token."""
+        plans its attention on the device, replays; the logits of each request's last token, and with
+        `hidden` every computed token's hidden state too (in batch order: (logits, hidden))."""
         starts, span = prefill_layout(batch)
         tokens = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, span)]
         # each request's last row in the layout (padding rows: 0)
         last = torch.zeros(tokens // ALIGN, dtype=torch.int64)
         for i, (req, start) in enumerate(zip(batch.reqs, starts)):
             last[i] = start + req.extend_len - 1
-        last, _ = self._lay_out(batch, starts, tokens, last, [])
+        last, place, _ = self._lay_out(batch, starts, tokens, last, [])
         self._refresh_lora_layout(batch, starts, tokens)
         self.prefill_last[: len(last)].copy_(last, non_blocking=True)
         graph, logits = self.prefill_graphs[tokens]
         graph.replay()
+        if hidden:
+            return logits[: batch.size], self.prefill_hidden[tokens][place]
         return logits[: batch.size]
 
     def _lay_out(
         self, batch: Batch, starts: list[int], tokens: int, last: torch.Tensor, picks: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Puts a prefill batch's inputs in the graph buffers at `starts` (a layout of `tokens` tokens
         in blocks) and plans its attention on the device; `last` (the logits rows) and `picks` (host
-        index tensors) go to the device in the same copy, returned as (last, the picks concatenated)."""
+        index tensors) go to the device in the same copy, returned as (last, each computed token's row
+        in the layout, the picks concatenated)."""
         blocks = tokens // ALIGN
         # on the host: each block's page-table row, each token's length (position + 1; padding 1), and
         # each computed token's place in the layout
@@ -491,7 +508,7 @@ class GraphRunner:
         self.positions.index_copy_(0, place, batch.positions)
         self.out_loc.index_copy_(0, place, batch.out_loc)
         self.ctx.attn_backend.prepare_prefill_graph(batch, plan, tokens)
-        return last, packed[at + len(last) + batch.num_tokens :]
+        return last, place, packed[at + len(last) + batch.num_tokens :]
 
     def _refresh_lora_layout(self, batch: Batch, starts: list[int], tokens: int) -> None:
         """With a LoRA pool, the static LoraBatch of a prefill or verify graph of `tokens` tokens made the

@@ -236,15 +236,18 @@ class LlamaForCausalLM(nn.Module):
         last_indices: torch.Tensor | None = None,
         lora: LoraBatch | None = None,
         images: ImageBatch | None = None,
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Tokens (T,) at positions (T,) -> float32 logits of each request's last token (or of every row
         when `last_indices` is None). `lora`: each row's adapter slot of `lora_pool` (without a pool, or
         None: the base model, and not one op more). Vision-language models (minisgl.models.qwen_vl):
-        positions may be (3, T) M-RoPE positions, and `images` the embeddings of the image tokens."""
+        positions may be (3, T) M-RoPE positions, and `images` the embeddings of the image tokens.
+        `return_hidden`: (logits, every row's `hidden_states`), what the compiled forward gives so that
+        embedding inputs pool from it."""
         hidden = self.hidden_states(input_ids, positions, lora, images, last_indices)
-        if last_indices is not None:
-            hidden = hidden[last_indices]
-        return self.logits(self.final_norm(hidden))
+        rows = hidden if last_indices is None else hidden[last_indices]
+        logits = self.logits(self.final_norm(rows))
+        return (logits, hidden) if return_hidden else logits
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's last norm over rows of `hidden_states` (what transformers' `last_hidden_state` is)."""

@@ -37,3 +37,43 @@ def test_embeddings_match_transformers_beside_generation(tiny_qwen3, pooling) ->
             cos = torch.nn.functional.cosine_similarity(torch.tensor(state.embedding), expected, dim=0)
             assert cos.item() >= 0.999
         llm_clean(llm)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_embeddings_pool_from_the_prefill_graphs_and_the_compiled_forward(tiny_qwen3, pooling) -> None:
+    """With CUDA graphs (the default engine): inputs that fit a prefill graph pool from its hidden-state
+    output, longer ones from the compiled forward's, none from the eager model; the vectors agree with
+    transformers' and a greedy generation in the same steps gives its tokens."""
+    import transformers
+
+    inputs = [s[:n] for s, n in zip(gpu_seqs(), [7, 33, 1, 150, 64])]
+    model = transformers.AutoModel.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    settings = dict(device="cuda", dtype="bfloat16", prefill_graph_max_tokens=128, max_prefill_tokens=512)
+    with LLM(str(tiny_qwen3), pooling=pooling, **settings) as llm:
+        runner = llm.engine.graph_runner
+        assert runner.prefill_sizes, "the engine has prefill graphs"
+        calls = []
+        replay, compiled = runner.replay_prefill, runner.run_compiled_hidden
+        runner.replay_prefill = lambda batch, hidden=False: (
+            calls.append(("graph", hidden)) or replay(batch, hidden)
+        )
+        runner.run_compiled_hidden = lambda batch: calls.append(("compiled", True)) or compiled(batch)
+        eager = llm.engine.forward_path._eager
+        llm.engine.forward_path._eager = lambda batch, pool: (
+            calls.append(("eager", pool is not None)) or eager(batch, pool)
+        )
+        try:
+            short = llm.embed(inputs[:3])  # 41 tokens: one prefill graph
+            long = llm.embed(inputs[3:])  # 214 tokens: above the largest graph, the compiled forward
+        finally:
+            runner.replay_prefill, runner.run_compiled_hidden = replay, compiled
+            llm.engine.forward_path._eager = eager
+        assert ("graph", True) in calls and ("compiled", True) in calls
+        assert not [c for c in calls if c[0] == "eager"], calls
+        for vector, item in zip(short + long, inputs):
+            with torch.no_grad():
+                hidden = model(torch.tensor([item])).last_hidden_state[0]
+            expected = {"last": hidden[-1], "mean": hidden.mean(0)}[pooling]
+            cos = torch.nn.functional.cosine_similarity(torch.tensor(vector), expected, dim=0)
+            assert cos.item() >= 0.999, cos
+        llm_clean(llm)
