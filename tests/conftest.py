@@ -420,6 +420,21 @@ def make_peft_model(model_folder: Path | str, out: Path, seed: int, scale: float
     return peft_model, out
 
 
+def compiled_runner(engine, forward):
+    """The compile half of a GraphRunner on a CPU engine (which has no graphs): `forward` as its
+    compiled function (`torch.compile` of the model's forward, or a stand-in)."""
+    from minisgl.engine.graph import GraphRunner
+
+    runner = GraphRunner.__new__(GraphRunner)
+    runner.model, runner.ctx, runner.device = engine.model, engine.ctx, engine.device
+    runner.max_running_req = engine.config.max_running_req
+    runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
+    runner.rows = torch.arange(engine.config.max_running_req + 1)
+    runner.batch_sizes, runner.prefill_sizes, runner.compile_prefill = [1], [], True
+    runner.forward = forward
+    return runner
+
+
 def check_clean(sched) -> None:
     """Nothing queued or running on the scheduler, no KV page held by a request (the prefix cache may
     hold pages, unreferenced), every slot free."""

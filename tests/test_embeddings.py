@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from conftest import TOKENIZER_FILES, llm_clean, make_tiny_model_with_tokenizer
+from conftest import TOKENIZER_FILES, compiled_runner, llm_clean, make_tiny_model_with_tokenizer
 from test_server import Server
 
 from minisgl.core import SamplingParams
@@ -147,7 +147,31 @@ def test_the_settings_override_the_folder(folders, mode) -> None:
         for _ in range(2):
             assert torch.allclose(torch.tensor(llm.embed([long])[0]), expected, rtol=1e-4, atol=1e-5)
         assert (llm.scheduler.prefix_cached_tokens > 0) == (mode == "last")
+        if (
+            mode == "mean"
+        ):  # every row and a carry across chunks, through the compiled forward's hidden states
+            _check_the_compiled_path(llm, TEXTS, [long])
         llm_clean(llm)
+
+
+def _check_the_compiled_path(llm, *inputs) -> None:
+    """The engine's forward as on a GPU above its graphs: the compiled forward (dynamo, its eager
+    backend), whose hidden states the vectors pool from; they equal the eager model's."""
+    engine = llm.engine
+    want = [llm.embed(item) for item in inputs]
+    compiled = torch.compile(engine.model.forward, fullgraph=True, dynamic=False, backend="eager")
+    runner = compiled_runner(engine, compiled)
+    calls = []
+    run = runner.run_compiled_hidden
+    runner.run_compiled_hidden = lambda batch: calls.append(batch.num_tokens) or run(batch)
+    eager_runner, engine.forward_path.graph_runner = engine.forward_path.graph_runner, runner
+    try:
+        got = [llm.embed(item) for item in inputs]
+    finally:
+        engine.forward_path.graph_runner = eager_runner
+    assert calls, "the compiled forward ran"
+    for a, b in zip(sum(got, []), sum(want, [])):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
 
 
 def test_embeddings_beside_greedy_generation(folders) -> None:

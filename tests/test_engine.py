@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import compiled_runner, rel_err
 from safetensors.torch import load_file, save_file
 
 from minisgl.attention import BaseAttnBackend
@@ -318,21 +318,6 @@ def test_sampler_warm_up_compiles_in_the_mode_forward_batch_samples_in(tiny_llam
     engine.shutdown()
 
 
-def _graph_runner(engine, forward):
-    """The compile half of a GraphRunner on a CPU engine (which has no graphs): `forward` as its
-    compiled function."""
-    from minisgl.engine.graph import GraphRunner
-
-    runner = GraphRunner.__new__(GraphRunner)
-    runner.model, runner.ctx, runner.device = engine.model, engine.ctx, engine.device
-    runner.max_running_req = engine.config.max_running_req
-    runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
-    runner.rows = torch.arange(engine.config.max_running_req + 1)
-    runner.batch_sizes, runner.compile_prefill = [1], True
-    runner.forward = forward
-    return runner
-
-
 def test_compiled_forward_passes_normal_tensors_marked_unbacked(tiny_llama):
     """dynamo guards on the inputs' dispatch keys: `compiled_forward` copies inference tensors (a
     prefill's `last_indices` is planned in inference mode) to normal ones, as the graphs' static buffers
@@ -341,7 +326,8 @@ def test_compiled_forward_passes_normal_tensors_marked_unbacked(tiny_llama):
     engine = _engine(tiny_llama)
     seen = []
 
-    def forward(input_ids, positions, last_indices):
+    def forward(input_ids, positions, last_indices, return_hidden=False):
+        assert return_hidden  # the compiled forward gives every row's hidden state too
         inputs = (input_ids, positions, last_indices)
         seen.append(
             (
@@ -351,8 +337,9 @@ def test_compiled_forward_passes_normal_tensors_marked_unbacked(tiny_llama):
                 last_indices.tolist(),
             )
         )
+        return None, None  # (logits, hidden states)
 
-    runner = _graph_runner(engine, forward)
+    runner = compiled_runner(engine, forward)
     ids = torch.tensor([5, 6, 7])
     with torch.inference_mode():
         runner.compiled_forward(ids, torch.arange(3), torch.tensor([2]))
@@ -375,7 +362,7 @@ def test_compiled_forward_is_one_graph_for_every_token_count(tiny_llama):
     torch._dynamo.reset()
     engine = _engine(tiny_llama)
     counter = CompileCounterWithBackend("inductor")
-    runner = _graph_runner(
+    runner = compiled_runner(
         engine, torch.compile(engine.model.forward, fullgraph=True, dynamic=False, backend=counter)
     )
     prep = BatchPreparer(engine)
