@@ -231,6 +231,33 @@ def test_compiled_blocks_equal_eager(family: str, request) -> None:
     assert ours._compiled is None
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_engine_start_compiles_on_a_dummy_image_once_for_every_size(family: str, request) -> None:
+    """`compile_vision` (the engine's start phase on CUDA, setting compile_vision) compiles the blocks
+    on its dummy image, and the images of every other size after it run that graph, no recompile."""
+    import types
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from minisgl.engine.start import compile_vision
+
+    torch._dynamo.reset()
+    ours = encoder(FAMILIES[family][0], request.getfixturevalue(f"{family}_folder"))
+    batches = [inputs(grids, ours.cfg.patch_dim, seed=20 + i) for i, grids in enumerate(GRIDS)]
+    with torch.inference_mode():
+        eager = [run(ours, *batch)[0] for batch in batches]
+    model = types.SimpleNamespace(visual=ours, encode_images=lambda pixels, grid: run(ours, pixels, grid))
+    config = types.SimpleNamespace(torch_device=torch.device("cpu"), torch_dtype=torch.float32)
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_vision(config, model, backend=counter)
+    assert ours._compiled is not None and counter.frame_count == 1
+    with torch.inference_mode():
+        for batch, want in zip(batches, eager):
+            torch.testing.assert_close(run(ours, *batch)[0], want, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
 def test_perf_script_dry_run(capsys) -> None:
     """`python -m perf.gpu.vision --shape cpu`: a tiny encoder timed per attention method on the CPU, eager
     and compiled (aot_eager), and its GEMMs alone."""

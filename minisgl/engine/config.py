@@ -180,6 +180,11 @@ class EngineConfig:
         "On CUDA, run prefill and batches above the largest CUDA graph compiled; false: eagerly (ablation). "
         "batch_invariant implies false.",
     )
+    compile_vision: bool = setting(
+        True,
+        "On CUDA, run a vision-language model's encoder blocks under torch.compile (dynamic shapes: one "
+        "graph for every image size), compiled at start on a small dummy image; false: eagerly.",
+    )
     prefill_graph_max_tokens: int = setting(
         1024,
         "On CUDA, prefill batches of up to this many tokens (each request's padded to a block of 16) "

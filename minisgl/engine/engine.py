@@ -105,6 +105,8 @@ class Engine:
         )
         phase("sampler", self.sampler.warm_up)  # compiles the sampler on CUDA
         phase("sampler graphs", lambda: self.sampler.capture_graphs(self.graph_runner.decode_logits()))
+        if config.model_config.is_multimodal and config.compile_vision and self.device.type == "cuda":
+            phase("vision encoder", lambda: start.compile_vision(config, self.model))
         # last: it waits for the attention backend's prefill kernels, built in a thread meanwhile
         phase("prefill warm-up", self.graph_runner.warm_up_prefill)
         start.log_ready(

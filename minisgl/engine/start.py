@@ -147,6 +147,21 @@ def make_lora(config: EngineConfig, model: torch.nn.Module) -> EngineLora:
     return lora
 
 
+def compile_vision(
+    config: EngineConfig, model: torch.nn.Module, backend: str | Callable = "inductor"
+) -> None:
+    """A vision-language model's encoder blocks compiled (dynamic shapes; the setting `compile_vision`,
+    on CUDA), the compile paid here on one dummy image whose merged grid is 2 x 3 (no size of 1 to
+    specialize)."""
+    visual = model.visual
+    visual.configure(compile=True, backend=backend)
+    merge = visual.cfg.spatial_merge_size
+    grid = torch.tensor([[1, 2 * merge, 3 * merge]])  # on the host, as the preprocessing gives it
+    pixels = torch.randn(int(grid.prod()), visual.cfg.patch_dim, device=config.torch_device)
+    with torch.inference_mode():
+        model.encode_images(pixels.to(config.torch_dtype), grid)
+
+
 def lora_bytes(config: EngineConfig) -> int:
     """The device bytes of the LoRA pool (`enable_lora`; 0 without)."""
     if not config.enable_lora:
