@@ -354,12 +354,15 @@ class GraphRunner:
         """The logits of `compiled_both`."""
         return self.compiled_both(input_ids, positions, last_indices, lora)[0]
 
-    def compiled_both(self, input_ids, positions, last_indices=None, lora=None):
+    def compiled_both(
+        self, input_ids, positions, last_indices=None, lora=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's forward (its arguments), compiled, as (logits, every row's hidden state): one
-        compiled graph serves generation and the pooled vectors of embedding inputs; logits of every row when `last_indices` is None (it is then
-        the slice of `rows`, so the compiled graph always gets a tensor). Marks the token dimension
-        (and the sizes of a LoraBatch's tensors) unbacked and copies an inference-mode input to a normal
-        tensor, so one graph serves every call and engine (docs/gpu.md#compiled-forward-and-cuda-graphs).
+        compiled graph serves generation and the pooled vectors of embedding inputs. Logits of every row
+        when `last_indices` is None (it is then the slice of `rows`, so the compiled graph always gets a
+        tensor). Marks the token dimension (and the sizes of a LoraBatch's tensors) unbacked and copies
+        an inference-mode input to a normal tensor, so one graph serves every call and engine
+        (docs/gpu.md#compiled-forward-and-cuda-graphs).
         An engine with a LoRA pool passes `lora` to every call but its base-only decode graphs' captures
         (the model's forward with and without one: two compiled graphs)."""
         if last_indices is None:
@@ -459,7 +462,9 @@ class GraphRunner:
         graph.replay()
         return logits[:bs]
 
-    def replay_prefill(self, batch: Batch, hidden: bool = False):
+    def replay_prefill(
+        self, batch: Batch, hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Lays the prefill batch out in the smallest bucket that holds it (docs/gpu.md#prefill-graphs),
         plans its attention on the device, replays; the logits of each request's last token, and with
         `hidden` every computed token's hidden state too (in batch order: (logits, hidden))."""
