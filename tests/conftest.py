@@ -355,6 +355,17 @@ def teacher_forced_logits(
     return torch.stack(out, dim=1).float()
 
 
+def hf_forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> tuple:
+    """One forward of a transformers causal LM on its KV cache (None: the first, which makes it):
+    (logits, cache). transformers 5 calls the cache `cache` (`past_key_values` deprecated), 4 calls it
+    `past_key_values`."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    name = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    out = model(ids, use_cache=True, **({name: cache} if cache is not None else {}), **kwargs)
+    return out.logits, getattr(out, name)
+
+
 def hf_model(folder: Path | str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """transformers' model of `folder` in `dtype`, in eval mode. gpt-oss's clamped SwiGLU takes the
     config's `swiglu_limit` / `swiglu_alpha` (transformers up to 5.18 fixed them at 7.0 / 1.702, which

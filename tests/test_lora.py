@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 import transformers
-from conftest import llm_clean, make_peft_adapter
+from conftest import hf_forward, llm_clean, make_peft_adapter
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -56,14 +56,17 @@ def reference(smollm2_path, adapters):
 
     def greedy(ids: list[int]) -> tuple[list[int], list[float]]:
         """Argmax after argmax, EOS included (as ignore_eos generates; `generate` would stop or ban
-        it), and each token's log probability."""
-        out, logprobs = list(ids), []
+        it), and each token's log probability: the prompt in one forward, then one token a forward on
+        transformers' KV cache."""
+        tokens, logprobs, cache, step = [], [], None, torch.tensor([ids])
         with torch.no_grad():
             for _ in range(NEW_TOKENS):
-                scores = peft_model(torch.tensor([out])).logits[0, -1].log_softmax(-1)
-                out.append(int(scores.argmax()))
+                logits, cache = hf_forward(peft_model, step, cache)
+                scores = logits[0, -1].log_softmax(-1)
+                tokens.append(int(scores.argmax()))
                 logprobs.append(float(scores.max()))
-        return out[len(ids) :], logprobs
+                step = torch.tensor([[tokens[-1]]])
+        return tokens, logprobs
 
     def run(ids: list[int], name: str | None) -> tuple[list[int], list[float]]:
         key = (tuple(ids), name)

@@ -1,6 +1,8 @@
 """The HTTP front end under abuse (docs/server.md#security), against a real server on loopback: every
 case gets its 4xx with an OpenAI error body (never a 5xx), no connection is held forever, no request
-stalls the others, and after each case a normal request still returns its usual tokens."""
+stalls the others, and after each case a normal request still returns its usual tokens. The servers
+serve a tiny model with the default model's tokenizer under its name (conftest.py's `tiny_server_args`):
+the front end is the subject, and a greedy request's tokens are as fixed as the default model's."""
 
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ NORMAL = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server("--api-key", KEY, "--max-request-bytes", str(16 << 20), *TIMEOUTS)
+def server(tiny_server_args: list[str]) -> Iterator[Server]:
+    srv = Server(*tiny_server_args, "--api-key", KEY, "--max-request-bytes", str(16 << 20), *TIMEOUTS)
     try:
         yield srv
     finally:

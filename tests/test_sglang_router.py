@@ -1,6 +1,7 @@
 """SGLang's router (`sglang-router`, pinned in the test extra) in front of two `minisgl-run serve`
-workers, as docs/scale-out.md starts them (here on free loopback ports), the workers and the router
-sharing an API key. Through the router: the `openai` client gets the same greedy outputs as from a worker
+workers, as docs/scale-out.md starts them (here on free loopback ports, each serving a tiny model with
+the default model's tokenizer under its name: conftest.py's `tiny_server_args`; the router is the subject,
+not the model's tokens), the workers and the router sharing an API key. Through the router: the `openai` client gets the same greedy outputs as from a worker
 directly, for text and chat; SGLang's `/generate` with `input_ids`; with the cache-aware policy,
 requests sharing a long prefix go to one worker (its prefix-cache hits grow, the other's lookups do
 not); `/flush_cache` needs the key and empties both; one worker stopped, traffic goes on to the other.
@@ -54,11 +55,11 @@ class Router(Process):
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[list[Server]]:
+def workers(tiny_server_args: list[str]) -> Iterator[list[Server]]:
     started: list[Server] = []
     try:
         for _ in range(2):
-            started.append(Server("--max-running-req", "8", env={"MINISGL_API_KEY": KEY}))
+            started.append(Server(*tiny_server_args, "--max-running-req", "8", env={"MINISGL_API_KEY": KEY}))
         yield started
     finally:
         for srv in started:
@@ -121,7 +122,7 @@ def test_generate_with_input_ids_through_the_router(workers, router, tokenizer) 
     got = httpx.post(router.base + "/generate", json={**body, "input_ids": prompt}, headers=AUTH, timeout=120)
     assert want.status_code == got.status_code == 200, got.text
     assert got.json()["output_ids"] == want.json()["output_ids"] and len(want.json()["output_ids"]) == 12
-    assert got.json()["text"] == want.json()["text"] and " Paris" in got.json()["text"]
+    assert got.json()["text"] == want.json()["text"]
     assert got.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
     # streamed: events carry the text and ids so far, the last one the finish reason
     events = []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import transformers
-from conftest import rel_err
+from conftest import hf_forward, rel_err
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
@@ -53,23 +53,18 @@ def reference(smollm2_path, prompts):
         ids[i, width - len(prompt) :], mask[i, width - len(prompt) :] = torch.tensor(prompt), 1
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        past, steps, tokens = out.past_key_values, [out.logits[:, -1]], []
+        logits, cache = hf_forward(model, ids, attention_mask=mask, position_ids=positions)
+        steps, tokens = [logits[:, -1]], []
         for step in range(NEW_TOKENS):
             tokens.append(steps[-1].argmax(-1))
             if step == NEW_TOKENS - 1:
                 break
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)
             positions = positions[:, -1:] + 1
-            out = model(
-                tokens[-1][:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=past,
-                use_cache=True,
+            logits, cache = hf_forward(
+                model, tokens[-1][:, None], cache, attention_mask=mask, position_ids=positions
             )
-            past = out.past_key_values
-            steps.append(out.logits[:, -1])
+            steps.append(logits[:, -1])
     return torch.stack(tokens, dim=1).tolist(), list(torch.stack(steps, dim=1))
 
 
