@@ -377,6 +377,9 @@ def test_bad_requests_get_their_status_and_the_server_goes_on(server: Server, bo
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+LONG_TOKENS = 120  # each of the two requests in flight at the graceful shutdown
+
+
 def test_api_key_full_queue_and_graceful_shutdown() -> None:
     """A second server, with an API key, two request slots and no waiting room."""
     srv = Server(
@@ -403,12 +406,13 @@ def test_api_key_full_queue_and_graceful_shutdown() -> None:
         keyed = openai.OpenAI(base_url=srv.url, api_key="s3cret", timeout=600, max_retries=0)
         assert keyed.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
-        # two long requests fill the slots; a third is refused with 503 and Retry-After
+        # two long requests fill the slots; a third is refused with 503 and Retry-After. Long: 120
+        # decode steps, 6 s at least on 2 cores, where the checks until SIGTERM take well under one
         results: list = []
 
         def long_request() -> None:
             r = keyed.completions.create(
-                model=MODEL, prompt="Count:", max_tokens=200, extra_body={"ignore_eos": True}
+                model=MODEL, prompt="Count:", max_tokens=LONG_TOKENS, extra_body={"ignore_eos": True}
             )
             results.append(r.usage.completion_tokens)
 
@@ -427,7 +431,7 @@ def test_api_key_full_queue_and_graceful_shutdown() -> None:
         assert children  # the scheduler process
         for t in threads:
             t.join(600)
-        assert results == [200, 200]
+        assert results == [LONG_TOKENS] * 2
         assert srv.proc.wait(60) == 0
         _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30, "children gone")
     finally:
