@@ -22,17 +22,27 @@ def hf(smollm2_path):
     return transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, torch_dtype=torch.float32).eval()
 
 
-def _greedy(llm32, **penalties) -> list[int]:
-    return llm32.generate([PROMPT], SamplingParams(max_tokens=STEPS, ignore_eos=True, **penalties))[
-        0
-    ].token_ids
+PRESENCE_FREQUENCY = [(1.5, 0.0), (0.0, 1.0), (0.6, 0.4), (-0.5, 0.0)]
+CASES = [{}, {"repetition_penalty": 1.3}]
+CASES += [{"presence_penalty": p, "frequency_penalty": f} for p, f in PRESENCE_FREQUENCY]
 
 
-def test_repetition_penalty_is_transformers_processor(llm32, hf) -> None:
+@pytest.fixture(scope="module")
+def greedy(llm32):
+    """`greedy(**penalties)`: PROMPT's STEPS greedy tokens under those penalties (one of CASES). The
+    cases run as one batch (a request's tokens are those it gets alone:
+    `test_a_mixed_batch_gives_each_request_its_own_tokens`), a 64-step run instead of one per test."""
+    params = [SamplingParams(max_tokens=STEPS, ignore_eos=True, **case) for case in CASES]
+    outs = llm32.generate([PROMPT] * len(CASES), params)
+    table = {tuple(sorted(case.items())): out.token_ids for case, out in zip(CASES, outs)}
+    return lambda **penalties: table[tuple(sorted(penalties.items()))]
+
+
+def test_repetition_penalty_is_transformers_processor(llm32, hf, greedy) -> None:
     """Each token is the argmax (or within a near-tie of 1e-4) of transformers' logits after its own
     RepetitionPenaltyLogitsProcessor over the prompt and the tokens before it."""
     processor = transformers.RepetitionPenaltyLogitsProcessor(1.3)
-    out = _greedy(llm32, repetition_penalty=1.3)
+    out = greedy(repetition_penalty=1.3)
     prompt = llm32.tokenizer(PROMPT)["input_ids"]
     ids = torch.tensor([prompt + out])
     with torch.no_grad():
@@ -40,15 +50,15 @@ def test_repetition_penalty_is_transformers_processor(llm32, hf) -> None:
     for step, token in enumerate(out):
         row = processor(ids[:, : len(prompt) + step], logits[step : step + 1].clone())[0].double()
         assert row.max().item() - row[token].item() < 1e-4, step
-    assert out != _greedy(llm32)
+    assert out != greedy()
 
 
-@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 1.0), (0.6, 0.4), (-0.5, 0.0)])
-def test_presence_and_frequency_follow_openais_definition(llm32, hf, presence, frequency) -> None:
+@pytest.mark.parametrize(("presence", "frequency"), PRESENCE_FREQUENCY)
+def test_presence_and_frequency_follow_openais_definition(llm32, hf, greedy, presence, frequency) -> None:
     """logit[t] -= presence * (count[t] > 0) + frequency * count[t], counts over the tokens generated
     before the step: each of our tokens is the argmax of transformers' logits so penalised (or within a
     near-tie of 1e-4)."""
-    out = _greedy(llm32, presence_penalty=presence, frequency_penalty=frequency)
+    out = greedy(presence_penalty=presence, frequency_penalty=frequency)
     prompt = llm32.tokenizer(PROMPT)["input_ids"]
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].double()
@@ -58,7 +68,7 @@ def test_presence_and_frequency_follow_openais_definition(llm32, hf, presence, f
         assert row.max().item() - row[token].item() < 1e-4, step
         counts[token] += 1
     if presence > 0 or frequency > 0:  # a reply that repeats itself changes
-        assert out != _greedy(llm32)
+        assert out != greedy()
 
 
 def test_a_mixed_batch_gives_each_request_its_own_tokens(llm32) -> None:
