@@ -43,8 +43,8 @@ def reference(smollm2_path, llm32):
 
 def test_greedy_with_a_bias_is_transformers_argmax_of_the_biased_logits(llm32, biases, reference) -> None:
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True, logit_bias=biases)
-    out = llm32.generate([PROMPT], params)[0].token_ids
-    plain = llm32.generate([PROMPT], SamplingParams(max_tokens=STEPS, ignore_eos=True))[0].token_ids
+    both = llm32.generate([PROMPT] * 2, [params, SamplingParams(max_tokens=STEPS, ignore_eos=True)])
+    out, plain = (o.token_ids for o in both)
     assert out != plain and not set(out[:1]) & {t for t, b in biases.items() if b == -100}
     biased = reference(out, biases)
     best = biased.max(dim=1).values
@@ -86,9 +86,9 @@ def test_a_mixed_batch_gives_each_request_its_own_tokens(llm32, biases, referenc
 def test_banned_tokens_are_never_drawn(llm32) -> None:
     top = llm32.generate([PROMPT], SamplingParams(max_tokens=1))[0].token_ids[0]
     params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=1.5, seed=3, logit_bias={top: -100})
-    for seed in range(4):
-        out = llm32.generate([PROMPT], SamplingParams(**{**params.__dict__, "seed": seed}))[0].token_ids
-        assert top not in out
+    seeded = [SamplingParams(**{**params.__dict__, "seed": seed}) for seed in range(4)]
+    for out in llm32.generate([PROMPT] * 4, seeded):
+        assert top not in out.token_ids
 
 
 def test_bad_biases_raise_before_anything_is_queued(llm32) -> None:
