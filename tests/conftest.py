@@ -433,11 +433,13 @@ def make_peft_model(model_folder: Path | str, out: Path, seed: int, scale: float
 
 def compiled_runner(engine, forward):
     """The compile half of a GraphRunner on a CPU engine (which has no graphs): `forward` as its
-    compiled function (`torch.compile` of the model's forward, or a stand-in)."""
+    compiled function (`torch.compile` of the model's forward, or a stand-in), the engine's LoRA part
+    its own."""
     from minisgl.engine.graph import GraphRunner
 
     runner = GraphRunner.__new__(GraphRunner)
     runner.model, runner.ctx, runner.device = engine.model, engine.ctx, engine.device
+    runner.lora, runner.graphs, runner.base_graphs = engine.lora, {}, {}
     runner.max_running_req = engine.config.max_running_req
     runner.dummy_loc = engine.kv_cache.dummy_page * engine.config.page_size
     runner.rows = torch.arange(engine.config.max_running_req + 1)

@@ -1,8 +1,10 @@
 """Engine API, KV pool and page table, bad input (clear errors, engine still usable), compile-cleanliness."""
 
+import gc
 import json
 import logging
 import os
+import weakref
 
 import pytest
 import torch
@@ -89,6 +91,42 @@ def test_forward_batch_output_and_shutdown(tiny_llama):
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         engine.forward_batch(batch, prep.sampling_args(batch))
+
+
+def test_shutdown_releases_the_weights_while_the_engine_is_held(tiny_llama):
+    """`Engine.shutdown` lets go of the model's parameters and buffers and of the LoRA pool while the
+    caller still holds the engine, the compiled forward's too: the graph runner's `torch.compile` of the
+    bound `model.forward` holds the model (here the compile half of a runner on a CPU engine). Dynamo's
+    cache of the forward, which the engines of one model class share, keeps none of them: the other
+    engine's compiled forward runs on without a recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    engines = [_engine(tiny_llama, enable_lora=True, max_loras=2, max_lora_rank=4), _engine(tiny_llama)]
+    for engine in engines:
+        compiled = torch.compile(engine.model.forward, fullgraph=True, dynamic=False, backend=counter)
+        engine.graph_runner = engine.forward_path.graph_runner = compiled_runner(engine, compiled)
+
+    def step(engine):
+        prep = BatchPreparer(engine)
+        req = prep.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+        batch = prep.prefill([req])
+        assert engine.forward_batch(batch, prep.sampling_args(batch)).mode == "compiled"
+        prep.release([req])
+
+    for engine in engines:
+        step(engine)
+    frames = counter.frame_count  # with and without a LoraBatch
+    first = engines[0]
+    held = [weakref.ref(t) for t in (*first.model.parameters(), *first.model.buffers())]
+    held.append(weakref.ref(first.lora.pool))
+    first.shutdown()
+    gc.collect()
+    assert [ref() for ref in held] == [None] * len(held)
+    step(engines[1])
+    assert counter.frame_count == frames
+    first.shutdown()  # idempotent
+    engines[1].shutdown()
 
 
 def test_kv_pool_sizing(tiny_llama):

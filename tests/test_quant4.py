@@ -399,8 +399,9 @@ def test_damaged_tensors_are_refused_naming_them(tmp_path, tiny_model):
 # -- the GPU kernels under Triton's interpreter (tests/gpu/test_gpu_quant4.py runs them on CUDA) ---------
 
 
-def test_kernels_under_the_interpreter():
-    """The GEMV (3 rows, 4-bit, act-order columns, bias) and the GEMM (20 rows, 8-bit, per channel)
+def test_kernels_under_the_interpreter(monkeypatch):
+    """The GEMV (3 rows), the tensor-core GEMM (20 and 70 rows: two blocks of x's rows; unpacked in
+    the columns' order, and value by value) and dequantize-then-cuBLAS (20 rows), 4-bit with act-order columns and a bias and 8-bit per channel,
     against dequantize-then-multiply, float32."""
     import os
 
@@ -409,14 +410,20 @@ def test_kernels_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1" or packed_gemm.triton is None:
         pytest.skip("needs Triton's interpreter (CPU)")
     g = torch.Generator().manual_seed(0)
-    for bits, groups, rows, perm in ((4, 2, 3, torch.randperm(64, generator=g)), (8, 1, 20, None)):
-        qweight = pack_words(torch.randint(0, 2**bits, (24, 64), generator=g), bits)
-        scales = torch.rand(24, groups, generator=g).half() / 2**bits
-        zeros = torch.randint(0, 2**bits, (24, groups), generator=g).to(torch.uint8)
-        x, bias = torch.randn(rows, 64, generator=g), torch.randn(24, generator=g)
-        args = (x, qweight, scales, zeros, perm, bias, bits)
-        kernel = packed_gemm.packed_gemv if rows <= packed_gemm.GEMV_MAX_ROWS else packed_gemm.packed_gemm
-        assert rel_err(kernel(*args), packed_gemm.packed_reference(*args)) < 1e-6, bits
+    mma = packed_gemm.packed_mma
+    cases = [(packed_gemm.packed_gemv, 3, None), (mma, 20, True), (mma, 70, True), (mma, 20, False)]
+    cases.append((packed_gemm.packed_gemm, 20, None))
+    default = packed_gemm.mma_config
+    for kernel, rows, reshape in cases:
+        if reshape is not None:  # the GEMM's two ways of pairing values with x's columns
+            monkeypatch.setattr(packed_gemm, "mma_config", lambda m, r=reshape: (*default(m)[:5], r))
+        for bits, groups, perm in ((4, 2, torch.randperm(64, generator=g)), (8, 1, None)):
+            qweight = pack_words(torch.randint(0, 2**bits, (80, 64), generator=g), bits)
+            scales = torch.rand(80, groups, generator=g).half() / 2**bits
+            zeros = torch.randint(0, 2**bits, (80, groups), generator=g).to(torch.uint8)
+            x, bias = torch.randn(rows, 64, generator=g), torch.randn(80, generator=g)
+            args = (x, qweight, scales, zeros, perm, bias, bits)
+            assert rel_err(kernel(*args), packed_gemm.packed_reference(*args)) < 1e-6, (rows, reshape, bits)
 
 
 def test_the_gemm_buffer_is_reserved_once_and_grows_only():

@@ -530,9 +530,16 @@ class GraphRunner:
         self.lora_batches["prefill", tokens].refresh(rows, slots)
 
     def destroy(self) -> None:
+        """Drops the graphs (their outputs and hidden states, in the graph pool, with them) and what the
+        runner holds of its engine (`Engine.shutdown`): the model, and its compiled forward, torch.compile's
+        wrapper of the bound method `model.forward`, which holds the model too; the LoRA part and the
+        graphs' static LoraBatches. The engine's weights then go even while the engine is referenced:
+        dynamo's cache of the model class's forward keeps none (they are inputs of the compiled graph),
+        and other engines keep their compiled code."""
         self.graphs.clear()
         self.base_graphs.clear()
-        self.prefill_graphs = {}
-        self.verify_graphs = {}
+        self.prefill_graphs, self.prefill_hidden, self.verify_graphs, self.lora_batches = {}, {}, {}, {}
         self.batch_sizes = []
         self.prefill_sizes = []
+        self.model = self.forward = self.lora = None  # type: ignore[assignment]
+        self.max_loras = 0

@@ -206,7 +206,10 @@ class Sampler:
                 self._graphs[(bs, need_filter)] = (graph, floats, ints, tokens)
 
     def destroy_graphs(self) -> None:
+        """Drops the graphs and the penalties' per-slot counts (`Engine.shutdown`; a later penalised
+        batch would make the counts again)."""
         self._graphs.clear()
+        self._counts = self._seen = None
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -118,8 +118,9 @@ def join_group(config: EngineConfig) -> tuple[bool, int]:
 
 
 def load_model(config: EngineConfig) -> tuple[torch.nn.Module, int]:
-    """Builds the model and loads this rank's weights; returns it and their size in bytes (with the
-    buffer its packed 4- or 8-bit projections dequantize into for many rows, `reserve_workspace`)."""
+    """Builds the model and loads this rank's weights; returns it and its size in bytes (parameters and
+    buffers, with the workspace its packed 4- or 8-bit projections dequantize into for many rows,
+    `reserve_workspace`)."""
     model = build_model(
         config.model_config,
         config.model_path,
@@ -128,10 +129,15 @@ def load_model(config: EngineConfig) -> tuple[torch.nn.Module, int]:
         config.torch_dtype,
         dummy=config.use_dummy_weight,
     )
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     packed = [m.shape for m in model.modules() if isinstance(m, PackedLinear)]
     if packed and config.torch_device.type == "cuda":  # the packed GEMM's buffer counts as weights
         weights += reserve_workspace(max(n * k for n, k in packed), config.torch_dtype, config.torch_device)
+    if config.torch_device.type == "cuda":
+        # the load's transients (a checkpoint's tensors on their way, repacking) go back to the device:
+        # the KV cache's budget counts the weights only, and blocks the allocator kept would come off
+        # the activations' room instead
+        torch.cuda.empty_cache()
     return model, weights
 
 

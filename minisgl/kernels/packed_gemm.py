@@ -6,10 +6,15 @@
 - `packed_gemv` (1 to `GEMV_MAX_ROWS` rows, the CUDA cores): a program owns `BLOCK_N` output rows and
   sweeps their words contiguously; the j-th value of every word multiplies x's columns word * P + j
   (no unpacked tile is rearranged), and each word's scale and zero point apply once to its sum.
-- `packed_gemm` (more rows): the weight dequantized into a buffer of x's dtype (a Triton kernel), then
-  cuBLAS. A fused tensor-core kernel is the open part (docs/quantization.md). The buffer is one per
-  device and dtype (`reserve_workspace`, made at load at the size of the model's largest packed weight),
-  so no call allocates it: a CUDA graph's pool never holds a copy of it.
+- `packed_mma` (to `MMA_MAX_ROWS` rows, the tensor cores, for weights wide enough to give every SM
+  two programs, `mma_fills`): a tile of words dequantized in registers, value by value as in the
+  GEMV, and multiplied with x's matching columns (`tl.dot`); the weight is read from memory once per
+  64 rows of x. On an H100 it beats dequantize-then-cuBLAS only there (Qwen3-8B's gate/up at 8 to 32
+  rows: 119 to 141 us against 180); on narrower weights its 64 to 96 programs leave SMs idle.
+- `packed_gemm` (more rows: prefill): the weight dequantized into a buffer of x's dtype (a Triton
+  kernel), then cuBLAS. The buffer is one per device and dtype (`reserve_workspace`, made at load at
+  the size of the model's largest packed weight), so no call allocates it: a CUDA graph's pool never
+  holds a copy of it.
 
 The op picks by row count when it runs (one compiled graph for every batch size, nothing read on the
 host: CUDA-graph safe). Elsewhere (the CPU, no Triton) it dequantizes and multiplies: the reference.
@@ -30,8 +35,11 @@ try:
 except ImportError:  # CPU-only installs: the reference serves
     triton = None
 
-# the most rows the GEMV (CUDA cores) takes; more run dequantize-then-cuBLAS
+# the most rows the GEMV (CUDA cores) takes; then the tensor-core GEMM to MMA_MAX_ROWS where it fills
+# the card (`mma_fills`); the rest run dequantize-then-cuBLAS (prefill: the dequantization paid once
+# for many rows)
 GEMV_MAX_ROWS = 4
+MMA_MAX_ROWS = 32
 
 
 if triton is not None:
@@ -72,6 +80,16 @@ if triton is not None:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(ms < M)[:, None] & row_mask[None, :])
 
     @triton.jit
+    def _weight_rows(N, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        """The program's weight rows (axis 0), their mask and int64 copy; with PDL, lets the next kernel
+        launch and waits for the previous one's results (minisgl.kernels.pdl)."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, rows < N, rows.to(tl.int64)
+
+    @triton.jit
     def _values(q, shift, BITS: tl.constexpr):
         """The values at bit `shift` of the words as float32: OR-ed into the mantissa of 2^23 and 2^23
         taken away (exact, and cheaper than an int-to-float conversion)."""
@@ -85,12 +103,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         PACK: tl.constexpr = 32 // BITS
-        if USE_PDL:  # minisgl.kernels.pdl: the next kernel may launch now
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
-        rows64 = rows.to(tl.int64)
+        rows, row_mask, rows64 = _weight_rows(N, BLOCK_N, USE_PDL)
         ms = tl.arange(0, BLOCK_M)
         m_mask = ms < M
         # per word: (sum_j u_j x_j - z sum_j x_j) s, summed over the words once, after the loop
@@ -109,6 +122,46 @@ if triton is not None:
                 xs += x
             acc += (ux - z[None, :, :] * xs[:, None, :]) * s[None, :, :]
         _store(tl.sum(acc, axis=2), b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
+
+    @triton.jit
+    def _packed_mma_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, KW, G, x_stride,
+        BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, RESHAPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr,
+    ):  # fmt: skip
+        """The tensor-core GEMM: a program owns `BLOCK_N` output columns (weight rows) and `BLOCK_M` rows
+        of x, whose columns are in the weight's order (act order applied). Each step dequantizes a
+        (BLOCK_N, BLOCK_W) tile of words in float32, rounds it to x's dtype as the reference does and
+        multiplies: the weight's rows are the MMA's long side (y^T = W x^T), which fills the tensor
+        cores' tile at few rows of x. RESHAPE: the tile's values unpacked into the columns' order
+        (BLOCK_N, BLOCK_W * PACK), one product with x's contiguous columns; else value by value, the
+        j-th values of the words against x given de-interleaved (x[:, j * KW + word] = column
+        word * PACK + j: contiguous loads)."""
+        PACK: tl.constexpr = 32 // BITS
+        rows, row_mask, rows64 = _weight_rows(N, BLOCK_N, USE_PDL)
+        ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = ms < M
+        x_rows = x_ptr + ms.to(tl.int64)[:, None] * x_stride
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for w0 in range(0, KW, BLOCK_W):
+            words = w0 + tl.arange(0, BLOCK_W)
+            q, s, z = _tile(q_ptr, s_ptr, z_ptr, rows64, row_mask, words, KW, G, PACK, GROUP_WORDS)
+            if RESHAPE:
+                js = tl.arange(0, PACK)
+                u = _values(q[:, :, None], (js * BITS)[None, None, :], BITS)
+                w = tl.reshape((u - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_W * PACK))
+                cols = w0 * PACK + tl.arange(0, BLOCK_W * PACK)
+                x = tl.load(
+                    x_rows + cols[None, :], mask=m_mask[:, None] & (cols < KW * PACK)[None, :], other=0.0
+                )
+                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
+            else:
+                for j in tl.static_range(PACK):
+                    at = x_rows + (j * KW + words)[None, :]
+                    x = tl.load(at, mask=m_mask[:, None] & (words < KW)[None, :], other=0.0)
+                    w = ((_values(q, j * BITS, BITS) - z) * s).to(x.dtype)
+                    acc = tl.dot(w, tl.trans(x), acc)
+        _store(tl.trans(acc), b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
 
     @triton.jit
     def _dequantize_kernel(
@@ -159,6 +212,46 @@ def packed_gemv(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = 
         BITS=bits, GROUP_WORDS=group_words, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
         BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n, BLOCK_W=block_w,
         num_warps=warps, **launch_options(use_pdl),
+    )  # fmt: skip
+    return y
+
+
+def mma_config(m: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_W, warps, stages, RESHAPE) of the tensor-core GEMM for m rows: x's rows
+    in one block to 64 (the weight read once), then blocks of 64; the rest from the sweep of
+    docs/quantization.md ("The GPU kernels": value by value, x de-interleaved, at 16 and 32 rows)."""
+    return (max(16, triton.next_power_of_2(min(m, 64))), 64, 32, 4, 3, False)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def mma_fills(n: int, device: torch.device) -> bool:
+    """Whether a weight of n rows gives the tensor-core GEMM at least two programs per SM of `device`
+    (a host-side property, read once per device)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return triton.cdiv(n, mma_config(1)[1]) >= 2 * _SMS[device]
+
+
+def packed_mma(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = None) -> torch.Tensor:
+    """x (M, K) times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype on the tensor cores,
+    the weight dequantized tile by tile in registers (`_packed_mma_kernel`)."""
+    n, words, g, group_words = _shape(qweight, scales, bits)
+    m = x.shape[0]
+    block_m, block_n, block_w, warps, stages, reshape = mma_config(m)
+    if perm is not None:
+        x = x.index_select(1, perm)
+    if not reshape:  # de-interleaved: the j-th values' columns together
+        x = x.view(m, words, 32 // bits).transpose(1, 2)
+    x = x.contiguous()
+    y = x.new_empty(m, n)
+    use_pdl = pdl_enabled(x) if pdl is None else pdl
+    _packed_mma_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, qweight, scales, zeros, qweight if bias is None else bias, y, m, n, words, g, x.stride(0),
+        BITS=bits, GROUP_WORDS=group_words, HAS_BIAS=bias is not None, RESHAPE=reshape,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+        num_warps=warps, num_stages=stages, **launch_options(use_pdl),
     )  # fmt: skip
     return y
 
@@ -217,9 +310,11 @@ def packed_linear_op(
     bits: int,
 ) -> Tensor:
     """x (T, K) times the packed weight (N, K)^T (+ bias) -> (T, N): the GEMV to `GEMV_MAX_ROWS` rows,
-    the GEMM beyond."""
+    the tensor-core GEMM to `MMA_MAX_ROWS` where it fills the card, dequantize-then-cuBLAS else."""
     if 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         return packed_gemv(x, qweight, scales, zeros, perm, bias, bits)
+    if x.shape[0] <= MMA_MAX_ROWS and mma_fills(qweight.shape[0], x.device):
+        return packed_mma(x, qweight, scales, zeros, perm, bias, bits)
     return packed_gemm(x, qweight, scales, zeros, perm, bias, bits)
 
 

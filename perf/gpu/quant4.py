@@ -9,15 +9,17 @@ request of a 4-bit model against bf16 (dummy weights).
 (at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
 and Qwen3-30B-A3B's (attention, and one expert's w13 / w2: the experts themselves are dequantized at
 load); columns: `bf16` (F.linear), `op` (what `torch.ops.minisgl.packed_linear` runs at that row
-count: the GEMV to 4 rows, dequantize-then-cuBLAS beyond), their ratio (above 1: the packed weights are faster),
-and the op's relative error against dequantize-then-matmul.
+count: the GEMV to 4 rows, the tensor-core GEMM to MMA_MAX_ROWS, dequantize-then-cuBLAS beyond), `deq`
+(dequantize-then-cuBLAS at every row count), bf16 / op (above 1: the packed weights are faster), and
+the op's relative error against dequantize-then-matmul. `--sweep`: the op's kernel under each of its
+block configurations, the fastest printed.
 
 `request`: one engine per variant in one process, bf16 then AWQ 4-bit (the model's config.json with an
 AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUDA graphs to batch 1;
 `--reps` requests of 128 random prompt tokens and `--new-tokens` greedy ones each
 (`minisgl.bench.offline.run_single`), tokens/s and their median.
 
-`offline`: the same two variants with CUDA graphs to the engine's default batch sizes: the offline
+`offline`: the same two variants, each in a process of its own, with CUDA graphs to the engine's default batch sizes: the offline
 workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes` passes after a warm-up) and the
 decode step at `--batch` requests of 512 tokens of context (`perf.gpu.lora.decode_steps`: median wall
 and device ms over 50 steps); the 4-bit figures over bf16's. A plain script, not a test.
@@ -27,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -54,34 +59,50 @@ ENGINE: dict = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page
 WORKLOAD: dict = {}
 # the GEMV's (BLOCK_N, BLOCK_W, warps) tried by `kernels --sweep`
 GEMV_SWEEP = [(n, w, warps) for n in (8, 16, 32) for w in (32, 64, 128, 256) for warps in (4, 8)]
+# the tensor-core GEMM's (BLOCK_N, BLOCK_W, warps, stages, RESHAPE) tried by `kernels --sweep`
+MMA_SWEEP = [
+    (n, w, warps, 3, reshape)
+    for reshape, ws in ((True, (16, 32)), (False, (32, 64)))
+    for n in (32, 64, 128)
+    for w in ws
+    for warps in (4, 8)
+]
 
 
-def time_rows(x, dense, qs, scales, zeros, bits, sweep: bool = False) -> tuple[float, float, float]:
-    """(bf16 us, op us, the op's relative error against dequantize-then-matmul) at x's row count; with
-    `sweep` (at most GEMV_MAX_ROWS rows) the op's time is the GEMV's under its fastest block sizes (printed)."""
+def time_rows(x, dense, qs, scales, zeros, bits, sweep: bool = False) -> tuple[float, float, float, float]:
+    """(bf16 us, op us, dequantize-then-cuBLAS us, the op's relative error against dequantize-then-matmul)
+    at x's row count; with `sweep` the op's time is its kernel's (the GEMV's to GEMV_MAX_ROWS rows, the
+    tensor-core GEMM's beyond) under its fastest configuration of GEMV_SWEEP / MMA_SWEEP (printed)."""
     from minisgl.kernels import packed_gemm as P
     from minisgl.kernels.packed_gemm import packed_linear_op, packed_reference
 
-    copies = len(qs)
+    copies, m = len(qs), x.shape[0]
     bf16 = graph_us(lambda: [F.linear(x, w) for w in dense], reps=10) / copies
     op = graph_us(lambda: [packed_linear_op(x, q, scales, zeros, None, None, bits) for q in qs], 10) / copies
-    if sweep and x.shape[0] <= P.GEMV_MAX_ROWS:
-        default, times = P.gemv_config, {}
-        for config in GEMV_SWEEP:
-            if config[0] * config[1] * x.shape[0] <= 4096:  # registers
-                P.gemv_config = lambda m, config=config: config
+    deq = graph_us(lambda: [P.packed_gemm(x, q, scales, zeros, None, None, bits) for q in qs], 10) / copies
+    if sweep and m <= P.MMA_MAX_ROWS:
+        gemv = m <= P.GEMV_MAX_ROWS
+        name, kernel = ("gemv_config", P.packed_gemv) if gemv else ("mma_config", P.packed_mma)
+        default, times = getattr(P, name), {}
+        if gemv:
+            configs = [c for c in GEMV_SWEEP if c[0] * c[1] * m <= 4096]  # registers
+        else:
+            configs = [(default(m)[0], *c) for c in MMA_SWEEP]
+        for config in configs:
+            setattr(P, name, lambda _m, config=config: config)
+            try:
                 times[config] = graph_us(
-                    lambda: [P.packed_gemv(x, q, scales, zeros, None, None, bits) for q in qs], 10
+                    lambda: [kernel(x, q, scales, zeros, None, None, bits) for q in qs], 10
                 )
-        P.gemv_config = default
+            except Exception as e:  # a configuration the compiler refuses (shared memory, registers)
+                print(f"  {config}: {type(e).__name__}")
+        setattr(P, name, default)
         best = min(times, key=times.get)
         op = times[best] / copies
-        print(
-            f"  fastest (BLOCK_N, BLOCK_W, warps) at {x.shape[0]} rows: {best}, default {default(x.shape[0])}"
-        )
+        print(f"  fastest {name} at {m} rows: {best}, default {default(m)}", flush=True)
     call = (x, qs[0], scales, zeros, None, None, bits)
     want = packed_reference(*call).float()
-    return bf16, op, ((packed_linear_op(*call).float() - want).norm() / want.norm()).item()
+    return bf16, op, deq, ((packed_linear_op(*call).float() - want).norm() / want.norm()).item()
 
 
 def kernels(args: argparse.Namespace) -> None:
@@ -89,7 +110,7 @@ def kernels(args: argparse.Namespace) -> None:
 
     bits, group, top = args.bits, args.group, 1 << args.bits
     total = {m: [0.0, 0.0] for m in args.rows}
-    print(f"{'shape':>10} {'M':>4} {'bf16 us':>9} {'op us':>9} {'bf16/op':>8} {'err':>9}")
+    print(f"{'shape':>10} {'M':>4} {'bf16 us':>9} {'op us':>9} {'deq us':>9} {'bf16/op':>8} {'err':>9}")
     for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
         copies = max(2, -(-MIN_BYTES // (2 * n * k)))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -101,10 +122,12 @@ def kernels(args: argparse.Namespace) -> None:
         dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            bf16, op, err = time_rows(x, dense, qs, scales, zeros, bits, args.sweep)
+            bf16, op, deq, err = time_rows(x, dense, qs, scales, zeros, bits, args.sweep)
             total[m][0] += bf16
             total[m][1] += op
-            print(f"{name:>10} {m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f} {err:9.2e}", flush=True)
+            print(
+                f"{name:>10} {m:>4} {bf16:9.1f} {op:9.1f} {deq:9.1f} {bf16 / op:8.2f} {err:9.2e}", flush=True
+            )
         qs.clear()
         dense.clear()
         torch.cuda.empty_cache()
@@ -124,27 +147,56 @@ def variants(model: str) -> tuple[tuple[str, str], tuple[str, str]]:
     return ("bf16", model), ("awq-4bit", str(folder))
 
 
-def offline(args: argparse.Namespace) -> None:
+def offline_one(args: argparse.Namespace) -> dict:
+    """`offline` for the one variant `args.only`, in this process: its figures, and the device memory
+    (GiB) at three points: free after the engine started, allocated and reserved by torch after it
+    closed (what a closed engine leaves behind)."""
     from minisgl.bench.offline import WorkloadShape, run_bench
     from minisgl.llm import LLM
     from perf.gpu.lora import decode_steps
 
+    model = dict(variants(args.model))[args.only]
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("minisgl.engine").setLevel(logging.INFO)  # the KV budget and the start phases
+    with LLM(model, **ENGINE, detokenize=False) as llm:
+        free_started = torch.cuda.mem_get_info()[0] / 2**30
+        report = run_bench(llm, WorkloadShape(**WORKLOAD), passes=args.passes)
+        rates = [p["tokens_per_s"] for p in report["passes"]]
+        step, _ = decode_steps(llm, args.batch, 512, 50, [None])
+    torch.cuda.empty_cache()
+    return dict(
+        rates=rates, wall_ms=step["wall_ms"], device_ms=step["device_ms"] or float("nan"),
+        free_started=free_started, allocated_closed=torch.cuda.memory_allocated() / 2**30,
+        reserved_closed=torch.cuda.memory_reserved() / 2**30,
+    )  # fmt: skip
+
+
+def offline(args: argparse.Namespace) -> None:
+    """Each variant in a process of its own (one engine's leftovers never shrink the next one's room);
+    `--only` runs one here and prints its figures as the last line, JSON."""
+    if args.only:
+        print(json.dumps(offline_one(args)), flush=True)
+        return
     results = {}
-    for variant, model in variants(args.model):
-        with LLM(model, **ENGINE, detokenize=False) as llm:
-            report = run_bench(llm, WorkloadShape(**WORKLOAD), passes=args.passes)
-            rates = [p["tokens_per_s"] for p in report["passes"]]
-            step, _ = decode_steps(llm, args.batch, 512, 50, [None])
-        results[variant] = (statistics.median(rates), step["wall_ms"], step["device_ms"] or float("nan"))
+    for variant, _ in variants(args.model):
+        argv = [sys.executable, "-m", "perf.gpu.quant4", "offline", "--only", variant, "--model", args.model,
+                "--passes", str(args.passes), "--batch", str(args.batch)]  # fmt: skip
+        run = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # its log goes to stderr
+        if run.returncode != 0:
+            sys.exit(f"{variant}: exit {run.returncode}\n{run.stdout[-4000:]}")
+        r = results[variant] = json.loads(run.stdout.strip().splitlines()[-1])
         print(
-            f"{variant}: offline " + ", ".join(f"{r:,.0f}" for r in rates) + " output tokens/s; decode step "
-            f"at batch {args.batch}: {step['wall_ms']:.3f} ms ({results[variant][2]:.3f} device)",
+            f"{variant}: offline " + ", ".join(f"{x:,.0f}" for x in r["rates"]) + " output tokens/s; decode "
+            f"step at batch {args.batch}: {r['wall_ms']:.3f} ms ({r['device_ms']:.3f} device); GiB free "
+            f"after start {r['free_started']:.2f}, allocated / reserved after close "
+            f"{r['allocated_closed']:.2f} / {r['reserved_closed']:.2f}",
             flush=True,
         )
-        torch.cuda.empty_cache()
-    (rate, wall, device), (rate4, wall4, device4) = results["bf16"], results["awq-4bit"]
+    b, q = results["bf16"], results["awq-4bit"]
+    rate, rate4 = statistics.median(b["rates"]), statistics.median(q["rates"])
     print(f"4-bit / bf16: offline {rate4 / rate:.2f}x (goal >= 0.9x), decode step at batch {args.batch} "
-          f"{wall4 / wall:.2f}x wall, {device4 / device:.2f}x device (goal <= 0.6x)", flush=True)  # fmt: skip
+          f"{q['wall_ms'] / b['wall_ms']:.2f}x wall, {q['device_ms'] / b['device_ms']:.2f}x device "
+          "(goal <= 0.6x)", flush=True)  # fmt: skip
 
 
 def request(args: argparse.Namespace) -> None:
@@ -180,6 +232,7 @@ def main() -> None:
     o.add_argument("--model", default="configs/models/qwen3-8b")
     o.add_argument("--passes", type=int, default=3)
     o.add_argument("--batch", type=int, default=32)
+    o.add_argument("--only", choices=("bf16", "awq-4bit"), help="one variant, in this process")
     args = parser.parse_args()
     {"kernels": kernels, "request": request, "offline": offline}[args.what](args)
 

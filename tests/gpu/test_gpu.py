@@ -5,7 +5,9 @@ All tests use one attention shape (head_dim 128, 16 query / 8 KV heads, bf16: Qw
 FlashInfer kernels compile once. Run them all with `python -m pytest tests/gpu`.
 """
 
+import gc
 import importlib.util
+import weakref
 
 import pytest
 import torch
@@ -300,3 +302,26 @@ def test_a_cuda_engine_runs_its_host_work_on_one_thread(tiny_qwen3):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_shutdown_gives_back_the_device_memory_while_the_engine_is_held(tiny_qwen3):
+    """`Engine.shutdown` gives back the device memory the engine took, its weights too, while the caller
+    still holds the engine: the graph runner's compiled forward (`torch.compile` of the bound
+    `model.forward`) kept the model until its `destroy` let go of it. Decode, prefill and sampler graphs
+    were captured, and a prefill and a decode step replayed the model's. (cuBLAS keeps a workspace per
+    stream for the process: let go of on both sides of the comparison.)"""
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    engine = _engine(
+        tiny_qwen3, cuda_graph_max_bs=8, prefill_graph_max_tokens=64, prefill_graph_max_context=64
+    )
+    assert engine.graph_runner.prefill_sizes and one_decode_step(engine, [[5, 6, 7], [8, 9]])[1]
+    held = [weakref.ref(t) for t in (*engine.model.parameters(), *engine.model.buffers())]
+    engine.shutdown()
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    assert [ref() for ref in held] == [None] * len(held)
+    assert torch.cuda.memory_allocated() - before < 4 << 20

@@ -46,9 +46,9 @@ def test_op_matches_dequantize_then_matmul_at_every_row_count(bits, group, act_o
     n, k = 384, 1024
     qweight, scales, zeros, perm = packed_weight(n, k, bits, group, act_order)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-    x_all = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    x_all = torch.randn(320, k, device="cuda", dtype=torch.bfloat16)
     worst = 0.0
-    for m in range(1, 257):
+    for m in [*range(1, 257), 320]:  # the GEMV, the tensor-core GEMM, dequantize-then-cuBLAS
         args = (x_all[:m], qweight, scales, zeros, perm, b, bits)
         err = rel_err(packed_linear_op(*args), packed_reference(*args))
         worst = max(worst, err)
@@ -56,9 +56,41 @@ def test_op_matches_dequantize_then_matmul_at_every_row_count(bits, group, act_o
     print(f"bits {bits} group {group} act order {act_order}: worst relative error {worst:.2e}")
 
 
-def test_op_in_a_cuda_graph_and_compiled():
-    qweight, scales, zeros, perm = packed_weight(256, 512, 4, 128, True)
-    for m in (1, 5, 40):
+@pytest.mark.parametrize("reshape", [True, False])
+def test_tensor_core_gemm_both_pairings(reshape, monkeypatch):
+    """`packed_mma` with the tile unpacked in the columns' order and value by value (x de-interleaved),
+    4-bit act order with a bias and 8-bit, at 5 to 130 rows."""
+    from minisgl.kernels import packed_gemm
+
+    default = packed_gemm.mma_config
+    monkeypatch.setattr(packed_gemm, "mma_config", lambda m: (*default(m)[:5], reshape))
+    for bits, group, act_order in ((4, 128, True), (8, 64, False)):
+        qweight, scales, zeros, perm = packed_weight(384, 1024, bits, group, act_order)
+        b = torch.randn(384, device="cuda", dtype=torch.bfloat16)
+        for m in (5, 16, 33, 64, 130):
+            args = (
+                torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16),
+                qweight,
+                scales,
+                zeros,
+                perm,
+                b,
+                bits,
+            )
+            err = rel_err(packed_gemm.packed_mma(*args), packed_reference(*args))
+            assert err < 1e-2, f"{bits} bits, {m} rows: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("n", [256, 32768])
+def test_op_in_a_cuda_graph_and_compiled(n):
+    """The op's three kernels in a CUDA graph and compiled: the GEMV (1 row), the tensor-core GEMM (20
+    rows of the wide weight, `mma_fills`) and dequantize-then-cuBLAS (5 and 40 rows of the narrow one,
+    40 of the wide)."""
+    from minisgl.kernels.packed_gemm import mma_fills
+
+    assert mma_fills(n, torch.device("cuda", torch.cuda.current_device())) == (n == 32768)
+    qweight, scales, zeros, perm = packed_weight(n, 512, 4, 128, True)
+    for m in (1, 5, 20, 40):
         x, x2 = (torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
         def fn(t):
@@ -67,15 +99,16 @@ def test_op_in_a_cuda_graph_and_compiled():
         assert replay_matches(fn, x, x2), m
         compiled = torch.compile(fn, fullgraph=True)
         assert torch.equal(compiled(x2), fn(x2)), m
+        assert rel_err(fn(x2), packed_reference(x2, qweight, scales, zeros, perm, None, 4)) < 1e-2, m
 
 
 def test_graph_capture_of_the_gemm_allocates_no_weight_buffer():
-    """More rows than the GEMV takes dequantize into the reserved buffer: capturing a graph of them adds
+    """More rows than the tensor-core GEMM takes dequantize into the reserved buffer: capturing a graph of them adds
     only the output to the graph's pool, not an (N, K) weight (which once filled the card as the graphs of
     every batch size each kept one)."""
-    from minisgl.kernels.packed_gemm import reserve_workspace
+    from minisgl.kernels.packed_gemm import MMA_MAX_ROWS, reserve_workspace
 
-    n, k, m = 2048, 4096, 64
+    n, k, m = 2048, 4096, MMA_MAX_ROWS + 64  # past the tensor-core GEMM: the buffer's path
     qweight, scales, zeros, perm = packed_weight(n, k, 4, 128, False)
     reserve_workspace(n * k, torch.bfloat16, torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -116,3 +149,30 @@ def test_tiny_qwen3_awq_on_cuda_matches_the_cpu_reference(tmp_path, tiny_qwen3):
     same = (logits["cuda"].argmax(-1) == logits["cpu"].argmax(-1)).float().mean().item()
     print(f"tiny Qwen3 AWQ on CUDA (bf16) against the CPU (float32): {err:.2e} relative, top-1 {same:.0%}")
     assert err < 5e-2 and same > 0.8
+
+
+def test_a_4bit_load_leaves_no_cached_blocks(tmp_path):
+    """After a 4-bit model loads (Qwen3-0.6B's shapes, AWQ group 128, dummy weights), the allocator keeps
+    no blocks of the load's transients: the KV cache's budget counts the weights only, so cached blocks
+    came off the activations' room (an 8B's first prefills once ran out of memory that way)."""
+    import json
+    from pathlib import Path
+
+    from minisgl.engine import EngineConfig
+    from minisgl.engine.start import load_model
+
+    config = json.loads((Path(__file__).parents[2] / "configs/models/qwen3-0.6b/config.json").read_text())
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": awq}))
+    torch.cuda.empty_cache()
+    allocated_before = torch.cuda.memory_allocated()
+    model, weights = load_model(
+        EngineConfig(model_path=str(tmp_path), use_dummy_weight=True, device="cuda", dtype=torch.bfloat16)
+    )
+    kept = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    held = torch.cuda.memory_allocated() - allocated_before
+    assert kept < 32 * 2**20, f"the allocator kept {kept} bytes of the load's transients"
+    # what the budget counts is what the model holds (parameters, buffers and the packed
+    # GEMM's buffer, which may predate this test)
+    assert held <= weights + 8 * 2**20, f"the model holds {held} bytes, the budget counts {weights}"
+    del model
