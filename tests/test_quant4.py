@@ -401,8 +401,8 @@ def test_damaged_tensors_are_refused_naming_them(tmp_path, tiny_model):
 
 def test_kernels_under_the_interpreter(monkeypatch):
     """The GEMV (3 rows), the tensor-core GEMM (20 and 70 rows: two blocks of x's rows; unpacked in
-    the columns' order, and value by value) and dequantize-then-cuBLAS (20 rows), 4-bit with act-order columns and a bias and 8-bit per channel,
-    against dequantize-then-multiply, float32."""
+    the columns' order, and value by value) and dequantize-then-cuBLAS (20 rows), 4-bit with act-order
+    columns and a bias and 8-bit per channel, against dequantize-then-multiply, float32."""
     import os
 
     from minisgl.kernels import packed_gemm

@@ -10,13 +10,12 @@ docs/gpu.md ("Small decode batches"), docs/quantization.md (FP8 KV).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
-from minisgl.kernels.pdl import launch_options, pdl_enabled
+from minisgl.kernels.pdl import launch_options, pdl_enabled, sm_count
 
 try:
     import triton
@@ -198,11 +197,6 @@ def check_window(window: int | None, name: str = "window") -> int | None:
     return window
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -246,7 +240,7 @@ def decode_attention(
         )
     check_window(window)
     if splits is None:
-        splits = num_splits(bs, num_kv_heads, _sm_count(q.device))
+        splits = num_splits(bs, num_kv_heads, sm_count(q.device))
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))
     block_d = triton.next_power_of_2(head_dim)

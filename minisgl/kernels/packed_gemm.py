@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.packed import dequantize
-from minisgl.kernels.pdl import launch_options, pdl_enabled
+from minisgl.kernels.pdl import launch_options, pdl_enabled, sm_count
 
 try:
     import triton
@@ -223,15 +223,9 @@ def mma_config(m: int) -> tuple[int, int, int, int, int, bool]:
     return (max(16, triton.next_power_of_2(min(m, 64))), 64, 32, 4, 3, False)
 
 
-_SMS: dict[torch.device, int] = {}
-
-
 def mma_fills(n: int, device: torch.device) -> bool:
-    """Whether a weight of n rows gives the tensor-core GEMM at least two programs per SM of `device`
-    (a host-side property, read once per device)."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return triton.cdiv(n, mma_config(1)[1]) >= 2 * _SMS[device]
+    """Whether a weight of n rows gives the tensor-core GEMM at least two programs per SM of `device`."""
+    return triton.cdiv(n, mma_config(1)[1]) >= 2 * sm_count(device)
 
 
 def packed_mma(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = None) -> torch.Tensor:

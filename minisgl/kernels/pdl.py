@@ -40,6 +40,13 @@ def pdl_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, which the kernels size their grids by (8 off CUDA: the
+    interpreter's stand-in); read once per device, on the host."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def pdl_enabled(t: torch.Tensor) -> bool:
     """True inside the forward of an engine with `use_pdl`, for a tensor on a device that supports it."""
     return pdl_mode() and t.is_cuda and pdl_supported(t.device)

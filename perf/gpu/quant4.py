@@ -19,10 +19,11 @@ AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUD
 `--reps` requests of 128 random prompt tokens and `--new-tokens` greedy ones each
 (`minisgl.bench.offline.run_single`), tokens/s and their median.
 
-`offline`: the same two variants, each in a process of its own, with CUDA graphs to the engine's default batch sizes: the offline
-workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes` passes after a warm-up) and the
-decode step at `--batch` requests of 512 tokens of context (`perf.gpu.lora.decode_steps`: median wall
-and device ms over 50 steps); the 4-bit figures over bf16's. A plain script, not a test.
+`offline`: the same two variants, each in a process of its own, with CUDA graphs to the engine's
+default batch sizes: the offline workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes`
+passes after a warm-up) and the decode step at `--batch` requests of 512 tokens of context
+(`perf.gpu.lora.decode_steps`: median wall and device ms over 50 steps); the 4-bit figures over bf16's.
+A plain script, not a test.
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def kernels(args: argparse.Namespace) -> None:
         print(f"{m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f}")
 
 
+VARIANTS = ("bf16", "awq-4bit")
+
+
 def variants(model: str) -> tuple[tuple[str, str], tuple[str, str]]:
     """(("bf16", `model`), ("awq-4bit", a folder of its config.json with an AWQ quantization_config,
     group 128)): the two engines' models (dummy weights)."""
@@ -144,7 +148,7 @@ def variants(model: str) -> tuple[tuple[str, str], tuple[str, str]]:
     folder = Path(tempfile.mkdtemp()) / "awq"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": awq}))
-    return ("bf16", model), ("awq-4bit", str(folder))
+    return (VARIANTS[0], model), (VARIANTS[1], str(folder))
 
 
 def offline_one(args: argparse.Namespace) -> dict:
@@ -178,7 +182,7 @@ def offline(args: argparse.Namespace) -> None:
         print(json.dumps(offline_one(args)), flush=True)
         return
     results = {}
-    for variant, _ in variants(args.model):
+    for variant in VARIANTS:
         argv = [sys.executable, "-m", "perf.gpu.quant4", "offline", "--only", variant, "--model", args.model,
                 "--passes", str(args.passes), "--batch", str(args.batch)]  # fmt: skip
         run = subprocess.run(argv, stdout=subprocess.PIPE, text=True)  # its log goes to stderr
@@ -192,7 +196,7 @@ def offline(args: argparse.Namespace) -> None:
             f"{r['allocated_closed']:.2f} / {r['reserved_closed']:.2f}",
             flush=True,
         )
-    b, q = results["bf16"], results["awq-4bit"]
+    b, q = (results[v] for v in VARIANTS)
     rate, rate4 = statistics.median(b["rates"]), statistics.median(q["rates"])
     print(f"4-bit / bf16: offline {rate4 / rate:.2f}x (goal >= 0.9x), decode step at batch {args.batch} "
           f"{q['wall_ms'] / b['wall_ms']:.2f}x wall, {q['device_ms'] / b['device_ms']:.2f}x device "
@@ -232,7 +236,7 @@ def main() -> None:
     o.add_argument("--model", default="configs/models/qwen3-8b")
     o.add_argument("--passes", type=int, default=3)
     o.add_argument("--batch", type=int, default=32)
-    o.add_argument("--only", choices=("bf16", "awq-4bit"), help="one variant, in this process")
+    o.add_argument("--only", choices=VARIANTS, help="one variant, in this process")
     args = parser.parse_args()
     {"kernels": kernels, "request": request, "offline": offline}[args.what](args)
 

@@ -103,9 +103,9 @@ def test_op_in_a_cuda_graph_and_compiled(n):
 
 
 def test_graph_capture_of_the_gemm_allocates_no_weight_buffer():
-    """More rows than the tensor-core GEMM takes dequantize into the reserved buffer: capturing a graph of them adds
-    only the output to the graph's pool, not an (N, K) weight (which once filled the card as the graphs of
-    every batch size each kept one)."""
+    """More rows than the tensor-core GEMM takes dequantize into the reserved buffer: capturing a graph
+    of them adds only the output to the graph's pool, not an (N, K) weight (which once filled the card
+    as the graphs of every batch size each kept one)."""
     from minisgl.kernels.packed_gemm import MMA_MAX_ROWS, reserve_workspace
 
     n, k, m = 2048, 4096, MMA_MAX_ROWS + 64  # past the tensor-core GEMM: the buffer's path
