@@ -16,6 +16,7 @@ from minisgl.kernels import linear as linear_ops
 from minisgl.kernels import moe_gemm as moe_gemm_kernels
 from minisgl.kernels import moe_gemv as moe_gemv_kernels
 from minisgl.kernels.moe_gemv import moe_gemv
+from minisgl.kernels.packed import PackedWeights, pack_words
 from minisgl.models import ModelConfig
 from minisgl.moe import FusedMoeBackend, TorchMoeBackend, create_moe_backend, fused_moe, select_experts
 from minisgl.scheduler import BatchPreparer, generate
@@ -399,3 +400,41 @@ def test_moe_gemm_matches_reference(tokens, experts, top_k, renormalize, config)
     got = moe_gemm_kernels.moe_gemm(x, weights, ids, w13, w2, config=config)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert rel_err(got, _per_token_reference(x, router_logits, w13, w2, top_k, renormalize)) < 1e-5
+
+
+# -- packed (4- and 8-bit) experts: the same kernels, the weights dequantized in registers ------------
+
+
+def _packed_experts(experts, rows, cols, bits, group, seed):
+    """Random experts in minisgl's packed layout (`PackedWeights`, groups of `group` columns, None: one
+    per channel) and their weights in float32, dequantized here from the values, not the words."""
+    gen = torch.Generator().manual_seed(seed)
+    group = group or cols
+    u = torch.randint(0, 2**bits, (experts, rows, cols), generator=gen)
+    shape = (experts, rows, cols // group)
+    scales = ((torch.rand(shape, generator=gen) + 0.5) * 3.5 / 2**bits / cols**0.5).half()
+    zeros = torch.randint(0, 2**bits, shape, generator=gen)
+    w = (u - zeros.repeat_interleave(group, -1)) * scales.float().repeat_interleave(group, -1)
+    return PackedWeights(pack_words(u, bits), scales, zeros.to(torch.uint8), bits), w
+
+
+@needs_triton
+@pytest.mark.parametrize("bits, group, hidden, inter", [(4, 32, 96, 64), (8, None, 96, 48)])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_packed_experts_match_reference(bits, group, hidden, inter, tokens):
+    """4-bit experts in groups of 32 and 8-bit per channel (the GEMM's steps of 32 and 16 columns: one
+    group each), through the few-token kernels, the grouped GEMMs and the fused backend's CPU path (the
+    experts dequantized for the call), float32, against the float64 per-token reference on the
+    dequantized weights; expert 1 gets no token."""
+    experts, top_k = 8, 2
+    gen = torch.Generator().manual_seed(tokens)
+    x, router_logits = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, experts, generator=gen)
+    router_logits[:, 1] = -30.0
+    w13, plain13 = _packed_experts(experts, 2 * inter, hidden, bits, group, seed=1)
+    w2, plain2 = _packed_experts(experts, hidden, inter, bits, group, seed=2)
+    want = _per_token_reference(x, router_logits, plain13, plain2, top_k, True)
+    assert rel_err(moe_gemv(x, router_logits, w13, w2, top_k, True), want) < 1e-5
+    weights, ids = select_experts(router_logits, top_k, True, x.dtype)
+    assert rel_err(moe_gemm_kernels.moe_gemm(x, weights, ids, w13, w2), want) < 1e-5
+    assert rel_err(FusedMoeBackend().forward(x, router_logits, w13, w2, top_k, True), want) < 1e-5
+    assert rel_err(TorchMoeBackend().forward(x, router_logits, w13, w2, top_k, True), want) < 1e-5

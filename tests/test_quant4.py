@@ -29,6 +29,7 @@ from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels.packed import dequantize, pack_words
 from minisgl.layers.packed import PackedLinear
 from minisgl.models import packed as packed_models
+from minisgl.scheduler import BatchPreparer
 from minisgl.scheduler.batching import generate
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -246,18 +247,30 @@ def test_layout_roundtrip():
     assert torch.equal(dequantize(pack_words(values, 4), scales, zeros.to(torch.uint8), 4, perm), want)
 
 
-def test_qwen3_moe_experts_are_dequantized(tmp_path, tiny_model, monkeypatch):
-    """Qwen3-MoE in GPTQ: the experts dequantized at load (also beside packed projections), greedy tokens
-    as transformers'."""
+@pytest.mark.parametrize("fmt", ["gptq-4bit-g32-sym-v1", "gptq-4bit-g32-actorder-asym-v1"])
+def test_qwen3_moe_experts_packed_or_dequantized(tmp_path, tiny_model, monkeypatch, fmt):
+    """Qwen3-MoE in GPTQ with the weights kept packed: the experts stay packed too (the MoE backends take
+    `PackedWeights`; on the CPU they dequantize them per call), except with act order, where they are
+    dequantized at load; greedy tokens as transformers' on the dequantized weights either way."""
     original = tiny_model("qwen3_moe")
-    folder = write_checkpoint(original, tmp_path / "q", "gptq-4bit-g32-sym-v1", dense=tmp_path / "dense")
+    folder = write_checkpoint(original, tmp_path / "q", fmt, dense=tmp_path / "dense")
     prompts = [s[:n] for s, n in zip(sequences(), PROMPT_LENS)]
     want = greedy_reference(tmp_path / "dense", prompts, 6)
     monkeypatch.setattr(packed_models, "KEEP_PACKED", True)
     eng = engine(folder)
     packed = [m for m in eng.model.modules() if isinstance(m, PackedLinear) and m.qweight.numel()]
-    assert len(packed) == 2 * 3 + 2  # attention in 3 layers, the MLP of the dense one
+    experts = [m for m in packed if m.experts]
+    assert len(packed) - len(experts) == 2 * 3 + 2  # attention in 3 layers, the MLP of the dense one
+    assert len(experts) == (0 if "actorder" in fmt else 2 * 2)  # w13 and w2 of the 2 sparse layers
     assert generate(eng, prompts, SamplingParams(max_tokens=6)) == want
+    if experts:  # under torch.compile the packed experts go through their own opaque op: one graph
+        prep = BatchPreparer(eng)
+        batch = prep.prefill([prep.add_request(p, SamplingParams(max_tokens=1)) for p in prompts])
+        compiled = torch.compile(eng.model.forward, fullgraph=True, dynamic=True)
+        with torch.inference_mode(), eng.ctx.forward_batch(batch):
+            eng.attn_backend.prepare_metadata(batch)
+            args = (batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
+            assert rel_err(compiled(*args), eng.model(*args)) < 1e-5
     eng.shutdown()
 
 

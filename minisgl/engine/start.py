@@ -130,7 +130,7 @@ def load_model(config: EngineConfig) -> tuple[torch.nn.Module, int]:
         dummy=config.use_dummy_weight,
     )
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    packed = [m.shape for m in model.modules() if isinstance(m, PackedLinear)]
+    packed = [m.shape for m in model.modules() if isinstance(m, PackedLinear) and not m.experts]
     if packed and config.torch_device.type == "cuda":  # the packed GEMM's buffer counts as weights
         weights += reserve_workspace(max(n * k for n, k in packed), config.torch_dtype, config.torch_device)
     if config.torch_device.type == "cuda":

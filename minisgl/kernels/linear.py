@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
+from minisgl.kernels.packed import PackedWeights
 
 # the most rows (tokens) sent to a few-row kernel rather than a GEMM, by weight shape: (N, K) for a
 # projection, on the GEMV kernel (at most `minisgl.kernels.gemv.GEMV_MAX_ROWS`); (E, 2I, H) for the
@@ -37,11 +38,15 @@ LINEAR_GEMV_ROWS = 1
 MOE_GEMV_TOKENS = 4
 
 
-def gemv_rows(weight: torch.Tensor) -> int:
+def gemv_rows(weight: torch.Tensor | PackedWeights) -> int:
     """The most rows of x the ops multiply by `weight` on the GEMV kernel (`weight` (N, K)), or the
-    most tokens a MoE layer runs on its few-token kernels (`weight` the experts' w13, (E, 2I, H))."""
-    default = LINEAR_GEMV_ROWS if weight.dim() == 2 else MOE_GEMV_TOKENS
-    return GEMV_ROWS_BY_SHAPE.get(tuple(weight.shape), default)
+    most tokens a MoE layer runs on its few-token kernels (`weight` the experts' w13, (E, 2I, H); packed
+    experts by their own key, (E, 2I, H, bits))."""
+    shape = tuple(weight.shape)
+    default = LINEAR_GEMV_ROWS if len(shape) == 2 else MOE_GEMV_TOKENS
+    return GEMV_ROWS_BY_SHAPE.get(
+        (*shape, weight.bits) if isinstance(weight, PackedWeights) else shape, default
+    )
 
 
 try:

@@ -2,7 +2,8 @@
 
 The (token, slot) pairs are sorted by expert and each expert's run padded to whole blocks of `BLOCK_M`
 rows (`align_pairs`), so a block belongs to one expert; gate/up (SiLU-and-multiply in the epilogue),
-then down scaled by the routing weight, then each token's top_k rows summed in float32. The grid has
+then down scaled by the routing weight, then each token's top_k rows summed in float32 (packed experts:
+each weight tile dequantized in registers first). The grid has
 the most blocks any routing can need (extra blocks return at once), so nothing is read on the host and
 the kernels are captured in CUDA graphs. Configurations: `python -m perf.gpu.moe_tune --grouped`.
 docs/tensor-parallel-and-moe.md.
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernels.moe_gemv import MOE_GEMV_CONFIGS, lookup_config
+from minisgl.kernels.moe_gemv import MOE_GEMV_CONFIGS, Experts, lookup_config, packed_args
 
 try:
     import triton
     import triton.language as tl
+
+    from minisgl.kernels.packed_gemm import _values
 except ImportError:  # CPU-only installs: torch._grouped_mm serves every batch
     triton = None
 
@@ -57,28 +60,34 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(w_at, s_at, z_at, ks, k0, k_mask, col_mask, BITS: tl.constexpr, GROUP: tl.constexpr):
+        """The (BLOCK_K, BLOCK_N) tile of an expert's weight at columns `ks` (w_at: its rows, x's dtype
+        for BITS 0); packed (BITS 4 or 8): its words at w_at, scales and zero points at s_at and z_at
+        (the rows' first group), the tile in one group (GROUP a multiple of BLOCK_K), in float32."""
+        mask = k_mask[:, None] & col_mask[None, :]
+        if BITS == 0:
+            w = tl.load(w_at + ks[:, None], mask=mask, other=0.0)
+        else:
+            PACK: tl.constexpr = 32 // BITS
+            q = tl.load(w_at + (ks // PACK)[:, None], mask=mask, other=0)
+            s = tl.load(s_at + k0 // GROUP, mask=col_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_at + k0 // GROUP, mask=col_mask, other=0).to(tl.float32)
+            w = (_values(q, (ks % PACK)[:, None] * BITS, BITS) - z[None, :]) * s[None, :]
+        return w
+
+    @triton.jit
     def _grouped_kernel(
-        a_ptr,
-        w_ptr,
-        weights_ptr,
-        out_ptr,
-        pairs_ptr,
-        block_expert_ptr,
-        E,
-        P,
-        a_stride,
-        ROWS_PER_A: tl.constexpr,
-        N: tl.constexpr,
-        K: tl.constexpr,
-        GATE_UP: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        a_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr, E, P, a_stride,
+        ROWS_PER_A: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATE_UP: tl.constexpr,
+        BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
         """GATE_UP: the block's token rows (a = x, pair // ROWS_PER_A) times its expert's gate and up
         columns (w = w13, N = I, K = H), SiLU(gate) * up stored per pair. Else: its pairs' activations
         (a = act, ROWS_PER_A = 1) times the expert's down projection (w = w2, N = H, K = I), scaled by
-        the routing weight, stored per pair."""
+        the routing weight, stored per pair. BITS 0: w in a's dtype; 4 or 8: packed (w the words, s
+        and z the scales and zero points of groups of GROUP columns), dequantized tile by tile in
+        registers and rounded to a's dtype as the reference's weights are."""
         block = tl.program_id(1)
         expert = tl.load(block_expert_ptr + block)
         if expert < E:  # blocks past the last expert's run have nothing to do
@@ -87,19 +96,25 @@ if triton is not None:
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             rows_at = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * a_stride
-            w_at = (
-                w_ptr + expert.to(tl.int64) * ((2 if GATE_UP else 1) * N * K) + cols.to(tl.int64)[None, :] * K
-            )
+            ROW: tl.constexpr = K if BITS == 0 else K * BITS // 32  # a weight row's elements
+            G: tl.constexpr = K // GROUP
+            experts_rows = expert.to(tl.int64) * ((2 if GATE_UP else 1) * N)
+            w_at = w_ptr + (experts_rows + cols.to(tl.int64))[None, :] * ROW
+            s_at = s_ptr + (experts_rows + cols.to(tl.int64)) * G
+            z_at = z_ptr + (experts_rows + cols.to(tl.int64)) * G
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_mask = ks < K
                 a = tl.load(rows_at + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-                w_mask = k_mask[:, None] & col_mask[None, :]
-                acc = tl.dot(a, tl.load(w_at + ks[:, None], mask=w_mask, other=0.0), acc)
+                w = _weight_tile(w_at, s_at, z_at, ks, k0, k_mask, col_mask, BITS, GROUP)
+                acc = tl.dot(a, w.to(a.dtype), acc)
                 if GATE_UP:  # the up rows follow the gate rows
-                    acc_up = tl.dot(a, tl.load(w_at + N * K + ks[:, None], mask=w_mask, other=0.0), acc_up)
+                    w = _weight_tile(
+                        w_at + N * ROW, s_at + N * G, z_at + N * G, ks, k0, k_mask, col_mask, BITS, GROUP
+                    )
+                    acc_up = tl.dot(a, w.to(a.dtype), acc_up)
             if GATE_UP:
                 y = acc * tl.sigmoid(acc) * acc_up
             else:
@@ -112,13 +127,13 @@ def moe_gemm(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     config: dict[str, list[int]] | None = None,
 ) -> torch.Tensor:
     """The MoE MLP of x (T, H) routed by (`weights`, `ids`) (T, top_k) (from `select_experts`), with
-    w13 (E, 2I, H) and w2 (E, H, I) as in `BaseMoeBackend.forward`. `config` overrides the tuned launch
-    configuration (the tuning script sweeps it)."""
+    w13 (E, 2I, H) and w2 (E, H, I) as in `BaseMoeBackend.forward`, plain or packed (`PackedWeights`).
+    `config` overrides the tuned launch configuration (the tuning script sweeps it)."""
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, ids.shape[1]
@@ -135,13 +150,16 @@ def moe_gemm(
         ("down", act, w2, y, 1, hidden, inter),
     ):
         m, n, k, warps, stages = config[part]
+        words, scales, zeros, bits, group = packed_args(w)
+        if bits:  # a step's columns in one group
+            k = min(k, group & -group, 128)
         if m not in aligned:  # the two kernels may take blocks of different sizes
             aligned[m] = align_pairs(ids, num_experts, m)
         pairs, block_expert = aligned[m]
         _grouped_kernel[(triton.cdiv(n_cols, n), block_expert.numel())](
-            a, w, weights, out, pairs, block_expert, num_experts, num_pairs, a.stride(0),
-            ROWS_PER_A=rows_per_a, N=n_cols, K=k_cols, GATE_UP=part == "gate_up", BLOCK_M=m, BLOCK_N=n,
-            BLOCK_K=k, num_warps=warps, num_stages=stages,
+            a, words, scales, zeros, weights, out, pairs, block_expert, num_experts, num_pairs, a.stride(0),
+            ROWS_PER_A=rows_per_a, N=n_cols, K=k_cols, GATE_UP=part == "gate_up", BITS=bits, GROUP=group,
+            BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     # the sum over the top_k slots accumulates in float32 (for bf16 too) and rounds once
     return y.view(tokens, top_k, hidden).sum(dim=1)

@@ -4,6 +4,8 @@ A decode step's work is reading the chosen experts' weights, not multiplying: he
 kernels (`_gate_up_kernel`, `_down_kernel`) that compute the top-k themselves and read each chosen
 expert's weights once, with no sort, gather or scatter, and nothing read on the host (CUDA graphs).
 Routing weights and activations are rounded as `select_experts` and the grouped-GEMM path round them.
+Experts in minisgl's packed layout (`PackedWeights`, 4- or 8-bit) are read packed and dequantized in
+registers, as `minisgl.kernels.packed_gemm`'s GEMV does (`_packed_dot`).
 Launch configurations: `MOE_GEMV_CONFIGS` (`python -m perf.gpu.moe_tune`). docs/tensor-parallel-and-moe.md.
 """
 
@@ -14,9 +16,13 @@ from pathlib import Path
 
 import torch
 
+from minisgl.kernels.packed import PackedWeights
+
 try:
     import triton
     import triton.language as tl
+
+    from minisgl.kernels.packed_gemm import _packed_dot
 except ImportError:  # CPU-only installs: the grouped GEMM path serves every batch
     triton = None
 
@@ -45,34 +51,52 @@ def lookup_config(table: dict, num_experts: int, inter: int, hidden: int, tokens
     return tuned[-1][1] if tuned else None
 
 
-def moe_gemv_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+Experts = torch.Tensor | PackedWeights
+
+
+def moe_gemv_fits(x: torch.Tensor, w13: Experts, w2: Experts) -> bool:
     """True when the kernels can take these tensors (any token count): Triton present, one float dtype
-    throughout, contiguous expert weights."""
+    throughout (x's, for packed experts), contiguous expert weights."""
+    tensors = [t for w in (w13, w2) for t in ((w,) if isinstance(w, torch.Tensor) else w[:3])]
+    dense = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     return (
         triton is not None
         and x.dim() == 2
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and x.dtype == w13.dtype == w2.dtype
-        and w13.is_contiguous()
-        and w2.is_contiguous()
+        and (not dense or x.dtype == w13.dtype == w2.dtype)
+        and all(t.is_contiguous() for t in tensors)
+        and all(w.group & -w.group >= 16 for w in (w13, w2) if isinstance(w, PackedWeights))  # tl.dot's K
         and (x.is_cuda or x.device.type == "cpu")
     )
 
 
-def _default_config(tokens: int, rows: int, width: int) -> list[int]:
+def _default_config(tokens: int, rows: int, width: int, bits: int) -> list[int]:
     """[block_n, block_k, warps] before tuning: a few output rows a program, the row in 512-wide
-    blocks."""
+    blocks; packed experts (`bits`): 16 rows, 256 columns a step."""
+    if bits:
+        return [16, min(256, triton.next_power_of_2(width)), 4]
     return [4 if tokens == 1 else 8, min(512, triton.next_power_of_2(width)), 4]
 
 
-def moe_gemv_config(num_experts: int, inter: int, hidden: int, tokens: int) -> dict[str, list[int]]:
-    """The launch configuration of both kernels for this shape and token count (see `lookup_config`),
-    or the defaults."""
-    tuned = lookup_config(MOE_GEMV_CONFIGS.get("gemv", {}), num_experts, inter, hidden, tokens)
+def moe_gemv_config(
+    num_experts: int, inter: int, hidden: int, tokens: int, bits: int = 0
+) -> dict[str, list[int]]:
+    """The launch configuration of both kernels for this shape and token count (see `lookup_config`;
+    packed experts' under the key's "q{bits}" suffix), or the defaults."""
+    table = MOE_GEMV_CONFIGS.get("gemv" if not bits else f"gemv_q{bits}", {})
+    tuned = lookup_config(table, num_experts, inter, hidden, tokens)
     return tuned or {
-        "gate_up": _default_config(tokens, inter, hidden),
-        "down": _default_config(tokens, hidden, inter),
+        "gate_up": _default_config(tokens, inter, hidden, bits),
+        "down": _default_config(tokens, hidden, inter, bits),
     }
+
+
+def packed_args(w: Experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(weights or words, scales, zero points, bits, group) of the experts for the kernels: bits 0 and
+    the weights themselves in place of scales and zero points for plain experts."""
+    if isinstance(w, PackedWeights):
+        return w.qweight, w.scales, w.zeros, w.bits, w.group
+    return w, w, w, 0, 1
 
 
 if triton is not None:
@@ -92,20 +116,12 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(
-        x_ptr,
-        logits_ptr,
-        w13_ptr,
-        act_ptr,
-        E,
-        x_stride,
-        logits_stride,
-        INTER: tl.constexpr,
-        H: tl.constexpr,
-        TOP_K: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        x_ptr, logits_ptr, w13_ptr, s13_ptr, z13_ptr, act_ptr, E, x_stride, logits_stride,
+        INTER: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A block of gate and up rows of one (token, slot) pair's expert, SiLU(gate) * up stored. BITS 0:
+        w13 (E, 2I, H) in x's dtype; else packed (words, scales and zero points: `PackedWeights`)."""
         block = tl.program_id(0)  # rows of the intermediate dimension
         pair = tl.program_id(1)  # token * TOP_K + slot
         token = pair // TOP_K
@@ -117,38 +133,47 @@ if triton is not None:
             expert = tl.where(slot == j, index, expert)
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < INTER
-        gate_at = w13_ptr + expert.to(tl.int64) * (2 * INTER * H) + rows.to(tl.int64)[:, None] * H
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (cols < H)[None, :]
-            x = tl.load(x_ptr + token * x_stride + cols, mask=cols < H, other=0.0).to(tl.float32)
-            gate = tl.load(gate_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(gate_at + INTER * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc_gate += gate * x[None, :]
-            acc_up += up * x[None, :]
-        gate = tl.sum(acc_gate, axis=1)
-        up = tl.sum(acc_up, axis=1)
+        if BITS == 0:
+            gate_at = w13_ptr + expert.to(tl.int64) * (2 * INTER * H) + rows.to(tl.int64)[:, None] * H
+            acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in tl.static_range(0, H, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                mask = row_mask[:, None] & (cols < H)[None, :]
+                x = tl.load(x_ptr + token * x_stride + cols, mask=cols < H, other=0.0).to(tl.float32)
+                gate = tl.load(gate_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                up = tl.load(gate_at + INTER * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                acc_gate += gate * x[None, :]
+                acc_up += up * x[None, :]
+            gate = tl.sum(acc_gate, axis=1)
+            up = tl.sum(acc_up, axis=1)
+        else:
+            KW: tl.constexpr = H * BITS // 32
+            G: tl.constexpr = H // GROUP
+            words_at = w13_ptr + expert.to(tl.int64) * (2 * INTER * KW)
+            groups_at = expert.to(tl.int64) * (2 * INTER * G)
+            rows64 = rows.to(tl.int64)
+            x_at = x_ptr + token * x_stride
+            gate = _packed_dot(
+                words_at, s13_ptr + groups_at, z13_ptr + groups_at, rows64, row_mask, x_at, KW, G,
+                BITS, GROUP * BITS // 32, BLOCK_N, BLOCK_K * BITS // 32,
+            )  # fmt: skip
+            up = _packed_dot(
+                words_at, s13_ptr + groups_at, z13_ptr + groups_at, rows64 + INTER, row_mask, x_at, KW, G,
+                BITS, GROUP * BITS // 32, BLOCK_N, BLOCK_K * BITS // 32,
+            )  # fmt: skip
         act = gate * tl.sigmoid(gate) * up
         tl.store(act_ptr + pair * INTER + rows, act.to(act_ptr.dtype.element_ty), mask=row_mask)
 
     @triton.jit
     def _down_kernel(
-        act_ptr,
-        logits_ptr,
-        w2_ptr,
-        out_ptr,
-        E,
-        logits_stride,
-        INTER: tl.constexpr,
-        H: tl.constexpr,
-        TOP_K: tl.constexpr,
-        RENORMALIZE: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
+        act_ptr, logits_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, E, logits_stride,
+        INTER: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """A block of hidden rows of one token: its TOP_K pairs' activations times their experts' down
+        projection, weighted by the routing weights and summed. BITS as in `_gate_up_kernel`."""
         block = tl.program_id(0)  # rows of the hidden dimension
         token = tl.program_id(1)
         logits, offs = _logits(logits_ptr + token * logits_stride, E, BLOCK_E)
@@ -162,53 +187,71 @@ if triton is not None:
                 norm += tl.exp(best - top)
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < H
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if BITS == 0:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:  # the packed experts' sums go to `out` directly
+            acc = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
         rest = logits
         for j in tl.static_range(TOP_K):
             best, expert, rest = _next_choice(rest, offs)
             # the routing weight rounded to the model's dtype, as `select_experts` returns it
             weight = (tl.exp(best - top) / norm).to(out_ptr.dtype.element_ty).to(tl.float32)
-            w_at = w2_ptr + expert.to(tl.int64) * (H * INTER) + rows.to(tl.int64)[:, None] * INTER
             a_at = act_ptr + (token * TOP_K + j) * INTER
-            for k0 in tl.static_range(0, INTER, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(a_at + cols, mask=cols < INTER, other=0.0).to(tl.float32) * weight
-                mask = row_mask[:, None] & (cols < INTER)[None, :]
-                w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                acc += w * a[None, :]
-        out = tl.sum(acc, axis=1)
+            if BITS == 0:
+                w_at = w2_ptr + expert.to(tl.int64) * (H * INTER) + rows.to(tl.int64)[:, None] * INTER
+                for k0 in tl.static_range(0, INTER, BLOCK_K):
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    a = tl.load(a_at + cols, mask=cols < INTER, other=0.0).to(tl.float32) * weight
+                    mask = row_mask[:, None] & (cols < INTER)[None, :]
+                    w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                    acc += w * a[None, :]
+            else:
+                KW: tl.constexpr = INTER * BITS // 32
+                G: tl.constexpr = INTER // GROUP
+                groups_at = expert.to(tl.int64) * (H * G)
+                out += weight * _packed_dot(
+                    w2_ptr + expert.to(tl.int64) * (H * KW), s2_ptr + groups_at, z2_ptr + groups_at,
+                    rows.to(tl.int64), row_mask, a_at, KW, G, BITS, GROUP * BITS // 32, BLOCK_N,
+                    BLOCK_K * BITS // 32,
+                )  # fmt: skip
+        out += tl.sum(acc, axis=1)
         tl.store(out_ptr + token * H + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def moe_gemv(
     x: torch.Tensor,
     router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
     top_k: int,
     renormalize: bool,
     config: dict[str, list[int]] | None = None,
 ) -> torch.Tensor:
-    """The MoE MLP of x (T, H) on the two kernels; shapes as in `BaseMoeBackend.forward`. `config`
-    overrides the tuned launch configuration (the tuning script sweeps it)."""
+    """The MoE MLP of x (T, H) on the two kernels; shapes as in `BaseMoeBackend.forward`, the experts
+    plain or packed (`PackedWeights`). `config` overrides the tuned launch configuration (the tuning
+    script sweeps it)."""
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if tokens == 0:
         return out
-    config = config or moe_gemv_config(num_experts, inter, hidden, tokens)
+    w13_args, w2_args = packed_args(w13), packed_args(w2)
+    bits = w13_args[3]
+    config = config or moe_gemv_config(num_experts, inter, hidden, tokens, bits)
     act = x.new_empty(tokens * top_k, inter)
     block_e = triton.next_power_of_2(num_experts)
     n, k, warps = config["gate_up"]
     _gate_up_kernel[(triton.cdiv(inter, n), tokens * top_k)](
-        x, router_logits, w13, act, num_experts, x.stride(0), router_logits.stride(0),
-        INTER=inter, H=hidden, TOP_K=top_k, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
+        x, router_logits, *w13_args[:3], act, num_experts, x.stride(0), router_logits.stride(0),
+        INTER=inter, H=hidden, TOP_K=top_k, BITS=bits, GROUP=w13_args[4], BLOCK_E=block_e, BLOCK_N=n,
+        BLOCK_K=k, num_warps=warps,
     )  # fmt: skip
     n, k, warps = config["down"]
     _down_kernel[(triton.cdiv(hidden, n), tokens)](
-        act, router_logits, w2, out, num_experts, router_logits.stride(0),
-        INTER=inter, H=hidden, TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k,
-        num_warps=warps,
+        act, router_logits, *w2_args[:3], out, num_experts, router_logits.stride(0),
+        INTER=inter, H=hidden, TOP_K=top_k, RENORMALIZE=renormalize, BITS=bits, GROUP=w2_args[4],
+        BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
     )  # fmt: skip
     return out

@@ -19,6 +19,8 @@ docs/quantization.md ("The internal layout").
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -48,13 +50,37 @@ def dequantize(
     perm: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The weight (N, K) of the layout above, computed in float32 and rounded to `dtype` once, its
-    columns in the input's order."""
+    """The weight (..., N, K) of the layout above (leading dims: a MoE layer's experts), computed in
+    float32 and rounded to `dtype` once, its columns in the input's order."""
     u = unpack_words(qweight, bits).float()
-    group = u.shape[1] // scales.shape[1]
-    s = scales.float().repeat_interleave(group, dim=1)
-    z = zeros.float().repeat_interleave(group, dim=1)
+    group = u.shape[-1] // scales.shape[-1]
+    s = scales.float().repeat_interleave(group, dim=-1)
+    z = zeros.float().repeat_interleave(group, dim=-1)
     w = ((u - z) * s).to(dtype)
     if perm is not None:
-        w = torch.empty_like(w).index_copy_(1, perm, w)
+        w = torch.empty_like(w).index_copy_(-1, perm, w)
     return w
+
+
+class PackedWeights(NamedTuple):
+    """A MoE layer's experts in the layout above: qweight (E, N, K / P), scales and zeros (E, N, K / g);
+    the experts' kernels (minisgl.kernels.moe_gemv, moe_gemm) read them packed."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weights' logical shape (E, N, K)."""
+        *lead, words = self.qweight.shape
+        return (*lead, words * 32 // self.bits)
+
+    @property
+    def group(self) -> int:
+        """Input columns a scale covers."""
+        return self.shape[-1] // self.scales.shape[-1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.zeros, self.bits, dtype=dtype)

@@ -97,6 +97,28 @@ if triton is not None:
         return u.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
+    def _packed_dot(
+        q_ptr, s_ptr, z_ptr, rows, row_mask, x_ptr, KW, G,
+        BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    ):  # fmt: skip
+        """The products (BLOCK_N,) float32 of the weight's `rows` with one vector x (its columns in the
+        packed order, from x_ptr), as the GEMV computes them: per word, (sum_j u_j x_j - z sum_j x_j) s
+        (the MoE experts' few-token kernels, minisgl.kernels.moe_gemv)."""
+        PACK: tl.constexpr = 32 // BITS
+        acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for w0 in range(0, KW, BLOCK_W):
+            words = w0 + tl.arange(0, BLOCK_W)
+            q, s, z = _tile(q_ptr, s_ptr, z_ptr, rows, row_mask, words, KW, G, PACK, GROUP_WORDS)
+            ux = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_W], dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                x = tl.load(x_ptr + words * PACK + j, mask=words < KW, other=0.0).to(tl.float32)
+                ux += _values(q, j * BITS, BITS) * x[None, :]
+                xs += x
+            acc += (ux - z * xs[None, :]) * s
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
     def _packed_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, y_ptr, M, N, KW, G, x_stride,
         BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -15,7 +15,7 @@ from minisgl.models.fp8 import init_dummy_fp8
 from minisgl.models.gemma3 import Gemma3ForConditionalGeneration
 from minisgl.models.gpt_oss import GptOssForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.packed import init_dummy_packed, keep_packed
+from minisgl.models.packed import experts_packed, init_dummy_packed, keep_packed
 from minisgl.models.quant_config import PackedConfig
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 from minisgl.models.qwen_vl import QwenVLForConditionalGeneration
@@ -78,7 +78,7 @@ def build_model(
     if isinstance(cfg.quantization, PackedConfig):
         where = "packed" if keep_packed(device) else f"dequantized at load to {dtype} (the reference path)"
         logger.info("%s: projections %s", cfg.quantization.describe(), where)
-        if cfg.num_experts:
+        if cfg.num_experts and not experts_packed(cfg.quantization, device):
             logger.info("the MoE experts' packed weights are dequantized at load to %s", dtype)
     elif cfg.quantization is not None:
         logger.info("%s", cfg.quantization.describe())

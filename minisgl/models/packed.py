@@ -50,6 +50,12 @@ def keep_packed(device: torch.device) -> bool:
     return device.type == "cuda" if KEEP_PACKED is None else KEEP_PACKED
 
 
+def experts_packed(cfg: PackedConfig, device: torch.device) -> bool:
+    """Whether a MoE layer's experts stay packed on `device`: as the projections, but never with GPTQ's
+    act order (the experts' kernels read x in its own order; such experts are dequantized at load)."""
+    return keep_packed(device) and not cfg.desc_act
+
+
 def roles(cfg: PackedConfig) -> tuple[str, ...]:
     """The tensors of a module the checkpoint holds and minisgl reads (GPTQ's g_idx with act order only;
     compressed-tensors' zero points when asymmetric)."""
@@ -97,10 +103,12 @@ class Dense:
 
 @dataclass(frozen=True)
 class Packed:
-    """Repacks into segment `index` of `layer`."""
+    """Repacks into segment `index` of `layer` (of its expert `expert`, for a MoE layer's experts: their
+    columns in the checkpoint's order, no act order)."""
 
     layer: PackedLinear
     index: int
+    expert: int | None = None
 
     def __call__(self, u, zeros, scales, col_group, name: str) -> None:
         layer, k = self.layer, u.shape[1]
@@ -117,13 +125,17 @@ class Packed:
         identity = bool((perm == torch.arange(k)).all())
         rows = layer.segment_rows(self.index)
         device = layer.qweight.device
-        layer.qweight[rows] = pack_words(u[:, perm], layer.bits).to(device)
         if not layer.loaded and layer.scales.dtype != scales.dtype:  # the checkpoint's scale dtype
             layer.scales.data = torch.empty_like(layer.scales, dtype=scales.dtype)
         layer.loaded = True
-        layer.scales[rows] = scales[:, ids].to(device, layer.scales.dtype)
-        layer.zeros[rows] = zeros[:, ids].to(device, torch.uint8)
-        layer.set_perm(None if identity else perm, name)
+        at = (rows,) if self.expert is None else (self.expert, rows)
+        layer.qweight[at] = pack_words(u[:, perm], layer.bits).to(device)
+        layer.scales[at] = scales[:, ids].to(device, layer.scales.dtype)
+        layer.zeros[at] = zeros[:, ids].to(device, torch.uint8)
+        if self.expert is None:
+            layer.set_perm(None if identity else perm, name)
+        elif not identity:  # `experts_packed` keeps act-order checkpoints' experts dequantized
+            raise BadTensor("orders its input columns by group (g_idx); packed experts take no act order")
 
 
 @dataclass

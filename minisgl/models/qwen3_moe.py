@@ -2,7 +2,8 @@
 
 Everything but the MLP of sparse layers (`ModelConfig.is_sparse_layer`) is inherited from
 `minisgl.models.llama`. A sparse layer holds a router `gate` (E, H), `w13` (E, 2I, H: gate rows [0, I),
-up rows [I, 2I)) and `w2` (E, H, I); `minisgl.moe.moe` runs the engine's backend. Under tensor
+up rows [I, 2I)) and `w2` (E, H, I), plain or, from a 4- or 8-bit checkpoint on CUDA, packed
+(`PackedLinear` with an experts dimension); `minisgl.moe.moe` runs the engine's backend. Under tensor
 parallelism every rank holds every expert's part of I and the MoE output is all-reduced in `_mlp`.
 docs/tensor-parallel-and-moe.md.
 """
@@ -16,9 +17,10 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, divide
 from minisgl.layers import norm_linear_keep
+from minisgl.layers.packed import PackedLinear
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import DecoderLayer, LlamaForCausalLM, _param
-from minisgl.models.packed import Dense, module_map
+from minisgl.models.packed import Dense, Packed, experts_packed, module_map
 from minisgl.models.quant_config import PackedConfig
 from minisgl.models.weights import Shard
 from minisgl.moe import moe
@@ -34,26 +36,36 @@ class SparseDecoderLayer(DecoderLayer):
         num_experts, hidden = cfg.num_experts, cfg.hidden_size
         inter = divide(cfg.moe_intermediate_size, self.tp.size, "moe_intermediate_size")  # local
         self.gate = _param(num_experts, hidden)
-        self.w13 = _param(num_experts, 2 * inter, hidden)
-        self.w2 = _param(num_experts, hidden, inter)
+        packed = cfg.quantization if isinstance(cfg.quantization, PackedConfig) else None
+        self.w13: nn.Parameter | PackedLinear
+        self.w2: nn.Parameter | PackedLinear
+        if packed is not None and experts_packed(packed, torch.get_default_device()):
+            group = packed.group
+            self.w13 = PackedLinear((inter, inter), hidden, packed.bits, group, experts=num_experts)
+            self.w2 = PackedLinear((hidden,), inter, packed.bits, group, experts=num_experts)
+        else:
+            self.w13 = _param(num_experts, 2 * inter, hidden)
+            self.w2 = _param(num_experts, hidden, inter)
 
     def checkpoint_map(self, prefix: str, cfg: ModelConfig) -> dict[str, torch.Tensor | Shard]:
         out = {k: v for k, v in super().checkpoint_map(prefix, cfg).items() if ".mlp." not in k}
         out[f"{prefix}.mlp.gate.weight"] = self.gate  # replicated
         rank, size = self.tp.rank, self.tp.size
-        inter = self.w2.shape[2]  # local
+        hidden, inter = self.w2.shape[-2:]  # local
         packed = cfg.quantization if isinstance(cfg.quantization, PackedConfig) else None
-        hidden = self.w2.shape[1]
         for e in range(cfg.num_experts):
             experts = f"{prefix}.mlp.experts.{e}"
-            if packed is not None:  # a 4- or 8-bit checkpoint: dequantized at load (docs/quantization.md)
-                for name, dest, split in (
-                    ("gate_proj", self.w13[e, :inter], (0, rank, size)),
-                    ("up_proj", self.w13[e, inter:], (0, rank, size)),
-                    ("down_proj", self.w2[e], (1, rank, size)),
-                ):
-                    shape = (inter, hidden) if name != "down_proj" else (hidden, inter)
-                    out.update(module_map(packed, f"{experts}.{name}", shape, split, Dense(dest)))
+            if packed is not None:  # a 4- or 8-bit checkpoint: packed, or dequantized at load
+                for name, index, split in (("gate_proj", 0, 0), ("up_proj", 1, 0), ("down_proj", 0, 1)):
+                    weight = self.w13 if split == 0 else self.w2
+                    if isinstance(weight, PackedLinear):
+                        sink: Dense | Packed = Packed(weight, index, expert=e)
+                    else:
+                        sink = Dense(
+                            weight[e, index * inter : (index + 1) * inter] if split == 0 else weight[e]
+                        )
+                    shape = (inter, hidden) if split == 0 else (hidden, inter)
+                    out.update(module_map(packed, f"{experts}.{name}", shape, (split, rank, size), sink))
                 continue
             out[f"{experts}.gate_proj.weight"] = Shard(self.w13[e, :inter], 0, rank, size)
             out[f"{experts}.up_proj.weight"] = Shard(self.w13[e, inter:], 0, rank, size)
@@ -85,7 +97,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         router_logits, x, residual = norm_linear_keep(
             hidden, residual, layer.post_norm, self.cfg.rms_norm_eps, layer.gate
         )
-        out = moe(
-            x, router_logits, layer.w13, layer.w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob
-        )
+        w13, w2 = (w.experts_weights() if isinstance(w, PackedLinear) else w for w in (layer.w13, layer.w2))
+        out = moe(x, router_logits, w13, w2, self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob)
         return all_reduce(out), residual

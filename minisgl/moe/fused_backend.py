@@ -14,7 +14,8 @@ from torch import Tensor
 
 from minisgl.kernels.linear import gemv_rows
 from minisgl.kernels.moe_gemm import moe_gemm
-from minisgl.kernels.moe_gemv import moe_gemv, moe_gemv_fits
+from minisgl.kernels.moe_gemv import Experts, moe_gemv, moe_gemv_fits
+from minisgl.kernels.packed import PackedWeights
 from minisgl.moe.base import BaseMoeBackend
 from minisgl.moe.torch_backend import select_experts, swiglu
 
@@ -38,14 +39,16 @@ def fused_unsupported_reason(device: torch.device | str) -> str | None:
     return None
 
 
-def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+def check_fused_moe_shapes(x: torch.Tensor, w13: Experts, w2: Experts, top_k: int) -> None:
     """Raises ValueError, naming the value, for inputs the grouped GEMMs cannot take.
 
     `torch._grouped_mm` needs every operand's leading stride (H for the token rows and w13, I for the
-    activations and w2) to be a multiple of 16 bytes, int32 offsets, and one dtype throughout."""
+    activations and w2) to be a multiple of 16 bytes, int32 offsets, and one dtype throughout. Packed
+    experts (`PackedWeights`) are checked for their shapes and x's dtype."""
+    packed = isinstance(w13, PackedWeights)
     if x.dim() != 2:
         raise ValueError(f"fused MoE: x must be 2D (tokens, hidden), got x.shape={tuple(x.shape)}")
-    if w13.dim() != 3 or w2.dim() != 3:
+    if len(w13.shape) != 3 or len(w2.shape) != 3:
         raise ValueError(
             f"fused MoE: w13 and w2 must be 3D, got w13.shape={tuple(w13.shape)}, w2.shape={tuple(w2.shape)}"
         )
@@ -58,7 +61,7 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         )
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"fused MoE: top_k={top_k} must be in [1, num_experts={num_experts}]")
-    if not x.dtype == w13.dtype == w2.dtype:
+    if not packed and not x.dtype == w13.dtype == w2.dtype:
         raise ValueError(
             f"fused MoE: x, w13 and w2 must share one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}"
         )
@@ -75,6 +78,8 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 "torch._grouped_mm needs rows of a multiple of 16 bytes; use moe_backend='torch'"
             )
     for name, w in (("w13", w13), ("w2", w2)):
+        if packed:
+            continue
         if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
             raise ValueError(
                 f"fused MoE: {name} must be contiguous in its last two dims, got {name}.stride()={w.stride()}"
@@ -82,10 +87,11 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_moe(
-    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased
+    x: Tensor, router_logits: Tensor, w13: Experts, w2: Experts, top_k: int, renormalize: bool, **biased
 ) -> Tensor:
     """The fused MoE as a function (see the module docstring); shapes as in `BaseMoeBackend.forward`.
-    `biased` (gpt-oss: b13, b2, limit, alpha; see `torch_moe`) takes the grouped GEMMs always."""
+    `biased` (gpt-oss: b13, b2, limit, alpha; see `torch_moe`) takes the grouped GEMMs always. Packed
+    experts (`PackedWeights`) run packed on the Triton kernels, dequantized for the call elsewhere."""
     check_fused_moe_shapes(x, w13, w2, top_k)
     if biased:
         return grouped_moe(x, router_logits, w13, w2, top_k, renormalize, **biased)
@@ -94,6 +100,8 @@ def fused_moe(
             return moe_gemv(x, router_logits, w13, w2, top_k, renormalize)
         weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)
         return moe_gemm(x, weights, ids, w13, w2)
+    if isinstance(w13, PackedWeights):  # the reference
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
     return grouped_moe(x, router_logits, w13, w2, top_k, renormalize)
 
 

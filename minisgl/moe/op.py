@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 
 from minisgl.core import get_global_ctx
+from minisgl.kernels.moe_gemv import Experts
+from minisgl.kernels.packed import PackedWeights
 from minisgl.moe.base import BaseMoeBackend
 
 
@@ -35,10 +37,28 @@ def _(x, router_logits, w13, w2, top_k, renormalize):
     return torch.empty_like(x)
 
 
-def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool) -> Tensor:
-    """x (T, H), router_logits (T, E), w13 (E, 2I, H), w2 (E, H, I) -> (T, H); see BaseMoeBackend."""
-    run = _moe_op if torch.compiler.is_compiling() else _backend().forward
-    return run(x, router_logits, w13, w2, top_k, renormalize)
+@torch.library.custom_op("minisgl::moe_packed", mutates_args=())
+def _moe_packed_op(
+    x: Tensor, router_logits: Tensor, q13: Tensor, s13: Tensor, z13: Tensor, q2: Tensor, s2: Tensor,
+    z2: Tensor, bits: int, top_k: int, renormalize: bool,
+) -> Tensor:  # fmt: skip
+    w13, w2 = PackedWeights(q13, s13, z13, bits), PackedWeights(q2, s2, z2, bits)
+    return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)
+
+
+@_moe_packed_op.register_fake
+def _(x, router_logits, q13, s13, z13, q2, s2, z2, bits, top_k, renormalize):
+    return torch.empty_like(x)
+
+
+def moe(x: Tensor, router_logits: Tensor, w13: Experts, w2: Experts, top_k: int, renormalize: bool) -> Tensor:
+    """x (T, H), router_logits (T, E), w13 (E, 2I, H), w2 (E, H, I) -> (T, H); see BaseMoeBackend. The
+    experts plain or 4- / 8-bit (`PackedWeights`, both alike)."""
+    if not torch.compiler.is_compiling():
+        return _backend().forward(x, router_logits, w13, w2, top_k, renormalize)
+    if isinstance(w13, PackedWeights):
+        return _moe_packed_op(x, router_logits, *w13[:3], *w2[:3], w13.bits, top_k, renormalize)
+    return _moe_op(x, router_logits, w13, w2, top_k, renormalize)
 
 
 @torch.library.custom_op("minisgl::moe_biased", mutates_args=())

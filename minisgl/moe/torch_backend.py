@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from minisgl.kernels.moe_gemv import Experts
+from minisgl.kernels.packed import PackedWeights
 from minisgl.moe.base import BaseMoeBackend
 
 
@@ -34,11 +36,13 @@ def swiglu(h: Tensor, limit: float | None = None, alpha: float = 1.702) -> Tenso
 
 
 def torch_moe(
-    x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool, **biased: Any
+    x: Tensor, router_logits: Tensor, w13: Experts, w2: Experts, top_k: int, renormalize: bool, **biased: Any
 ) -> Tensor:
     """The reference MoE (see `TorchMoeBackend`); shapes as in `BaseMoeBackend.forward`. gpt-oss's
     experts (`biased`) add biases b13 (E, 2I) and b2 (E, H) and take `swiglu`'s clamped variant
-    (`limit`, `alpha`)."""
+    (`limit`, `alpha`). Packed experts (`PackedWeights`) are dequantized for the call."""
+    if isinstance(w13, PackedWeights):
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
     b13, b2 = biased.get("b13"), biased.get("b2")
     limit, alpha = biased.get("limit"), biased.get("alpha", 1.702)
     weights, ids = select_experts(router_logits, top_k, renormalize, x.dtype)

@@ -4,6 +4,7 @@ request of a 4-bit model against bf16 (dummy weights).
     python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128] [--sweep]
     python -m perf.gpu.quant4 request [--model configs/models/qwen3-8b] [--new-tokens 512] [--reps 3]
     python -m perf.gpu.quant4 offline [--model configs/models/qwen3-8b] [--passes 3] [--batch 32]
+    python -m perf.gpu.quant4 moe [--tokens 1 2 4 ...] [--bits 4] [--group 128]
 
 `kernels`: device time per call in microseconds, inside a CUDA graph of calls on distinct weight copies
 (at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
@@ -23,6 +24,8 @@ AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUD
 default batch sizes: the offline workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes`
 passes after a warm-up) and the decode step at `--batch` requests of 512 tokens of context
 (`perf.gpu.lora.decode_steps`: median wall and device ms over 50 steps); the 4-bit figures over bf16's.
+`moe`: one MoE layer of Qwen3-30B-A3B's shapes (128 experts, top 8, hidden 2048, intermediate 768) on
+the fused backend, bf16 experts against packed ones (`PackedWeights`), per token count (`moe` below).
 A plain script, not a test.
 """
 
@@ -55,6 +58,7 @@ SHAPES = [
 ]
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_BYTES = 256 * 2**20
+MOE_LAYERS = 8  # `moe`: layers of distinct weights in one graph
 # the engines of `request` and `offline` (dummy weights), and `offline`'s workload (WorkloadShape's fields)
 ENGINE: dict = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
 WORKLOAD: dict = {}
@@ -135,6 +139,43 @@ def kernels(args: argparse.Namespace) -> None:
     print("all shapes named: M, bf16 us, op us, bf16/op")
     for m, (bf16, op) in total.items():
         print(f"{m:>4} {bf16:9.1f} {op:9.1f} {bf16 / op:8.2f}")
+
+
+def moe(args: argparse.Namespace) -> None:
+    """One MoE layer of Qwen3-30B-A3B's shapes on the fused backend, bf16 experts against packed ones,
+    per token count: device us per layer in a CUDA graph of `LAYERS` layers (none finds its experts in
+    L2), and the packed layer's relative error against the bf16 layer on its dequantized weights."""
+    from minisgl.kernels.packed import PackedWeights, pack_words
+    from minisgl.moe import fused_moe
+
+    experts, hidden, inter, top_k, top = 128, 2048, 768, 8, 1 << args.bits
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def packed(rows: int, cols: int) -> PackedWeights:
+        values = torch.randint(0, top, (experts, rows, cols), generator=g, device="cuda", dtype=torch.int32)
+        scales = (
+            torch.rand(experts, rows, cols // args.group, generator=g, device="cuda") * 0.04 / top
+        ).half()
+        zeros = torch.full(scales.shape, top // 2, dtype=torch.uint8, device="cuda")
+        return PackedWeights(pack_words(values, args.bits), scales, zeros, args.bits)
+
+    layers = [(packed(2 * inter, hidden), packed(hidden, inter)) for _ in range(MOE_LAYERS)]
+    dense = [(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)) for w13, w2 in layers[:2]]
+    dense += [(torch.randn_like(dense[0][0]), torch.randn_like(dense[0][1])) for _ in range(MOE_LAYERS - 2)]
+    print(f"{'tokens':>6} {'bf16 us':>9} {'packed us':>9} {'bf16/packed':>11} {'err':>9}")
+    for t in args.tokens:
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, experts, device="cuda", dtype=torch.bfloat16)
+        bf16, q = (
+            graph_us(
+                lambda ws=ws, x=x, logits=logits: [fused_moe(x, logits, a, b, top_k, True) for a, b in ws], 10
+            )
+            / MOE_LAYERS
+            for ws in (dense, layers)
+        )
+        want = fused_moe(x, logits, *dense[0], top_k, True).float()
+        err = ((fused_moe(x, logits, *layers[0], top_k, True).float() - want).norm() / want.norm()).item()
+        print(f"{t:>6} {bf16:9.1f} {q:9.1f} {bf16 / q:11.2f} {err:9.2e}", flush=True)
 
 
 VARIANTS = ("bf16", "awq-4bit")
@@ -237,8 +278,12 @@ def main() -> None:
     o.add_argument("--passes", type=int, default=3)
     o.add_argument("--batch", type=int, default=32)
     o.add_argument("--only", choices=VARIANTS, help="one variant, in this process")
+    e = sub.add_parser("moe")
+    e.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
+    e.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    e.add_argument("--group", type=int, default=128)
     args = parser.parse_args()
-    {"kernels": kernels, "request": request, "offline": offline}[args.what](args)
+    {"kernels": kernels, "request": request, "offline": offline, "moe": moe}[args.what](args)
 
 
 if __name__ == "__main__":
