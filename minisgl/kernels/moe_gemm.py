@@ -3,7 +3,7 @@
 The (token, slot) pairs are sorted by expert and each expert's run padded to whole blocks of `BLOCK_M`
 rows (`align_pairs`), so a block belongs to one expert; gate/up (SiLU-and-multiply in the epilogue),
 then down scaled by the routing weight, then each token's top_k rows summed in float32 (packed experts:
-each weight tile dequantized in registers first). The grid has
+each tile of words dequantized in registers, as `minisgl.kernels.packed_gemm.packed_mma` does). The grid has
 the most blocks any routing can need (extra blocks return at once), so nothing is read on the host and
 the kernels are captured in CUDA graphs. Configurations: `python -m perf.gpu.moe_tune --grouped`.
 docs/tensor-parallel-and-moe.md.
@@ -19,12 +19,14 @@ try:
     import triton
     import triton.language as tl
 
-    from minisgl.kernels.packed_gemm import _values
+    from minisgl.kernels.packed_gemm import _mma_words, _tile
 except ImportError:  # CPU-only installs: torch._grouped_mm serves every batch
     triton = None
 
 # [block_m, block_n, block_k, warps, stages] of both kernels before tuning
 DEFAULT_CONFIG = {"gate_up": [64, 64, 64, 4, 3], "down": [64, 64, 64, 4, 3]}
+# packed experts: [block_n, block_k (words), warps, stages], block_m as tuned
+PACKED_TILE = (64, 32, 4, 3)
 
 
 def moe_gemm_config(num_experts: int, inter: int, hidden: int, tokens: int) -> dict[str, list[int]]:
@@ -60,22 +62,6 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 if triton is not None:
 
     @triton.jit
-    def _weight_tile(w_at, s_at, z_at, ks, k0, k_mask, col_mask, BITS: tl.constexpr, GROUP: tl.constexpr):
-        """The (BLOCK_K, BLOCK_N) tile of an expert's weight at columns `ks` (w_at: its rows, x's dtype
-        for BITS 0); packed (BITS 4 or 8): its words at w_at, scales and zero points at s_at and z_at
-        (the rows' first group), the tile in one group (GROUP a multiple of BLOCK_K), in float32."""
-        mask = k_mask[:, None] & col_mask[None, :]
-        if BITS == 0:
-            w = tl.load(w_at + ks[:, None], mask=mask, other=0.0)
-        else:
-            PACK: tl.constexpr = 32 // BITS
-            q = tl.load(w_at + (ks // PACK)[:, None], mask=mask, other=0)
-            s = tl.load(s_at + k0 // GROUP, mask=col_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_at + k0 // GROUP, mask=col_mask, other=0).to(tl.float32)
-            w = (_values(q, (ks % PACK)[:, None] * BITS, BITS) - z[None, :]) * s[None, :]
-        return w
-
-    @triton.jit
     def _grouped_kernel(
         a_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr, E, P, a_stride,
         ROWS_PER_A: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATE_UP: tl.constexpr,
@@ -85,9 +71,10 @@ if triton is not None:
         """GATE_UP: the block's token rows (a = x, pair // ROWS_PER_A) times its expert's gate and up
         columns (w = w13, N = I, K = H), SiLU(gate) * up stored per pair. Else: its pairs' activations
         (a = act, ROWS_PER_A = 1) times the expert's down projection (w = w2, N = H, K = I), scaled by
-        the routing weight, stored per pair. BITS 0: w in a's dtype; 4 or 8: packed (w the words, s
-        and z the scales and zero points of groups of GROUP columns), dequantized tile by tile in
-        registers and rounded to a's dtype as the reference's weights are."""
+        the routing weight, stored per pair. BITS 0: w in a's dtype. BITS 4 or 8: w packed (w the words,
+        s and z the scales and zero points of groups of GROUP columns), BLOCK_K words a step, each tile
+        dequantized in registers as `packed_mma` does (a given de-interleaved, the weight the MMA's long
+        side)."""
         block = tl.program_id(1)
         expert = tl.load(block_expert_ptr + block)
         if expert < E:  # blocks past the last expert's run have nothing to do
@@ -96,25 +83,36 @@ if triton is not None:
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             rows_at = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * a_stride
-            ROW: tl.constexpr = K if BITS == 0 else K * BITS // 32  # a weight row's elements
-            G: tl.constexpr = K // GROUP
-            experts_rows = expert.to(tl.int64) * ((2 if GATE_UP else 1) * N)
-            w_at = w_ptr + (experts_rows + cols.to(tl.int64))[None, :] * ROW
-            s_at = s_ptr + (experts_rows + cols.to(tl.int64)) * G
-            z_at = z_ptr + (experts_rows + cols.to(tl.int64)) * G
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                a = tl.load(rows_at + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-                w = _weight_tile(w_at, s_at, z_at, ks, k0, k_mask, col_mask, BITS, GROUP)
-                acc = tl.dot(a, w.to(a.dtype), acc)
-                if GATE_UP:  # the up rows follow the gate rows
-                    w = _weight_tile(
-                        w_at + N * ROW, s_at + N * G, z_at + N * G, ks, k0, k_mask, col_mask, BITS, GROUP
-                    )
-                    acc_up = tl.dot(a, w.to(a.dtype), acc_up)
+            w_rows = expert.to(tl.int64) * ((2 if GATE_UP else 1) * N) + cols.to(tl.int64)
+            if BITS == 0:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                w_at = w_ptr + w_rows[None, :] * K
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    k_mask = ks < K
+                    a = tl.load(rows_at + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+                    w_mask = k_mask[:, None] & col_mask[None, :]
+                    acc = tl.dot(a, tl.load(w_at + ks[:, None], mask=w_mask, other=0.0), acc)
+                    if GATE_UP:  # the up rows follow the gate rows
+                        up = tl.load(w_at + N * K + ks[:, None], mask=w_mask, other=0.0)
+                        acc_up = tl.dot(a, up, acc_up)
+            else:
+                PACK: tl.constexpr = 32 // BITS
+                KW: tl.constexpr = K // PACK
+                G: tl.constexpr = K // GROUP
+                acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                for w0 in range(0, KW, BLOCK_K):
+                    words = w0 + tl.arange(0, BLOCK_K)
+                    q, s, z = _tile(w_ptr, s_ptr, z_ptr, w_rows, col_mask, words, KW, G, PACK, GROUP // PACK)
+                    acc_t = _mma_words(acc_t, q, s, z, rows_at, valid, words, KW, BITS)
+                    if GATE_UP:
+                        q, s, z = _tile(
+                            w_ptr, s_ptr, z_ptr, w_rows + N, col_mask, words, KW, G, PACK, GROUP // PACK
+                        )
+                        acc_up_t = _mma_words(acc_up_t, q, s, z, rows_at, valid, words, KW, BITS)
+                acc, acc_up = tl.trans(acc_t), tl.trans(acc_up_t)
             if GATE_UP:
                 y = acc * tl.sigmoid(acc) * acc_up
             else:
@@ -151,8 +149,9 @@ def moe_gemm(
     ):
         m, n, k, warps, stages = config[part]
         words, scales, zeros, bits, group = packed_args(w)
-        if bits:  # a step's columns in one group
-            k = min(k, group & -group, 128)
+        if bits:  # `packed_mma`'s tiles (64 rows of 32 words), a de-interleaved
+            n, k, warps, stages = PACKED_TILE
+            a = a.view(a.shape[0], -1, 32 // bits).transpose(1, 2).contiguous()
         if m not in aligned:  # the two kernels may take blocks of different sizes
             aligned[m] = align_pairs(ids, num_experts, m)
         pairs, block_expert = aligned[m]

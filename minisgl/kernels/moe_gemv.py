@@ -65,7 +65,6 @@ def moe_gemv_fits(x: torch.Tensor, w13: Experts, w2: Experts) -> bool:
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and (not dense or x.dtype == w13.dtype == w2.dtype)
         and all(t.is_contiguous() for t in tensors)
-        and all(w.group & -w.group >= 16 for w in (w13, w2) if isinstance(w, PackedWeights))  # tl.dot's K
         and (x.is_cuda or x.device.type == "cpu")
     )
 
@@ -192,6 +191,8 @@ if triton is not None:
         else:  # the packed experts' sums go to `out` directly
             acc = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        KW: tl.constexpr = INTER * BITS // 32  # packed: words and groups of a row
+        G: tl.constexpr = INTER // GROUP
         rest = logits
         for j in tl.static_range(TOP_K):
             best, expert, rest = _next_choice(rest, offs)
@@ -207,8 +208,6 @@ if triton is not None:
                     w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                     acc += w * a[None, :]
             else:
-                KW: tl.constexpr = INTER * BITS // 32
-                G: tl.constexpr = INTER // GROUP
                 groups_at = expert.to(tl.int64) * (H * G)
                 out += weight * _packed_dot(
                     w2_ptr + expert.to(tl.int64) * (H * KW), s2_ptr + groups_at, z2_ptr + groups_at,

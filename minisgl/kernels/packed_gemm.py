@@ -146,6 +146,20 @@ if triton is not None:
         _store(tl.sum(acc, axis=2), b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
 
     @triton.jit
+    def _mma_words(acc, q, s, z, x_rows, m_mask, words, KW, BITS: tl.constexpr):
+        """acc (BLOCK_N, BLOCK_M) plus the tile of words q (BLOCK_N, BLOCK_W) with their scales and zero
+        points, dequantized value by value ((u - z) s in float32, rounded to x's dtype as the reference
+        does), times x's matching columns: x de-interleaved (x[:, j * KW + word] = column
+        word * PACK + j), its rows at `x_rows` (BLOCK_M, 1). The weight is the MMA's long side."""
+        PACK: tl.constexpr = 32 // BITS
+        for j in tl.static_range(PACK):
+            at = x_rows + (j * KW + words)[None, :]
+            x = tl.load(at, mask=m_mask[:, None] & (words < KW)[None, :], other=0.0)
+            w = ((_values(q, j * BITS, BITS) - z) * s).to(x.dtype)
+            acc = tl.dot(w, tl.trans(x), acc)
+        return acc
+
+    @triton.jit
     def _packed_mma_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, KW, G, x_stride,
         BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, RESHAPE: tl.constexpr,
@@ -178,11 +192,7 @@ if triton is not None:
                 )
                 acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
             else:
-                for j in tl.static_range(PACK):
-                    at = x_rows + (j * KW + words)[None, :]
-                    x = tl.load(at, mask=m_mask[:, None] & (words < KW)[None, :], other=0.0)
-                    w = ((_values(q, j * BITS, BITS) - z) * s).to(x.dtype)
-                    acc = tl.dot(w, tl.trans(x), acc)
+                acc = _mma_words(acc, q, s, z, x_rows, m_mask, words, KW, BITS)
         _store(tl.trans(acc), b_ptr, y_ptr, ms, rows, M, N, HAS_BIAS)
 
     @triton.jit

@@ -59,6 +59,8 @@ SHAPES = [
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_BYTES = 256 * 2**20
 MOE_LAYERS = 8  # `moe`: layers of distinct weights in one graph
+# `moe --sweep`: the few-token kernels' [block_n, block_k, warps] tried on packed experts
+MOE_GEMV_SWEEP = [(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (4, 8) if n * k <= 8192]
 # the engines of `request` and `offline` (dummy weights), and `offline`'s workload (WorkloadShape's fields)
 ENGINE: dict = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
 WORKLOAD: dict = {}
@@ -145,6 +147,8 @@ def moe(args: argparse.Namespace) -> None:
     """One MoE layer of Qwen3-30B-A3B's shapes on the fused backend, bf16 experts against packed ones,
     per token count: device us per layer in a CUDA graph of `LAYERS` layers (none finds its experts in
     L2), and the packed layer's relative error against the bf16 layer on its dequantized weights."""
+    from minisgl.kernels.linear import MOE_GEMV_TOKENS
+    from minisgl.kernels.moe_gemv import moe_gemv
     from minisgl.kernels.packed import PackedWeights, pack_words
     from minisgl.moe import fused_moe
 
@@ -176,6 +180,25 @@ def moe(args: argparse.Namespace) -> None:
         want = fused_moe(x, logits, *dense[0], top_k, True).float()
         err = ((fused_moe(x, logits, *layers[0], top_k, True).float() - want).norm() / want.norm()).item()
         print(f"{t:>6} {bf16:9.1f} {q:9.1f} {bf16 / q:11.2f} {err:9.2e}", flush=True)
+        if args.sweep and t <= MOE_GEMV_TOKENS:  # the few-token kernels' configurations on packed experts
+            times = {}
+            for c in MOE_GEMV_SWEEP:
+                run = [(a, b, {"gate_up": list(c), "down": list(c)}) for a, b in layers]
+                times[c] = (
+                    graph_us(
+                        lambda run=run, x=x, logits=logits: [
+                            moe_gemv(x, logits, a, b, top_k, True, config=c) for a, b, c in run
+                        ],
+                        10,
+                    )
+                    / MOE_LAYERS
+                )
+            best = min(times, key=times.get)
+            print(
+                f"  packed, fastest [block_n, block_k, warps] at {t} tokens: {list(best)} {times[best]:.1f} us; "
+                + ", ".join(f"{list(c)} {u:.1f}" for c, u in sorted(times.items(), key=lambda kv: kv[1])[:6]),
+                flush=True,
+            )
 
 
 VARIANTS = ("bf16", "awq-4bit")
@@ -282,6 +305,7 @@ def main() -> None:
     e.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256, 1024])
     e.add_argument("--bits", type=int, default=4, choices=(4, 8))
     e.add_argument("--group", type=int, default=128)
+    e.add_argument("--sweep", action="store_true", help="the few-token kernels' configurations (packed)")
     args = parser.parse_args()
     {"kernels": kernels, "request": request, "offline": offline, "moe": moe}[args.what](args)
 
