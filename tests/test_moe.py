@@ -248,16 +248,20 @@ def test_moe_backend_choice(monkeypatch):
 def test_forward_compiles_fullgraph(tiny_model):
     """The MoE goes through an opaque custom op under torch.compile, as attention does: one graph."""
     engine = Engine(EngineConfig(model_path=str(tiny_model("qwen3_moe")), dtype=torch.float32, device="cpu"))
+    assert compiled_prefill_error(engine, [list(range(3, 3 + n)) for n in (5, 9)]) < 1e-5
+    engine.shutdown()
+
+
+def compiled_prefill_error(engine: Engine, prompts: list[list[int]]) -> float:
+    """The relative error of the engine's model forward compiled with fullgraph=True (torch.compile
+    raises unless it is one graph) against the eager forward, on one prefill of `prompts`."""
     prep = BatchPreparer(engine)
-    batch = prep.prefill(
-        [prep.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=1)) for n in (5, 9)]
-    )
+    batch = prep.prefill([prep.add_request(p, SamplingParams(max_tokens=1)) for p in prompts])
     compiled = torch.compile(engine.model.forward, fullgraph=True, dynamic=True)
     with torch.inference_mode(), engine.ctx.forward_batch(batch):
         engine.attn_backend.prepare_metadata(batch)
         args = (batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
-        assert rel_err(compiled(*args), engine.model(*args)) < 1e-5
-    engine.shutdown()
+        return rel_err(compiled(*args), engine.model(*args))
 
 
 # -- the few-token kernels (minisgl.kernels.moe_gemv), under Triton's interpreter --------------------

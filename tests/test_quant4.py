@@ -29,7 +29,6 @@ from minisgl.engine import Engine, EngineConfig
 from minisgl.kernels.packed import dequantize, pack_words
 from minisgl.layers.packed import PackedLinear
 from minisgl.models import packed as packed_models
-from minisgl.scheduler import BatchPreparer
 from minisgl.scheduler.batching import generate
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -264,13 +263,9 @@ def test_qwen3_moe_experts_packed_or_dequantized(tmp_path, tiny_model, monkeypat
     assert len(experts) == (0 if "actorder" in fmt else 2 * 2)  # w13 and w2 of the 2 sparse layers
     assert generate(eng, prompts, SamplingParams(max_tokens=6)) == want
     if experts:  # under torch.compile the packed experts go through their own opaque op: one graph
-        prep = BatchPreparer(eng)
-        batch = prep.prefill([prep.add_request(p, SamplingParams(max_tokens=1)) for p in prompts])
-        compiled = torch.compile(eng.model.forward, fullgraph=True, dynamic=True)
-        with torch.inference_mode(), eng.ctx.forward_batch(batch):
-            eng.attn_backend.prepare_metadata(batch)
-            args = (batch.input_ids, batch.positions, batch.attn_metadata.last_indices)
-            assert rel_err(compiled(*args), eng.model(*args)) < 1e-5
+        from test_moe import compiled_prefill_error
+
+        assert compiled_prefill_error(eng, prompts) < 1e-5
     eng.shutdown()
 
 
