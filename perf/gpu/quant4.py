@@ -18,7 +18,8 @@ block configurations, the fastest printed.
 `request`: one engine per variant in one process, bf16 then AWQ 4-bit (the model's config.json with an
 AWQ `quantization_config`, group 128, in a temporary folder), dummy weights, CUDA graphs to batch 1;
 `--reps` requests of 128 random prompt tokens and `--new-tokens` greedy ones each
-(`minisgl.bench.offline.run_single`), tokens/s and their median.
+(`minisgl.bench.offline.run_single`) after one such request as a warm-up (its prefill's shape compiles
+once), tokens/s and their median.
 
 `offline`: the same two variants, each in a process of its own, with CUDA graphs to the engine's
 default batch sizes: the offline workload (`minisgl.bench.offline.run_bench`, 256 requests, `--passes`
@@ -276,6 +277,7 @@ def request(args: argparse.Namespace) -> None:
     for variant, model in variants(args.model):
         with LLM(model, **ENGINE, cuda_graph_max_bs=1, max_running_req=8) as llm:
             llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8, ignore_eos=True))
+            run_single(llm, new_tokens=16)  # warm-up: the timed requests' prefill shape compiled once
             rates = [run_single(llm, new_tokens=args.new_tokens)["tokens_per_s"] for _ in range(args.reps)]
         results[variant] = statistics.median(rates)
         print(f"{variant}: " + ", ".join(f"{r:.1f}" for r in rates) + " tokens/s", flush=True)
