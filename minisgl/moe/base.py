@@ -28,5 +28,5 @@ class BaseMoeBackend(ABC):
         holds each expert's gate (rows [0, I)) and up (rows [I, 2I)) projections, w2 (E, H, I) its down
         projection. Each token goes to its `top_k` most likely experts (softmax over the router logits),
         weighted by their probabilities, renormalised to sum to 1 when `renormalize`. Returns (T, H) in
-        x's dtype.
+        x's dtype. w13 and w2 may also be 4- or 8-bit (`minisgl.kernels.packed.PackedWeights`, both).
         """
