@@ -80,10 +80,11 @@ def _default_config(tokens: int, rows: int, width: int, bits: int) -> list[int]:
 def moe_gemv_config(
     num_experts: int, inter: int, hidden: int, tokens: int, bits: int = 0
 ) -> dict[str, list[int]]:
-    """The launch configuration of both kernels for this shape and token count (see `lookup_config`;
-    packed experts' under the key's "q{bits}" suffix), or the defaults."""
-    table = MOE_GEMV_CONFIGS.get("gemv" if not bits else f"gemv_q{bits}", {})
-    tuned = lookup_config(table, num_experts, inter, hidden, tokens)
+    """The launch configuration of both kernels for this shape and token count (see `lookup_config`),
+    or the defaults (always, for packed experts of `bits`: none are tuned yet)."""
+    tuned = (
+        None if bits else lookup_config(MOE_GEMV_CONFIGS.get("gemv", {}), num_experts, inter, hidden, tokens)
+    )
     return tuned or {
         "gate_up": _default_config(tokens, inter, hidden, bits),
         "down": _default_config(tokens, hidden, inter, bits),

@@ -77,9 +77,7 @@ def check_fused_moe_shapes(x: torch.Tensor, w13: Experts, w2: Experts, top_k: in
                 f"fused MoE: {name}={value} is not a multiple of {16 // size} ({x.dtype}): "
                 "torch._grouped_mm needs rows of a multiple of 16 bytes; use moe_backend='torch'"
             )
-    for name, w in (("w13", w13), ("w2", w2)):
-        if packed:
-            continue
+    for name, w in () if packed else (("w13", w13), ("w2", w2)):
         if w.stride(-1) != 1 or w.stride(-2) != w.shape[-1]:
             raise ValueError(
                 f"fused MoE: {name} must be contiguous in its last two dims, got {name}.stride()={w.stride()}"
