@@ -268,12 +268,14 @@ def compiled_prefill_error(engine: Engine, prompts: list[list[int]]) -> float:
 
 needs_triton = pytest.mark.skipif(moe_gemv_kernels.triton is None, reason="needs triton (its interpreter)")
 # launch configurations whose row blocks do not divide the rows or the width (masked tails, several
-# blocks along the row): [rows a program, row block, warps]
+# blocks along the row): [rows a program, row block, warps]; the down kernel's pairs shared among
+# programs (a fourth entry: 3 divides top_k 3 only, elsewhere one program takes them all)
 SMALL_BLOCKS = {"gate_up": [4, 32, 4], "down": [8, 16, 2]}
+SPLIT_DOWN = {"gate_up": [8, 64, 4], "down": [16, 32, 4, 3]}
 
 
 @needs_triton
-@pytest.mark.parametrize("config", [None, SMALL_BLOCKS], ids=["default", "small-blocks"])
+@pytest.mark.parametrize("config", [None, SMALL_BLOCKS, SPLIT_DOWN], ids=["default", "small-blocks", "split"])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (3, 12, 3), (2, 128, 8)])
 def test_moe_gemv_matches_reference(tokens, experts, top_k, renormalize, config):
@@ -339,17 +341,25 @@ def test_moe_gemv_configuration_lookup(monkeypatch):
     assert moe_gemv_kernels.moe_gemv_config(8, 32, 32, 16) == tuned["8,64,32,4"]
     default = moe_gemv_kernels.moe_gemv_config(8, 16, 32, 2)
     assert set(default) == {"gate_up", "down"} and all(len(v) == 3 for v in default.values())
-    # [block_n, block_k, warps] for the few-token kernels, [block_m, block_n, block_k, warps, stages]
-    # for the grouped ones
+    # packed experts read their own table, and none of the plain one
+    packed = {"8,64,32,1": {"gate_up": [8, 32, 4], "down": [16, 32, 4, 2]}}
+    monkeypatch.setattr(moe_gemv_kernels, "MOE_GEMV_CONFIGS", {"gemv": tuned, "gemv_q4": packed})
+    assert moe_gemv_kernels.moe_gemv_config(8, 32, 32, 1, bits=4) == packed["8,64,32,1"]
+    untuned = moe_gemv_kernels.moe_gemv_config(8, 32, 32, 1, bits=8)
+    assert len(untuned["gate_up"]) == 3 and len(untuned["down"]) == 4
+    # [block_n, block_k, warps] for the few-token kernels (the down kernel's SPLIT may follow),
+    # [block_m, block_n, block_k, warps, stages] for the grouped ones
     tables = json.loads(moe_gemv_kernels.CONFIG_FILE.read_text())
-    assert set(tables) <= {"gemv", "grouped"}
+    assert set(tables) <= {"gemv", "gemv_q4", "gemv_q8", "grouped"}
     for name, table in tables.items():
         for key, value in table.items():
             assert len(key.split(",")) == 4 and all(part.isdigit() for part in key.split(","))
             for part in ("gate_up", "down"):
                 config = value[part]
-                warps = config[2] if name == "gemv" else config[3]
-                assert len(config) == (3 if name == "gemv" else 5) and min(config) >= 1, (name, key)
+                few = name.startswith("gemv")
+                warps = config[2] if few else config[3]
+                sizes = ((3, 4) if part == "down" else (3,)) if few else (5,)
+                assert len(config) in sizes and min(config) >= 1, (name, key)
                 assert warps in (1, 2, 4, 8, 16), (name, key)
 
 
@@ -438,6 +448,8 @@ def test_packed_experts_match_reference(bits, group, hidden, inter, tokens):
     w2, plain2 = _packed_experts(experts, hidden, inter, bits, group, seed=2)
     want = _per_token_reference(x, router_logits, plain13, plain2, top_k, True)
     assert rel_err(moe_gemv(x, router_logits, w13, w2, top_k, True), want) < 1e-5
+    split = {"gate_up": [8, 64, 4], "down": [8, 64, 4, top_k]}  # one pair a program in the down kernel
+    assert rel_err(moe_gemv(x, router_logits, w13, w2, top_k, True, config=split), want) < 1e-5
     weights, ids = select_experts(router_logits, top_k, True, x.dtype)
     assert rel_err(moe_gemm_kernels.moe_gemm(x, weights, ids, w13, w2), want) < 1e-5
     assert rel_err(FusedMoeBackend().forward(x, router_logits, w13, w2, top_k, True), want) < 1e-5

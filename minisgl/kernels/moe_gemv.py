@@ -69,25 +69,28 @@ def moe_gemv_fits(x: torch.Tensor, w13: Experts, w2: Experts) -> bool:
     )
 
 
-def _default_config(tokens: int, rows: int, width: int, bits: int) -> list[int]:
-    """[block_n, block_k, warps] before tuning: a few output rows a program, the row in 512-wide
-    blocks; packed experts (`bits`): 16 rows, 256 columns a step."""
+def _default_config(part: str, tokens: int, width: int, bits: int) -> list[int]:
+    """[block_n, block_k, warps] of kernel `part` before tuning: a few output rows a program, the row
+    (`width` columns) in 512-wide blocks; packed experts (`bits`), as tuned at Qwen3-30B-A3B's shapes:
+    gate/up 8 rows (16 with the up rows), the whole row a step (to 2,048 columns); down 16 rows, 1,024
+    columns a step, the pairs shared among 4 programs (a fourth entry: `_down_kernel`'s SPLIT)."""
     if bits:
-        return [16, min(256, triton.next_power_of_2(width)), 4]
+        if part == "gate_up":
+            return [8, min(2048, triton.next_power_of_2(width)), 4]
+        return [16, min(1024, triton.next_power_of_2(width)), 4, 4]
     return [4 if tokens == 1 else 8, min(512, triton.next_power_of_2(width)), 4]
 
 
 def moe_gemv_config(
     num_experts: int, inter: int, hidden: int, tokens: int, bits: int = 0
 ) -> dict[str, list[int]]:
-    """The launch configuration of both kernels for this shape and token count (see `lookup_config`),
-    or the defaults (always, for packed experts of `bits`: none are tuned yet)."""
-    tuned = (
-        None if bits else lookup_config(MOE_GEMV_CONFIGS.get("gemv", {}), num_experts, inter, hidden, tokens)
-    )
-    return tuned or {
-        "gate_up": _default_config(tokens, inter, hidden, bits),
-        "down": _default_config(tokens, hidden, inter, bits),
+    """The launch configuration of both kernels for this shape and token count (see `lookup_config`;
+    table "gemv", or "gemv_q4" / "gemv_q8" for packed experts of `bits`), or the defaults. The down
+    kernel's may name a fourth entry, its SPLIT (`_down_kernel`)."""
+    table = MOE_GEMV_CONFIGS.get(f"gemv_q{bits}" if bits else "gemv", {})
+    return lookup_config(table, num_experts, inter, hidden, tokens) or {
+        "gate_up": _default_config("gate_up", tokens, hidden, bits),
+        "down": _default_config("down", tokens, inter, bits),
     }
 
 
@@ -147,21 +150,17 @@ if triton is not None:
                 acc_up += up * x[None, :]
             gate = tl.sum(acc_gate, axis=1)
             up = tl.sum(acc_up, axis=1)
-        else:
+        else:  # the gate and up rows interleaved in one tile: one sweep of x for both
             KW: tl.constexpr = H * BITS // 32
             G: tl.constexpr = H // GROUP
-            words_at = w13_ptr + expert.to(tl.int64) * (2 * INTER * KW)
+            rows2 = tl.reshape(rows.to(tl.int64)[:, None] + tl.arange(0, 2)[None, :] * INTER, (2 * BLOCK_N,))
             groups_at = expert.to(tl.int64) * (2 * INTER * G)
-            rows64 = rows.to(tl.int64)
-            x_at = x_ptr + token * x_stride
-            gate = _packed_dot(
-                words_at, s13_ptr + groups_at, z13_ptr + groups_at, rows64, row_mask, x_at, KW, G,
-                BITS, GROUP * BITS // 32, BLOCK_N, BLOCK_K * BITS // 32,
+            both = _packed_dot(
+                w13_ptr + expert.to(tl.int64) * (2 * INTER * KW), s13_ptr + groups_at, z13_ptr + groups_at,
+                rows2, tl.reshape(tl.broadcast_to(row_mask[:, None], (BLOCK_N, 2)), (2 * BLOCK_N,)),
+                x_ptr + token * x_stride, KW, G, BITS, GROUP * BITS // 32, 2 * BLOCK_N, BLOCK_K * BITS // 32,
             )  # fmt: skip
-            up = _packed_dot(
-                words_at, s13_ptr + groups_at, z13_ptr + groups_at, rows64 + INTER, row_mask, x_at, KW, G,
-                BITS, GROUP * BITS // 32, BLOCK_N, BLOCK_K * BITS // 32,
-            )  # fmt: skip
+            gate, up = tl.split(tl.reshape(both, (BLOCK_N, 2)))
         act = gate * tl.sigmoid(gate) * up
         tl.store(act_ptr + pair * INTER + rows, act.to(act_ptr.dtype.element_ty), mask=row_mask)
 
@@ -169,13 +168,16 @@ if triton is not None:
     def _down_kernel(
         act_ptr, logits_ptr, w2_ptr, s2_ptr, z2_ptr, out_ptr, E, logits_stride,
         INTER: tl.constexpr, H: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-        BITS: tl.constexpr, GROUP: tl.constexpr,
+        BITS: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """A block of hidden rows of one token: its TOP_K pairs' activations times their experts' down
-        projection, weighted by the routing weights and summed. BITS as in `_gate_up_kernel`."""
+        projection, weighted by the routing weights and summed. BITS as in `_gate_up_kernel`. SPLIT > 1:
+        the pairs shared among SPLIT programs, each storing its float32 sum (out (T, SPLIT, H)), for
+        more programs in flight at few tokens."""
         block = tl.program_id(0)  # rows of the hidden dimension
-        token = tl.program_id(1)
+        token = tl.program_id(1) // SPLIT
+        part = tl.program_id(1) % SPLIT
         logits, offs = _logits(logits_ptr + token * logits_stride, E, BLOCK_E)
         top = tl.max(logits, axis=0)
         norm = tl.sum(tl.exp(logits - top), axis=0)  # softmax over every expert
@@ -194,29 +196,32 @@ if triton is not None:
         out = tl.zeros([BLOCK_N], dtype=tl.float32)
         KW: tl.constexpr = INTER * BITS // 32  # packed: words and groups of a row
         G: tl.constexpr = INTER // GROUP
+        PER: tl.constexpr = TOP_K // SPLIT  # pairs a program
         rest = logits
         for j in tl.static_range(TOP_K):
             best, expert, rest = _next_choice(rest, offs)
-            # the routing weight rounded to the model's dtype, as `select_experts` returns it
-            weight = (tl.exp(best - top) / norm).to(out_ptr.dtype.element_ty).to(tl.float32)
-            a_at = act_ptr + (token * TOP_K + j) * INTER
-            if BITS == 0:
-                w_at = w2_ptr + expert.to(tl.int64) * (H * INTER) + rows.to(tl.int64)[:, None] * INTER
-                for k0 in tl.static_range(0, INTER, BLOCK_K):
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    a = tl.load(a_at + cols, mask=cols < INTER, other=0.0).to(tl.float32) * weight
-                    mask = row_mask[:, None] & (cols < INTER)[None, :]
-                    w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                    acc += w * a[None, :]
-            else:
-                groups_at = expert.to(tl.int64) * (H * G)
-                out += weight * _packed_dot(
-                    w2_ptr + expert.to(tl.int64) * (H * KW), s2_ptr + groups_at, z2_ptr + groups_at,
-                    rows.to(tl.int64), row_mask, a_at, KW, G, BITS, GROUP * BITS // 32, BLOCK_N,
-                    BLOCK_K * BITS // 32,
-                )  # fmt: skip
+            if j // PER == part:  # always, without a split
+                # the routing weight rounded to the model's dtype, as `select_experts` returns it
+                weight = (tl.exp(best - top) / norm).to(act_ptr.dtype.element_ty).to(tl.float32)
+                a_at = act_ptr + (token * TOP_K + j) * INTER
+                if BITS == 0:
+                    w_at = w2_ptr + expert.to(tl.int64) * (H * INTER) + rows.to(tl.int64)[:, None] * INTER
+                    for k0 in tl.static_range(0, INTER, BLOCK_K):
+                        cols = k0 + tl.arange(0, BLOCK_K)
+                        a = tl.load(a_at + cols, mask=cols < INTER, other=0.0).to(tl.float32) * weight
+                        mask = row_mask[:, None] & (cols < INTER)[None, :]
+                        w = tl.load(w_at + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                        acc += w * a[None, :]
+                else:
+                    groups_at = expert.to(tl.int64) * (H * G)
+                    out += weight * _packed_dot(
+                        w2_ptr + expert.to(tl.int64) * (H * KW), s2_ptr + groups_at, z2_ptr + groups_at,
+                        rows.to(tl.int64), row_mask, a_at, KW, G, BITS, GROUP * BITS // 32, BLOCK_N,
+                        BLOCK_K * BITS // 32,
+                    )  # fmt: skip
         out += tl.sum(acc, axis=1)
-        tl.store(out_ptr + token * H + rows, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        at = out_ptr + tl.program_id(1) * H + rows  # (token, part)
+        tl.store(at, out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def moe_gemv(
@@ -248,10 +253,12 @@ def moe_gemv(
         INTER=inter, H=hidden, TOP_K=top_k, BITS=bits, GROUP=w13_args[4], BLOCK_E=block_e, BLOCK_N=n,
         BLOCK_K=k, num_warps=warps,
     )  # fmt: skip
-    n, k, warps = config["down"]
-    _down_kernel[(triton.cdiv(hidden, n), tokens)](
-        act, router_logits, *w2_args[:3], out, num_experts, router_logits.stride(0),
+    n, k, warps, *split = config["down"]
+    split = split[0] if split and top_k % split[0] == 0 else 1
+    partial = out if split == 1 else x.new_empty(tokens, split, hidden, dtype=torch.float32)
+    _down_kernel[(triton.cdiv(hidden, n), tokens * split)](
+        act, router_logits, *w2_args[:3], partial, num_experts, router_logits.stride(0),
         INTER=inter, H=hidden, TOP_K=top_k, RENORMALIZE=renormalize, BITS=bits, GROUP=w2_args[4],
-        BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
+        SPLIT=split, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
     )  # fmt: skip
-    return out
+    return out if split == 1 else partial.sum(1).to(x.dtype)

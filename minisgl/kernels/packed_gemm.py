@@ -5,7 +5,11 @@
 
 - `packed_gemv` (1 to `GEMV_MAX_ROWS` rows, the CUDA cores): a program owns `BLOCK_N` output rows and
   sweeps their words contiguously; the j-th value of every word multiplies x's columns word * P + j
-  (no unpacked tile is rearranged), and each word's scale and zero point apply once to its sum.
+  (no unpacked tile is rearranged), and each word's scale and zero point apply once to its sum. One
+  row of x takes two-dimensional tiles only (`_packed_gemv_kernel`); 2 to 4 rows share each tile
+  (`_packed_gemv_rows_kernel`).
+- Every kernel reads a value as the float 2^bits + u (`_biased`: one shift and one mask-and-or) and
+  takes 2^bits away with the zero point.
 - `packed_mma` (to `MMA_MAX_ROWS` rows, the tensor cores, for weights wide enough to give every SM
   two programs, `mma_fills`): a tile of words dequantized in registers, value by value as in the
   GEMV, and multiplied with x's matching columns (`tl.dot`); the weight is read from memory once per
@@ -49,13 +53,14 @@ if triton is not None:
         q_ptr, s_ptr, z_ptr, rows, row_mask, words, KW, G,
         PACK: tl.constexpr, GROUP_WORDS: tl.constexpr,
     ):  # fmt: skip
-        """The words (BLOCK_N, BLOCK_W) of `rows` x `words` and each word's scale and zero point, float32
-        (a word's values lie in one group: GROUP_WORDS = group / PACK words)."""
+        """The words (BLOCK_N, BLOCK_W) of `rows` x `words` and each word's scale and zero point, float32,
+        the zero point biased by 2^bits as `_biased`'s values are (a word's values lie in one group:
+        GROUP_WORDS = group / PACK words)."""
         mask = row_mask[:, None] & (words < KW)[None, :]
         q = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=mask, other=0)
         at = rows[:, None] * G + (words // GROUP_WORDS)[None, :]
         s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32) + (1 << (32 // PACK))
         return q, s, z
 
     @triton.jit
@@ -90,11 +95,22 @@ if triton is not None:
         return rows, rows < N, rows.to(tl.int64)
 
     @triton.jit
-    def _values(q, shift, BITS: tl.constexpr):
-        """The values at bit `shift` of the words as float32: OR-ed into the mantissa of 2^23 and 2^23
-        taken away (exact, and cheaper than an int-to-float conversion)."""
-        u = ((q >> shift) & ((1 << BITS) - 1)) | 0x4B000000
-        return u.to(tl.float32, bitcast=True) - 8388608.0
+    def _biased(q, J: tl.constexpr, BITS: tl.constexpr):
+        """The J-th value u of each word as the float32 2^BITS + u: u moved into the top bits of the
+        mantissa of 2^BITS, one shift and one mask-and-or a value (no conversion, no subtraction: the
+        callers take the bias away with the zero point, which `_tile` returns biased)."""
+        SHIFT: tl.constexpr = 23 - BITS - J * BITS
+        if SHIFT >= 0:
+            v = q << SHIFT
+        else:
+            v = q >> -SHIFT
+        return ((v & (((1 << BITS) - 1) << (23 - BITS))) | ((127 + BITS) << 23)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _biased_at(q, shift, BITS: tl.constexpr):
+        """`_biased` for the values at bit `shift` (a tensor) of the words."""
+        u = ((q >> shift) & ((1 << BITS) - 1)) << (23 - BITS)
+        return (u | ((127 + BITS) << 23)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _packed_dot(
@@ -113,17 +129,31 @@ if triton is not None:
             xs = tl.zeros([BLOCK_W], dtype=tl.float32)
             for j in tl.static_range(PACK):
                 x = tl.load(x_ptr + words * PACK + j, mask=words < KW, other=0.0).to(tl.float32)
-                ux += _values(q, j * BITS, BITS) * x[None, :]
+                ux += _biased(q, j, BITS) * x[None, :]
                 xs += x
             acc += (ux - z * xs[None, :]) * s
         return tl.sum(acc, axis=1)
 
     @triton.jit
     def _packed_gemv_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, KW, G,
+        BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr,
+    ):  # fmt: skip
+        """One row of x: a program owns `BLOCK_N` outputs, in two-dimensional tiles only (`_packed_dot`)."""
+        rows, row_mask, rows64 = _weight_rows(N, BLOCK_N, USE_PDL)
+        y = _packed_dot(
+            q_ptr, s_ptr, z_ptr, rows64, row_mask, x_ptr, KW, G, BITS, GROUP_WORDS, BLOCK_N, BLOCK_W
+        )
+        _store(y[None, :], b_ptr, y_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS)
+
+    @triton.jit
+    def _packed_gemv_rows_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, y_ptr, M, N, KW, G, x_stride,
         BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
+        """Every row of x (2 to 4) in one program: the weight's tile read once for them all."""
         PACK: tl.constexpr = 32 // BITS
         rows, row_mask, rows64 = _weight_rows(N, BLOCK_N, USE_PDL)
         ms = tl.arange(0, BLOCK_M)
@@ -136,7 +166,7 @@ if triton is not None:
             ux = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], dtype=tl.float32)
             xs = tl.zeros([BLOCK_M, BLOCK_W], dtype=tl.float32)
             for j in tl.static_range(PACK):
-                u = _values(q, j * BITS, BITS)
+                u = _biased(q, j, BITS)
                 x = _x_slice(x_ptr, perm_ptr, ms, m_mask, words, KW, x_stride, j, PACK, HAS_PERM).to(
                     tl.float32
                 )
@@ -152,10 +182,11 @@ if triton is not None:
         does), times x's matching columns: x de-interleaved (x[:, j * KW + word] = column
         word * PACK + j), its rows at `x_rows` (BLOCK_M, 1). The weight is the MMA's long side."""
         PACK: tl.constexpr = 32 // BITS
+        zs = z * s  # (u - z) s as one fused multiply-add: exact for 16-bit scales, as is z s
         for j in tl.static_range(PACK):
             at = x_rows + (j * KW + words)[None, :]
             x = tl.load(at, mask=m_mask[:, None] & (words < KW)[None, :], other=0.0)
-            w = ((_values(q, j * BITS, BITS) - z) * s).to(x.dtype)
+            w = tl.fma(_biased(q, j, BITS), s, -zs).to(x.dtype)
             acc = tl.dot(w, tl.trans(x), acc)
         return acc
 
@@ -184,7 +215,7 @@ if triton is not None:
             q, s, z = _tile(q_ptr, s_ptr, z_ptr, rows64, row_mask, words, KW, G, PACK, GROUP_WORDS)
             if RESHAPE:
                 js = tl.arange(0, PACK)
-                u = _values(q[:, :, None], (js * BITS)[None, None, :], BITS)
+                u = _biased_at(q[:, :, None], (js * BITS)[None, None, :], BITS)
                 w = tl.reshape((u - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_W * PACK))
                 cols = w0 * PACK + tl.arange(0, BLOCK_W * PACK)
                 x = tl.load(
@@ -208,7 +239,7 @@ if triton is not None:
         words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         q, s, z = _tile(q_ptr, s_ptr, z_ptr, rows64, row_mask, words, KW, G, PACK, GROUP_WORDS)
         js = tl.arange(0, PACK)
-        w = (_values(q[:, :, None], (js * BITS)[None, None, :], BITS) - z[:, :, None]) * s[:, :, None]
+        w = (_biased_at(q[:, :, None], (js * BITS)[None, None, :], BITS) - z[:, :, None]) * s[:, :, None]
         cols = words[:, None] * PACK + js[None, :]
         out = w_ptr + rows64[:, None, None] * (KW * PACK) + cols[None, :, :]
         mask = row_mask[:, None, None] & (words < KW)[None, :, None]
@@ -225,26 +256,36 @@ def _shape(qweight, scales, bits) -> tuple[int, int, int, int]:
 
 def gemv_config(m: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_W, warps) of the GEMV for m rows: fewer words a step as the rows grow (registers);
-    from the sweep of docs/quantization.md ("The GPU kernels")."""
+    from the sweeps of docs/quantization.md ("The GPU kernels")."""
     return (16, 128, 4) if m <= 1 else (16, 64, 4) if m <= 2 else (16, 32, 4)
 
 
 def packed_gemv(x, qweight, scales, zeros, perm, bias, bits, pdl: bool | None = None) -> torch.Tensor:
-    """x (M, K), 1 <= M <= GEMV_MAX_ROWS, times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype."""
+    """x (M, K), 1 <= M <= GEMV_MAX_ROWS, times the packed weight (N, K)^T (+ bias) -> (M, N) in x's dtype:
+    one row on `_packed_gemv_kernel` (x permuted first for act order), more on `_packed_gemv_rows_kernel`."""
     n, words, g, group_words = _shape(qweight, scales, bits)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     m = x.shape[0]
+    if m == 1 and perm is not None:
+        x, perm = x.index_select(1, perm), None
+    x = x if x.stride(-1) == 1 else x.contiguous()
     y = x.new_empty(m, n)
     block_n, block_w, warps = gemv_config(m)
     use_pdl = pdl_enabled(x) if pdl is None else pdl
     dummy = qweight  # pointer arguments the kernel does not read
-    _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, qweight, scales, zeros, dummy if perm is None else perm, dummy if bias is None else bias, y,
-        m, n, words, g, x.stride(0),
-        BITS=bits, GROUP_WORDS=group_words, HAS_PERM=perm is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=max(triton.next_power_of_2(m), 1), BLOCK_N=block_n, BLOCK_W=block_w,
+    bias_arg = dummy if bias is None else bias
+    common = dict(
+        BITS=bits, GROUP_WORDS=group_words, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_W=block_w,
         num_warps=warps, **launch_options(use_pdl),
     )  # fmt: skip
+    if m == 1:
+        _packed_gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, qweight, scales, zeros, bias_arg, y, n, words, g, **common
+        )
+    else:
+        _packed_gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+            x, qweight, scales, zeros, dummy if perm is None else perm, bias_arg, y, m, n, words, g,
+            x.stride(0), HAS_PERM=perm is not None, BLOCK_M=triton.next_power_of_2(m), **common,
+        )  # fmt: skip
     return y
 
 

@@ -4,7 +4,7 @@ request of a 4-bit model against bf16 (dummy weights).
     python -m perf.gpu.quant4 kernels [--rows 1 2 4 ...] [--shapes qkv o ...] [--bits 4] [--group 128] [--sweep]
     python -m perf.gpu.quant4 request [--model configs/models/qwen3-8b] [--new-tokens 512] [--reps 3]
     python -m perf.gpu.quant4 offline [--model configs/models/qwen3-8b] [--passes 3] [--batch 32]
-    python -m perf.gpu.quant4 moe [--tokens 1 2 4 ...] [--bits 4] [--group 128]
+    python -m perf.gpu.quant4 moe [--tokens 1 2 4 ...] [--bits 4] [--group 128] [--sweep [--write]]
 
 `kernels`: device time per call in microseconds, inside a CUDA graph of calls on distinct weight copies
 (at least 256 MB of bf16 weights per shape, so both read from HBM, not L2), at Qwen3-8B's projections
@@ -60,8 +60,12 @@ SHAPES = [
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MIN_BYTES = 256 * 2**20
 MOE_LAYERS = 8  # `moe`: layers of distinct weights in one graph
-# `moe --sweep`: the few-token kernels' [block_n, block_k, warps] tried on packed experts
-MOE_GEMV_SWEEP = [(n, k, w) for n in (4, 8, 16, 32) for k in (128, 256, 512) for w in (4, 8) if n * k <= 8192]
+# `moe --sweep`: the few-token kernels' configurations tried on packed experts, the gate/up kernel's
+# [block_n, block_k, warps] first (the down kernel at its default), then the down kernel's with its SPLIT
+MOE_GATE_UP_SWEEP = [
+    (n, k, w) for n in (8, 16, 32) for k in (256, 512, 1024, 2048) for w in (4, 8) if n * k <= 16384
+]
+MOE_DOWN_SWEEP = [(n, k, 4, split) for n in (8, 16, 32) for k in (128, 256, 1024) for split in (1, 2, 4, 8)]
 # the engines of `request` and `offline` (dummy weights), and `offline`'s workload (WorkloadShape's fields)
 ENGINE: dict = dict(use_dummy_weight=True, device="cuda", dtype="bfloat16", page_size=256)
 WORKLOAD: dict = {}
@@ -93,7 +97,7 @@ def time_rows(x, dense, qs, scales, zeros, bits, sweep: bool = False) -> tuple[f
         name, kernel = ("gemv_config", P.packed_gemv) if gemv else ("mma_config", P.packed_mma)
         default, times = getattr(P, name), {}
         if gemv:
-            configs = [c for c in GEMV_SWEEP if c[0] * c[1] * m <= 4096]  # registers
+            configs = [c for c in GEMV_SWEEP if c[0] * c[1] <= 4096]  # registers
         else:
             configs = [(default(m)[0], *c) for c in MMA_SWEEP]
         for config in configs:
@@ -149,7 +153,6 @@ def moe(args: argparse.Namespace) -> None:
     per token count: device us per layer in a CUDA graph of `LAYERS` layers (none finds its experts in
     L2), and the packed layer's relative error against the bf16 layer on its dequantized weights."""
     from minisgl.kernels.linear import MOE_GEMV_TOKENS
-    from minisgl.kernels.moe_gemv import moe_gemv
     from minisgl.kernels.packed import PackedWeights, pack_words
     from minisgl.moe import fused_moe
 
@@ -167,6 +170,7 @@ def moe(args: argparse.Namespace) -> None:
     layers = [(packed(2 * inter, hidden), packed(hidden, inter)) for _ in range(MOE_LAYERS)]
     dense = [(w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)) for w13, w2 in layers[:2]]
     dense += [(torch.randn_like(dense[0][0]), torch.randn_like(dense[0][1])) for _ in range(MOE_LAYERS - 2)]
+    tuned: dict[str, dict] = {}
     print(f"{'tokens':>6} {'bf16 us':>9} {'packed us':>9} {'bf16/packed':>11} {'err':>9}")
     for t in args.tokens:
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
@@ -182,24 +186,45 @@ def moe(args: argparse.Namespace) -> None:
         err = ((fused_moe(x, logits, *layers[0], top_k, True).float() - want).norm() / want.norm()).item()
         print(f"{t:>6} {bf16:9.1f} {q:9.1f} {bf16 / q:11.2f} {err:9.2e}", flush=True)
         if args.sweep and t <= MOE_GEMV_TOKENS:  # the few-token kernels' configurations on packed experts
-            times = {}
-            for c in MOE_GEMV_SWEEP:
-                run = [(a, b, {"gate_up": list(c), "down": list(c)}) for a, b in layers]
-                times[c] = (
-                    graph_us(
-                        lambda run=run, x=x, logits=logits: [
-                            moe_gemv(x, logits, a, b, top_k, True, config=c) for a, b, c in run
-                        ],
-                        10,
-                    )
-                    / MOE_LAYERS
-                )
-            best = min(times, key=times.get)
-            print(
-                f"  packed, fastest [block_n, block_k, warps] at {t} tokens: {list(best)} {times[best]:.1f} us; "
-                + ", ".join(f"{list(c)} {u:.1f}" for c, u in sorted(times.items(), key=lambda kv: kv[1])[:6]),
-                flush=True,
-            )
+            best = sweep_moe_gemv(layers, x, logits, top_k)
+            if args.write:
+                tuned.setdefault(f"gemv_q{args.bits}", {})[f"{experts},{2 * inter},{hidden},{t}"] = best
+    if args.write and tuned:
+        from minisgl.kernels import moe_gemv as K
+
+        configs = json.loads(K.CONFIG_FILE.read_text()) if K.CONFIG_FILE.exists() else {}
+        for table, entries in tuned.items():
+            configs.setdefault(table, {}).update(entries)
+        K.CONFIG_FILE.write_text(json.dumps(configs, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {K.CONFIG_FILE}")
+
+
+def sweep_moe_gemv(layers, x, logits, top_k: int) -> dict:
+    """The fastest gate/up configuration (the down kernel at its default), then the fastest down
+    configuration with it; prints the six fastest of each. Returns the table entry."""
+    from minisgl.kernels.moe_gemv import moe_gemv, moe_gemv_config
+
+    w13 = layers[0][0]
+    default = moe_gemv_config(w13.shape[0], w13.shape[1] // 2, w13.shape[2], x.shape[0], w13.bits)
+
+    def time(config: dict) -> float:
+        fn = lambda: [moe_gemv(x, logits, a, b, top_k, True, config=config) for a, b in layers]  # noqa: E731
+        return graph_us(fn, 10) / MOE_LAYERS
+
+    best = dict(default)
+    for part, candidates in (("gate_up", MOE_GATE_UP_SWEEP), ("down", MOE_DOWN_SWEEP)):
+        times = {c: time({**best, part: list(c)}) for c in candidates}
+        fastest = sorted(times, key=times.get)
+        best[part] = list(fastest[0])
+        print(
+            f"  packed {part}, fastest at {x.shape[0]} tokens: "
+            + ", ".join(f"{list(c)} {times[c]:.1f}" for c in fastest[:6])
+            + f" us (default {default[part]})",
+            flush=True,
+        )
+    best["us"] = round(time(best), 2)
+    print(f"  packed, both fastest: {best}", flush=True)
+    return best
 
 
 VARIANTS = ("bf16", "awq-4bit")
@@ -308,6 +333,7 @@ def main() -> None:
     e.add_argument("--bits", type=int, default=4, choices=(4, 8))
     e.add_argument("--group", type=int, default=128)
     e.add_argument("--sweep", action="store_true", help="the few-token kernels' configurations (packed)")
+    e.add_argument("--write", action="store_true", help="with --sweep: the fastest into the packed table")
     args = parser.parse_args()
     {"kernels": kernels, "request": request, "offline": offline, "moe": moe}[args.what](args)
 
