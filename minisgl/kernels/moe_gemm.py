@@ -65,7 +65,7 @@ if triton is not None:
     def _grouped_kernel(
         a_ptr, w_ptr, s_ptr, z_ptr, weights_ptr, out_ptr, pairs_ptr, block_expert_ptr, E, P, a_stride,
         ROWS_PER_A: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATE_UP: tl.constexpr,
-        BITS: tl.constexpr, GROUP: tl.constexpr,
+        BITS: tl.constexpr, GROUP: tl.constexpr, OUT_PACK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """GATE_UP: the block's token rows (a = x, pair // ROWS_PER_A) times its expert's gate and up
@@ -74,7 +74,8 @@ if triton is not None:
         the routing weight, stored per pair. BITS 0: w in a's dtype. BITS 4 or 8: w packed (w the words,
         s and z the scales and zero points of groups of GROUP columns), BLOCK_K words a step, each tile
         dequantized in registers as `packed_mma` does (a given de-interleaved, the weight the MMA's long
-        side)."""
+        side). OUT_PACK > 1: the output stored de-interleaved for a packed down kernel (column c at
+        (c % OUT_PACK) * N / OUT_PACK + c // OUT_PACK)."""
         block = tl.program_id(1)
         expert = tl.load(block_expert_ptr + block)
         if expert < E:  # blocks past the last expert's run have nothing to do
@@ -117,7 +118,8 @@ if triton is not None:
                 y = acc * tl.sigmoid(acc) * acc_up
             else:
                 y = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
-            out_at = out_ptr + pairs.to(tl.int64)[:, None] * N + cols[None, :]
+            at = cols if OUT_PACK == 1 else cols % OUT_PACK * (N // OUT_PACK) + cols // OUT_PACK
+            out_at = out_ptr + pairs.to(tl.int64)[:, None] * N + at[None, :]
             tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
 
 
@@ -143,21 +145,25 @@ def moe_gemm(
     y = x.new_empty(num_pairs, hidden)
     weights = weights.contiguous()
     aligned = {}
+    w2_bits = packed_args(w2)[3]
+    down_pack = 32 // w2_bits if w2_bits else 1  # act stored as the packed down kernel reads it
     for part, a, w, out, rows_per_a, n_cols, k_cols in (
         ("gate_up", x, w13, act, top_k, inter, hidden),
         ("down", act, w2, y, 1, hidden, inter),
     ):
         m, n, k, warps, stages = config[part]
         words, scales, zeros, bits, group = packed_args(w)
-        if bits:  # `packed_mma`'s tiles (64 rows of 32 words), a de-interleaved
+        if bits:  # `packed_mma`'s tiles (64 rows of 32 words), a de-interleaved (act by the gate/up kernel)
             n, k, warps, stages = PACKED_TILE
-            a = a.view(a.shape[0], -1, 32 // bits).transpose(1, 2).contiguous()
+            if part == "gate_up":
+                a = a.view(a.shape[0], -1, 32 // bits).transpose(1, 2).contiguous()
         if m not in aligned:  # the two kernels may take blocks of different sizes
             aligned[m] = align_pairs(ids, num_experts, m)
         pairs, block_expert = aligned[m]
         _grouped_kernel[(triton.cdiv(n_cols, n), block_expert.numel())](
             a, words, scales, zeros, weights, out, pairs, block_expert, num_experts, num_pairs, a.stride(0),
             ROWS_PER_A=rows_per_a, N=n_cols, K=k_cols, GATE_UP=part == "gate_up", BITS=bits, GROUP=group,
+            OUT_PACK=down_pack if part == "gate_up" else 1,
             BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     # the sum over the top_k slots accumulates in float32 (for bf16 too) and rounds once
