@@ -26,7 +26,10 @@ default batch sizes: the offline workload (`minisgl.bench.offline.run_bench`, 25
 passes after a warm-up) and the decode step at `--batch` requests of 512 tokens of context
 (`perf.gpu.lora.decode_steps`: median wall and device ms over 50 steps); the 4-bit figures over bf16's.
 `moe`: one MoE layer of Qwen3-30B-A3B's shapes (128 experts, top 8, hidden 2048, intermediate 768) on
-the fused backend, bf16 experts against packed ones (`PackedWeights`), per token count (`moe` below).
+the fused backend, bf16 experts against packed ones (`PackedWeights`), per token count (`moe` below);
+`--sweep`: at a few tokens, the gate/up kernel's configurations on packed experts, then the down
+kernel's (with its SPLIT), the six fastest of each printed; `--write` puts the fastest pair into the
+packed table (`gemv_q4` / `gemv_q8`) of `minisgl/kernels/moe_gemv_configs.json`.
 A plain script, not a test.
 """
 
