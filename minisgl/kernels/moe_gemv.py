@@ -261,4 +261,4 @@ def moe_gemv(
         INTER=inter, H=hidden, TOP_K=top_k, RENORMALIZE=renormalize, BITS=bits, GROUP=w2_args[4],
         SPLIT=split, BLOCK_E=block_e, BLOCK_N=n, BLOCK_K=k, num_warps=warps,
     )  # fmt: skip
-    return out if split == 1 else partial.sum(1).to(x.dtype)
+    return out if split == 1 else out.copy_(partial.sum(1))  # the float32 sums, rounded once
