@@ -191,9 +191,12 @@ def test_other_families_match_peft(tmp_path, tiny_model, arch):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_kernels_match_the_torch_path_in_bfloat16(monkeypatch, splits):
+@pytest.mark.parametrize("ranked", [False, True], ids=["pool-rank", "slot-ranks"])
+def test_kernels_match_the_torch_path_in_bfloat16(monkeypatch, splits, ranked):
     """Random bf16 slots, a rank below 16 (the products' padded width), three unequal segments, the
-    shrink's K whole or cut in parts."""
+    shrink's K whole or cut in parts (its parts summed by the expand). With `ranks`, slots of rank 3 and
+    5 in a pool of rank 8: the kernels read no more than each slot's rank, so garbage in the padding
+    changes nothing (the reference runs on the padding zeroed)."""
     monkeypatch.setattr(K, "shrink_splits", lambda rows, n, k: splits)
     g = torch.Generator().manual_seed(0)
     sizes, rank, k = [40, 8, 8], 8, 200
@@ -203,9 +206,15 @@ def test_kernels_match_the_torch_path_in_bfloat16(monkeypatch, splits):
     batch = LoraBatch.build(rows, slots, "cpu")
     x = torch.randn(sum(rows), k, generator=g).bfloat16()
     base = torch.randn(sum(rows), sum(sizes), generator=g).bfloat16()
-    want = lora_add_reference(x, base.clone(), a, b, batch.row_slots, sizes)
+    ranks = torch.tensor([3, 5, 8], dtype=torch.int32) if ranked else None
+    zeroed_a, zeroed_b = a.clone(), b.clone()
+    if ranked:
+        for slot, r in enumerate(ranks.tolist()):
+            zeroed_a[slot].view(len(sizes), rank, k)[:, r:] = 0
+            zeroed_b[slot, :, r:] = 0
+    want = lora_add_reference(x, base.clone(), zeroed_a, zeroed_b, batch.row_slots, sizes)
     monkeypatch.setattr(L, "kernel_applies", lambda x: True)
-    got = lora_add(x, base.clone(), a, b, batch, sizes)
+    got = lora_add(x, base.clone(), a, b, batch, sizes, ranks)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(got[41:44], base[41:44])  # base-only rows untouched, bit for bit
 
@@ -309,8 +318,10 @@ def test_the_pool_sizes_loads_and_clears_slots(llama):
         "gate_up_proj": (96, 96),
         "down_proj": (64,),
     }
+    assert pool.ranks.tolist() == [8, 4, 4, 0]  # each slot's largest module rank (rank_pattern's 4 in 1)
     pool.clear(2)
     assert not any(t[:, 2].any() for t in buffers) and pool.a["qkv_proj"][:, 0].any()
+    assert pool.ranks.tolist() == [8, 4, 0, 0]
     adapter = load_adapter("a0", folders[0], cfg, max_rank=MAX_RANK, dtype=torch.float32, tp_size=2)
     with pytest.raises(ValueError, match="rank 0 of 2"):
         pool.load(1, adapter)

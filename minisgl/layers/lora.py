@@ -90,13 +90,15 @@ def lora_add(
     b: torch.Tensor,
     batch: LoraBatch,
     sizes: Sequence[int],
+    ranks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out (T, N) plus each row's LoRA delta of x (T, K) (see the module docstring), added in place into
-    `out` (the projection's fresh output), which is returned."""
+    `out` (the projection's fresh output), which is returned. `ranks` (slots,) int32, where given, is
+    each slot's adapter rank (`minisgl.lora.LoraPool.ranks`): the kernels skip the zero padding past it."""
     if kernel_applies(x):
         # torch.compile sees the op; eager calls skip the dispatcher's tens of microseconds per call
         add = torch.ops.minisgl.lora_add if torch.compiler.is_compiling() else kernels.lora_add_kernels
-        add(x, out, a, b, batch.tiles, batch.order, list(sizes))
+        add(x, out, a, b, batch.tiles, batch.order, list(sizes), ranks)
         return out
     return lora_add_reference(x, out, a, b, batch.row_slots, sizes)
 

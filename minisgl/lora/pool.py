@@ -6,7 +6,9 @@ and B for `max_loras` adapters of rank up to `max_rank`.
 n_seg is the projection's row segments (qkv_proj: q, k, v; gate_up_proj: gate, up; o_proj, down_proj:
 one); output segment i (`sizes[p][i]` rows) reads shrink rows [i * max_rank, (i + 1) * max_rank). A
 smaller rank or an absent target is zero padding, so every slot is one shape and `minisgl.layers.lora`
-takes a slot index per row. A mixture-of-experts model has the attention two only.
+takes a slot index per row; `ranks` (max_loras,) int32 on the device holds each slot's adapter rank
+(0 when empty), so that the kernels skip the padding. A mixture-of-experts model has the attention two
+only.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class LoraPool:
         self.sizes: dict[str, tuple[int, ...]] = {}
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         for p, (sizes, cols) in _dims(cfg, tp_rank, tp_size).items():
             self.sizes[p] = sizes
             shape = (cfg.num_layers, max_loras)
@@ -98,6 +101,7 @@ class LoraPool:
                 host_a, host_b = packed
                 a.view(len(sizes), self.max_rank, -1)[:, :rank].copy_(host_a, non_blocking=True)
                 b[:, :rank].copy_(host_b, non_blocking=True)
+        self.ranks[slot] = rank
 
     def clear(self, slot: int) -> None:
         """Zeros `slot` (an empty slot adds nothing to the rows that name it)."""
@@ -105,6 +109,7 @@ class LoraPool:
         for p in self.sizes:
             self.a[p][:, slot].zero_()
             self.b[p][:, slot].zero_()
+        self.ranks[slot] = 0
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:

@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         if lora is None or projection not in pool.sizes:
             return out
         a, b = pool.weights(layer_id, projection)
-        return lora_add(x, out, a, b, lora, pool.sizes[projection])
+        return lora_add(x, out, a, b, lora, pool.sizes[projection], pool.ranks)
 
     def _norm_linear(
         self,

@@ -53,6 +53,26 @@ def test_kernels_match_the_torch_path(rank, dtype, rows):
     _check(x, base, a, b, batch, 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("rows", [[1] * 64, [300, 1, 45, 7, 160, 33, 2]], ids=["decode", "prefill"])
+def test_kernels_read_each_slot_within_its_rank(rows):
+    """A pool of rank 64 holding adapters of rank 16, 8, 64 and 0 (`ranks`): garbage in the padding
+    past each slot's rank changes nothing (the reference runs on the padding zeroed)."""
+    a, b = _weights(64, torch.bfloat16)
+    ranks = torch.tensor([16, 8, 64, 0], dtype=torch.int32, device="cuda")
+    zeroed_a, zeroed_b = a.clone(), b.clone()
+    for slot, r in enumerate(ranks.tolist()):
+        zeroed_a[slot].view(len(SIZES), 64, HIDDEN)[:, r:] = 0
+        zeroed_b[slot, :, r:] = 0
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(sum(rows), HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    base = torch.randn(sum(rows), sum(SIZES), generator=g, device="cuda").to(torch.bfloat16)
+    batch = LoraBatch.build(rows, _mix(rows, 5), "cuda")
+    want = lora_add_reference(x, base.clone(), zeroed_a, zeroed_b, batch.row_slots, SIZES)
+    got = lora_add(x, base.clone(), a, b, batch, SIZES, ranks)
+    err = ((got.float() - want.float()).norm() / (want.float() - base.float()).norm()).item()
+    assert err < 1e-2, err
+
+
 def test_a_cuda_graph_serves_every_adapter_mix():
     rows = [1] * 48
     a, b = _weights(16, torch.bfloat16)
