@@ -9,6 +9,8 @@ import json
 import math
 import numbers
 import struct
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +70,28 @@ def resolve_pooling(model_path: str | Path, pooling: str, normalize: bool | None
     return pooling, normalize
 
 
-def finish(vector: list[float], normalize: bool, dimensions: int | None = None) -> list[float]:
+def finish(vector: Sequence[float], normalize: bool, dimensions: int | None = None) -> list[float]:
     """A pooled vector as served: its first `dimensions` values (Matryoshka truncation), L2-normalized
     when the model normalizes."""
-    if dimensions is not None:
-        vector = vector[:dimensions]
+    vector = list(vector[:dimensions])
     if normalize:
-        norm = math.sqrt(math.fsum(x * x for x in vector))
+        norm = math.hypot(*vector)
         if norm > 0:
             vector = [x / norm for x in vector]
     return vector
+
+
+def finish_all(vectors: Sequence[array], normalize: bool, dimensions: int | None = None) -> list[list[float]]:
+    """`finish` of many pooled vectors of one width (float32 arrays, `RequestState.embedding`) at once:
+    truncated and normalized in float64 in one go, then made Python lists in one conversion."""
+    import torch  # the server's front end imports this module and needs no torch
+
+    flat = torch.frombuffer(bytearray().join(vectors), dtype=torch.float32)
+    rows = flat.view(len(vectors), -1)[:, :dimensions].double()
+    if normalize:
+        norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
+        rows = rows / norms.masked_fill(norms == 0, 1.0)  # a zero vector stays as it is
+    return rows.tolist()
 
 
 def encode(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -108,7 +122,7 @@ def split_inputs(value: Any) -> list[str | list[int]]:
     of lists of token ids, as a list of single inputs; a ValueError naming what is wrong."""
     if isinstance(value, str):
         inputs: list[Any] = [value]
-    elif isinstance(value, list | tuple) and value and all(_is_id(t) for t in value):
+    elif isinstance(value, list | tuple) and value and _all_ids(value):
         inputs = [list(value)]
     elif isinstance(value, list | tuple):
         inputs = list(value)
@@ -130,8 +144,8 @@ def split_inputs(value: Any) -> list[str | list[int]]:
         elif isinstance(item, list | tuple):
             if not item:
                 raise ValueError(f"input[{i}] is an empty list of token ids: give at least one token")
-            bad = next((t for t in item if not _is_id(t)), None)
-            if bad is not None or any(isinstance(t, bool) for t in item):
+            if not _all_ids(item):
+                bad = next(t for t in item if not _is_id(t))
                 raise ValueError(f"input[{i}] holds {bad!r}: token ids are integers")
         else:
             raise ValueError(
@@ -142,8 +156,8 @@ def split_inputs(value: Any) -> list[str | list[int]]:
 
 def check_ids(ids: list[int], index: int, vocab_size: int, max_len: int) -> None:
     """Raises a ValueError if input `index`'s token ids are outside the vocabulary or too many."""
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if not 0 <= min(ids) <= max(ids) < vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"input[{index}] holds token id {bad}, outside the vocabulary [0, {vocab_size})")
     if len(ids) > max_len:
         raise ValueError(
@@ -153,3 +167,8 @@ def check_ids(ids: list[int], index: int, vocab_size: int, max_len: int) -> None
 
 def _is_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _all_ids(values: list | tuple) -> bool:
+    """Whether every item is a token id (`_is_id`): a list of plain ints is checked at C speed."""
+    return set(map(type, values)) <= {int} or all(map(_is_id, values))

@@ -507,7 +507,8 @@ class LLM:
             raise RuntimeError(
                 f"embedding input {states.index(failed)} failed: {failed.error or failed.finish_reason}"
             )
-        return [embeddings.finish(state.embedding, self.normalize_embeddings, dimensions) for state in states]
+        vectors = [state.embedding for state in states]
+        return embeddings.finish_all(vectors, self.normalize_embeddings, dimensions)
 
     def load_lora(self, name: str, path: str) -> None:
         """Loads the LoRA adapter at `path` (a PEFT folder or a hub id) under `name`, for requests that

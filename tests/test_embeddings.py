@@ -10,9 +10,11 @@ import functools
 import json
 import shutil
 import struct
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy
 import openai
 import pytest
 import torch
@@ -20,7 +22,7 @@ from conftest import TOKENIZER_FILES, compiled_runner, llm_clean, make_tiny_mode
 from test_server import Server
 
 from minisgl.core import SamplingParams
-from minisgl.embeddings import MAX_EMBEDDING_INPUTS, folder_pooling
+from minisgl.embeddings import MAX_EMBEDDING_INPUTS, finish, finish_all, folder_pooling, split_inputs
 from minisgl.llm import LLM
 
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors", "a"]
@@ -263,6 +265,25 @@ BAD = [
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": {"a": 1}}, "input"),
 ]
+
+
+def test_finishing_and_splitting_inputs() -> None:
+    """`LLM.embed`'s vectors finished at once (`finish_all`) as the server finishes each (`finish`):
+    truncated, normalized or not, a zero vector left as it is; token ids of any integer type taken, a
+    bool or a float among them refused."""
+    vectors = [array("f", v) for v in ([3.0, 4.0, 12.0], [0.0, 0.0, 0.0], [1e-3, -2.5, 7.0])]
+    for normalize in (True, False):
+        for dims in (None, 2):
+            got = finish_all(vectors, normalize, dims)
+            want = [finish(v, normalize, dims) for v in vectors]
+            assert torch.allclose(
+                torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+            )
+    assert finish_all(vectors, True)[0] == [3 / 13, 4 / 13, 12 / 13]
+    assert split_inputs([[1, 2], (3, numpy.int64(4))]) == [[1, 2], [3, 4]]
+    for bad in (True, 2.0):
+        with pytest.raises(ValueError, match=f"holds {bad}"):
+            split_inputs([[1, bad]])
 
 
 def test_bad_inputs_get_400_and_the_server_goes_on(bare_server) -> None:

@@ -152,8 +152,8 @@ class ForwardPath:
                 if pool is None:
                     logits = self.graph_runner.replay(batch)  # plans attention for the padded batch itself
                 else:
-                    logits, hidden = self.graph_runner.replay_prefill(batch, hidden=True)
-                    pooled = self._pool(batch, pool, hidden)
+                    logits, hidden, place = self.graph_runner.replay_prefill(batch, hidden=True)
+                    pooled = self._pool(batch, pool, hidden, place)
                 if own_output:
                     logits = logits.clone()
             else:
@@ -207,18 +207,21 @@ class ForwardPath:
         last_indices = batch.attn_metadata.last_indices
         # a vision-language prefill's image embeddings (only then: text models take no images)
         images = {} if batch.images is None else {"images": batch.images}
+        args = (batch.input_ids, batch.positions, last_indices, lora)
         if pool is None:
-            return self.model(batch.input_ids, batch.positions, last_indices, lora, **images), None
-        hidden = self.model.hidden_states(batch.input_ids, batch.positions, lora, **images)
-        logits = self.model.logits(self.model.final_norm(hidden[last_indices]))
+            return self.model(*args, **images), None
+        logits, hidden = self.model(*args, return_hidden=True, **images)
         return logits, self._pool(batch, pool, hidden)
 
-    def _pool(self, batch: Batch, pool: list[bool], hidden: torch.Tensor) -> torch.Tensor | None:
+    def _pool(
+        self, batch: Batch, pool: list[bool], hidden: torch.Tensor, place: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The pooled vectors (E, hidden) float32 of the embedding requests whose prefill ends in this
         forward, in batch order (docs/embeddings.md): the rows they need normed in one gather and summed
-        per request in one `index_add_`, on the device. A chunked mean or CLS input carries its sum or
-        first row over in `req.pooled` (mean and CLS compute every position: they never start from a
-        cached prefix)."""
+        per request in one `index_add_`, on the device. `place`: each computed token's row of `hidden`
+        (a prefill graph's layout; None: the tokens' own rows). A chunked mean or CLS input carries its
+        sum or first row over in `req.pooled` (mean and CLS compute every position: they never start
+        from a cached prefix)."""
         take: list[int] = []  # rows of `hidden` pooled
         segment: list[int] = []  # each one's request (its index among the pooled ones)
         final: list[int] = []  # the requests whose prefill ends here
@@ -247,7 +250,8 @@ class ForwardPath:
         n, width = len(take), hidden.shape[-1]
         sums = torch.zeros(len(pooled), width, dtype=torch.float32, device=device)
         if n:
-            sums.index_add_(0, ints[n : 2 * n], self.model.final_norm(hidden[ints[:n]]).float())
+            rows = ints[:n] if place is None else place[ints[:n]]
+            sums.index_add_(0, ints[n : 2 * n], self.model.final_norm(hidden[rows]).float())
         for i, req in enumerate(pooled):
             if req.pooled is not None:  # an earlier chunk's
                 sums[i] += req.pooled

@@ -464,10 +464,11 @@ class GraphRunner:
 
     def replay_prefill(
         self, batch: Batch, hidden: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Lays the prefill batch out in the smallest bucket that holds it (docs/gpu.md#prefill-graphs),
         plans its attention on the device, replays; the logits of each request's last token, and with
-        `hidden` every computed token's hidden state too (in batch order: (logits, hidden))."""
+        `hidden` (logits, the graph's static hidden states of every row of the layout, each computed
+        token's row in them in batch order): pooling reads the rows it needs, nothing is copied."""
         starts, span = prefill_layout(batch)
         tokens = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, span)]
         # each request's last row in the layout (padding rows: 0)
@@ -480,7 +481,7 @@ class GraphRunner:
         graph, logits = self.prefill_graphs[tokens]
         graph.replay()
         if hidden:
-            return logits[: batch.size], self.prefill_hidden[tokens][place]
+            return logits[: batch.size], self.prefill_hidden[tokens], place
         return logits[: batch.size]
 
     def _lay_out(

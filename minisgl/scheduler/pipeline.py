@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -259,7 +260,7 @@ class Pipeline:
             return read.failed
         now = self.sched.tokens_time = read.read_at
         scored = Scored(launched) if launched.output.logprobs is not None else None
-        pooled = iter(()) if launched.output.pooled is None else iter(launched.output.pooled.tolist())
+        pooled = iter(()) if launched.output.pooled is None else float32_rows(launched.output.pooled)
         updates, failed = [], []
         for i, (state, req, token, produces) in enumerate(
             zip(launched.states, launched.reqs, read.tokens, launched.produces)
@@ -335,6 +336,12 @@ class Pipeline:
         return Update(
             state, [token], sched.output.take_delta(state), state.finished, logprobs, prompt_logprobs
         )
+
+
+def float32_rows(host: torch.Tensor) -> Iterator[array]:
+    """Each row of a float32 host tensor as an array("f") of its bytes (the pooled vectors of a step:
+    no Python float made per value)."""
+    return (array("f", row.tobytes()) for row in host.numpy())
 
 
 class Scored:

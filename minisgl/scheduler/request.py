@@ -3,6 +3,7 @@ what a step did for it (`Update`), and why it finished (`FinishReason`)."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -55,8 +56,8 @@ class RequestState:
     spec_backoff: int = 0
     # its LoRA adapter (`minisgl.scheduler.lora`), None for the base model; pinned while it is admitted
     lora: Loaded | None = None
-    # an embedding request's pooled vector (SamplingParams.pooling), float32 on the host, once done
-    embedding: list[float] | None = None
+    # an embedding request's pooled vector (SamplingParams.pooling), an array("f") on the host, once done
+    embedding: array | None = None
     # a vision-language prompt's images (`minisgl.multimodal.inputs.ImageInputs`), None for text
     images: ImageInputs | None = None
     admit_time: float | None = None  # first admission (not moved by a preemption)

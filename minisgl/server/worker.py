@@ -392,8 +392,8 @@ def send_embeddings(embeds: dict[int, list[Any]], outbox: Outbox) -> None:
             error = f"input[{failed}] failed: {state.error or state.finish_reason}"
             outbox.send({"op": "embedded", "rid": rid, "error": error})
             continue
-        vectors = array("f", [x for state in states for x in state.embedding])
-        outbox.send({"op": "embedded", "rid": rid, "error": None}, vectors.tobytes())
+        vectors = b"".join(state.embedding.tobytes() for state in states)  # float32 arrays, in order
+        outbox.send({"op": "embedded", "rid": rid, "error": None}, vectors)
 
 
 def step_message(
