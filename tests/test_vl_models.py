@@ -292,3 +292,21 @@ def test_the_images_of_a_prefill_batch_are_encoded_in_one_call(vl) -> None:
         for (name, messages), output in zip(CONVERSATIONS.items(), outputs):
             assert output.token_ids == reference.generate(messages, STEPS), name
         llm_clean(llm)
+
+
+@pytest.mark.parametrize("rescale_factor", [1 / 255, 0.0037])
+def test_preprocessing_equals_transformers_on_both_rescale_paths(rescale_factor: float) -> None:
+    """A 1/255-like factor takes one float32 division, another the float64 product: both give
+    transformers' pixel values (its PIL processor)."""
+    import torch
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from minisgl.multimodal.qwen_vl import ImageProcessorConfig, preprocess_image
+
+    kwargs = {"rescale_factor": rescale_factor, "min_pixels": 3136, "max_pixels": 400_000}
+    reference = Qwen2VLImageProcessorPil(**kwargs)
+    picture = noise_image(641, 359, 5)
+    expected = reference(images=[picture], return_tensors="pt")
+    got = preprocess_image(picture, ImageProcessorConfig.from_dict(kwargs))
+    assert got.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
+    torch.testing.assert_close(got.pixel_values, expected["pixel_values"], rtol=1e-6, atol=1e-6)

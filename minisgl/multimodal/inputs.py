@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -80,12 +81,14 @@ class ImageInputs:
             shift += max(rows, cols) - image.num_tokens
             for j in range(first + image.num_tokens, len(prompt)):
                 t[j] = h[j] = w[j] = j + shift
-            digest = hashlib.blake2b(image.pixel_values.numpy().tobytes(), digest_size=16)
-            digest.update(repr(image.grid_thw).encode())
-            keys += [_token_key(digest.digest(), k) for k in range(image.num_tokens)]
+            keys += _token_keys(_image_digest(image), image.num_tokens)
             done += image.num_tokens
         return cls(
-            pixel_values=torch.cat([image.pixel_values for image in images]),
+            pixel_values=(
+                images[0].pixel_values
+                if len(images) == 1
+                else torch.cat([image.pixel_values for image in images])
+            ),
             grid_thw=torch.tensor([image.grid_thw for image in images], dtype=torch.int64),
             token_positions=where,
             mrope_positions=torch.tensor([t, h, w], dtype=torch.int64),
@@ -161,9 +164,21 @@ class ImagePrompt:
     images: ImageInputs
 
 
-def _token_key(digest: bytes, index: int) -> int:
-    data = hashlib.blake2b(digest + index.to_bytes(4, "little"), digest_size=4).digest()
-    return IMAGE_KEY_BASE + (int.from_bytes(data, "little") >> 1)
+def _image_digest(image: ProcessedImage) -> bytes:
+    """What identifies an image's pixel values and grid: the preprocessor's digest where it gave one (a
+    hash of the resized 8-bit image, cheaper than of the float rows), else a hash of the rows."""
+    if image.digest is not None:
+        digest = hashlib.blake2b(image.digest, digest_size=16)
+    else:
+        digest = hashlib.blake2b(image.pixel_values.contiguous().numpy(), digest_size=16)
+    digest.update(repr(image.grid_thw).encode())
+    return digest.digest()
+
+
+def _token_keys(digest: bytes, count: int) -> list[int]:
+    """The keys of an image's `count` placeholder tokens: 31 bits each of an extendable hash of `digest`."""
+    data = hashlib.shake_128(digest).digest(4 * count)
+    return [IMAGE_KEY_BASE + (value >> 1) for value in struct.unpack(f"<{count}I", data)]
 
 
 def batch_positions(reqs: Sequence[Req], starts: Sequence[int], ends: Sequence[int]) -> list[int]:

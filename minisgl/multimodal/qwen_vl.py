@@ -17,6 +17,8 @@ The prompt holds one placeholder token per merged patch: grid_h * grid_w // merg
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -129,11 +131,14 @@ def to_rgb(image: Image.Image) -> Image.Image:
 @dataclass(frozen=True)
 class ProcessedImage:
     """One image ready for the vision encoder: `pixel_values` (grid_h * grid_w, C * T * P * P) float32
-    rows and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand for it in the prompt."""
+    rows and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand for it in the prompt.
+    `digest` identifies the pixel values (a hash of the resized 8-bit image and the numbers that turn it
+    into them; None: `ImageInputs` hashes the rows)."""
 
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     num_tokens: int
+    digest: bytes | None = None
 
 
 def num_image_tokens(height: int, width: int, config: ImageProcessorConfig) -> int:
@@ -151,31 +156,78 @@ def preprocess_image(image: Image.Image, config: ImageProcessorConfig) -> Proces
             image.height, image.width, config.factor, config.min_pixels, config.max_pixels
         )
         image = image.resize((width, height), resample=config.resample)
-    pixels = np.asarray(image).transpose(2, 0, 1)  # (C, H, W) uint8
+    pixels = np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))  # (C, H, W) uint8
+    digest = hashlib.sha256(pixels)
+    digest.update(repr((pixels.shape, _value_numbers(config))).encode())
+    # cut the 8-bit image into patches (a cheap copy), then the values, then the copy over time
+    patches, grid_h, grid_w = cut_patches(torch.from_numpy(pixels), config)
+    rows = over_time(_rescale_and_normalize(patches, config), config)
+    return ProcessedImage(rows, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2, digest.digest())
+
+
+def _value_numbers(config: ImageProcessorConfig) -> tuple:
+    """What turns the resized image into its rows, besides its pixels."""
+    return (
+        config.patch_size,
+        config.temporal_patch_size,
+        config.merge_size,
+        config.do_rescale and config.rescale_factor,
+        config.do_normalize and (config.image_mean, config.image_std),
+    )
+
+
+def _rescale_and_normalize(pixels: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """(..., C, N) uint8 -> float32: rescaled as transformers does (the float64 product rounded to
+    float32), then (x - mean) / std in float32."""
+    values = pixels.to(torch.float32)
     if config.do_rescale:
-        pixels = (pixels.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    pixels = pixels.astype(np.float32)
+        divisor = _exact_rescale_divisor(config.rescale_factor)
+        if divisor is not None:  # one float32 pass (255 for 1/255)
+            values.div_(divisor)
+        else:
+            values = (values.to(torch.float64) * config.rescale_factor).to(torch.float32)
     if config.do_normalize:
-        mean = np.asarray(config.image_mean, dtype=np.float32)[:, None, None]
-        std = np.asarray(config.image_std, dtype=np.float32)[:, None, None]
-        pixels = (pixels - mean) / std
-    rows, grid_h, grid_w = patchify(torch.from_numpy(np.ascontiguousarray(pixels)), config)
-    return ProcessedImage(rows, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2)
+        mean = torch.tensor(config.image_mean, dtype=torch.float32).view(-1, 1)
+        std = torch.tensor(config.image_std, dtype=torch.float32).view(-1, 1)
+        values.sub_(mean).div_(std)
+    return values
+
+
+@functools.lru_cache(maxsize=8)
+def _exact_rescale_divisor(factor: float) -> float | None:
+    """A divisor whose float32 quotient equals the float64 product `u * factor` rounded to float32 for
+    every 8-bit u (checked on all 256), or None."""
+    divisor = 1 / factor
+    values = torch.arange(256, dtype=torch.float32)
+    expected = (values.to(torch.float64) * factor).to(torch.float32)
+    return divisor if torch.equal(values.div_(divisor), expected) else None
 
 
 def patchify(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[torch.Tensor, int, int]:
     """(C, H, W) pixels -> (grid_h * grid_w, C * T * P * P) rows, each merge block's patches together."""
+    patches, grid_h, grid_w = cut_patches(pixels, config)
+    return over_time(patches, config), grid_h, grid_w
+
+
+def cut_patches(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[torch.Tensor, int, int]:
+    """(C, H, W) pixels -> (grid_h * grid_w, C, P * P) patches (one copy), each merge block's together."""
     channels, height, width = pixels.shape
-    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    p, m = config.patch_size, config.merge_size
     if height % (p * m) or width % (p * m):
         raise ValueError(f"an image of {width}x{height} pixels does not split into {p * m}-pixel blocks")
     grid_h, grid_w = height // p, width // p
     blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-    blocks = blocks.permute(
-        1, 4, 2, 5, 0, 3, 6
-    )  # (block row, block col, row in block, col in block, C, p, p)
-    rows = blocks.unsqueeze(5).expand(*blocks.shape[:5], t, p, p)  # the still image over the time patch
-    return rows.reshape(grid_h * grid_w, channels * t * p * p).contiguous(), grid_h, grid_w
+    # (block row, block col, row in block, col in block, C, p, p)
+    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
+    patches = torch.empty(blocks.shape, dtype=pixels.dtype).copy_(blocks)
+    return patches.view(grid_h * grid_w, channels, p * p), grid_h, grid_w
+
+
+def over_time(patches: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """(patches, C, P * P) -> (patches, C * T * P * P) rows: the still image over the temporal patch."""
+    count, channels, size = patches.shape
+    t = config.temporal_patch_size
+    return patches.unsqueeze(2).expand(count, channels, t, size).reshape(count, channels * t * size)
 
 
 def preprocess_images(
