@@ -69,7 +69,7 @@ def test_pixel_values_and_grid_equal_transformers(
     expected = reference(images=[image], return_tensors="pt")
     got = preprocess_image(image, config)
     assert got.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
-    assert got.pixel_values.dtype == torch.float32
+    assert got.patches.dtype == torch.uint8 and got.pixel_values.dtype == torch.float32
     torch.testing.assert_close(got.pixel_values, expected["pixel_values"], rtol=1e-6, atol=1e-6)
     assert got.num_tokens == expected["image_grid_thw"][0].prod().item() // reference.merge_size**2
     assert num_image_tokens(height, width, config) == got.num_tokens

@@ -21,6 +21,7 @@ from minisgl.engine.sample import Sampler
 from minisgl.engine.sampling_args import BatchSamplingArgs
 from minisgl.kernels import verify as verify_kernels
 from minisgl.lora import LoraAdapter, LoraPool
+from minisgl.multimodal.inputs import pixel_rows
 
 
 class _Timer:
@@ -207,11 +208,13 @@ class Engine:
                 f"{self.config.model_config.architecture} is a text-only model: it takes no images"
             )
         images = [req.images for req in reqs]
-        pixel_values = torch.cat([i.pixel_values for i in images])
         timer = _Timer(self.device)
-        embeds, deepstack = self.model.encode_images(
-            to_device(pixel_values, self.device), torch.cat([i.grid_thw for i in images])
-        )
+        # the 8-bit patches go to the device, which makes the float rows of them
+        patches = to_device(torch.cat([i.pixels for i in images]), self.device)
+        scale = images[0].scale
+        numbers = None if scale.mean is None else to_device(scale.numbers(), self.device)
+        pixel_values = pixel_rows(patches, scale, numbers)
+        embeds, deepstack = self.model.encode_images(pixel_values, torch.cat([i.grid_thw for i in images]))
         self._encoder_timers.append(timer.stop())
         sizes = [len(i.token_positions) for i in images]
         per_layer = [d.split(sizes) for d in deepstack]

@@ -1,5 +1,6 @@
-"""A vision-language request's images as the scheduler side carries them (`ImageInputs`): their pixel rows
-for the encoder, where their placeholder tokens are in the prompt, the prompt's M-RoPE positions, and
+"""A vision-language request's images as the scheduler side carries them (`ImageInputs`): their 8-bit
+patches and what turns them into the encoder's pixel rows (`PixelScale`, `pixel_rows`: on the device,
+so that the host and the server's messages carry a byte a pixel, not the rows' eight), where their placeholder tokens are in the prompt, the prompt's M-RoPE positions, and
 the prefix cache's keys of the placeholder tokens; and what a prefill chunk takes of them
 (`chunk_images`, `chunk_positions`). docs/vision.md.
 
@@ -13,7 +14,9 @@ its length), on all three axes.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
+import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,14 +35,48 @@ if TYPE_CHECKING:  # Pillow stays unimported for text models
 IMAGE_KEY_BASE = 1 << 31
 
 
+@dataclass(frozen=True)
+class PixelScale:
+    """What turns 8-bit patches into the encoder's float32 pixel rows (`pixel_rows`), from the folder's
+    preprocessor config: the rescale factor (None: no rescale), each channel's mean and std (None: no
+    normalization), the temporal patch (the still image is repeated over it)."""
+
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    temporal: int
+
+    def numbers(self) -> torch.Tensor:
+        """(2, C, 1) float32 mean and std on the host (`pixel_rows` takes them on the patches' device)."""
+        assert self.mean is not None and self.std is not None
+        return torch.tensor([self.mean, self.std], dtype=torch.float32).unsqueeze(-1)
+
+
+def pixel_rows(patches: torch.Tensor, scale: PixelScale, numbers: torch.Tensor | None = None) -> torch.Tensor:
+    """(patches, C, P * P) uint8 -> (patches, C * T * P * P) float32 rows, on the patches' device, as
+    transformers computes them: the float64 product with the rescale factor rounded to float32, then
+    (x - mean) / std in float32 (tensor operations: rounded alike on every device), over the temporal
+    patch. `numbers`: `scale.numbers()` on that device (made here when not given)."""
+    values = patches.to(torch.float32) if scale.rescale is None else patches.to(torch.float64) * scale.rescale
+    values = values.to(torch.float32)
+    if scale.mean is not None:
+        numbers = scale.numbers().to(patches.device) if numbers is None else numbers
+        values = (values - numbers[0]) / numbers[1]
+    count, channels, size = patches.shape
+    rows = values.unsqueeze(2).expand(count, channels, scale.temporal, size)
+    return rows.reshape(count, channels * scale.temporal * size)
+
+
 @dataclass(eq=False)
 class ImageInputs:
-    """The images of one prompt, in order. `pixel_values` (patches, patch_dim) float32 and `grid_thw`
-    (images, 3) on the host; `token_positions` the prompt positions of the placeholder tokens, image
-    after image (one per embedding row of the encoder's output); `mrope_positions` (3, prompt length)
-    and `mrope_delta` (see the module docstring); `cache_keys` one prefix-cache key per placeholder."""
+    """The images of one prompt, in order. `pixels` (patches, C, P * P) uint8 and `grid_thw` (images, 3)
+    on the host, `scale` what makes the encoder's rows of them (`pixel_rows`); `token_positions` the
+    prompt positions of the placeholder tokens, image after image (one per embedding row of the
+    encoder's output); `mrope_positions` (3, prompt length) and `mrope_delta` (see the module
+    docstring); `cache_keys` one prefix-cache key per placeholder."""
 
-    pixel_values: torch.Tensor
+    pixels: torch.Tensor
+    scale: PixelScale
     grid_thw: torch.Tensor
     token_positions: list[int]
     mrope_positions: torch.Tensor
@@ -58,6 +95,8 @@ class ImageInputs:
         image's `num_tokens` of them, in order); ValueError where the counts differ."""
         where = [i for i, token in enumerate(prompt) if token == image_token_id]
         wanted = sum(image.num_tokens for image in images)
+        if len({image.scale for image in images}) > 1:
+            raise ValueError("the images of one prompt were preprocessed with different numbers")
         if len(where) != wanted:
             raise ValueError(
                 f"the prompt has {len(where)} image placeholder tokens (id {image_token_id}) but its "
@@ -84,11 +123,8 @@ class ImageInputs:
             keys += _token_keys(_image_digest(image), image.num_tokens)
             done += image.num_tokens
         return cls(
-            pixel_values=(
-                images[0].pixel_values
-                if len(images) == 1
-                else torch.cat([image.pixel_values for image in images])
-            ),
+            pixels=images[0].patches if len(images) == 1 else torch.cat([image.patches for image in images]),
+            scale=images[0].scale,
             grid_thw=torch.tensor([image.grid_thw for image in images], dtype=torch.int64),
             token_positions=where,
             mrope_positions=torch.tensor([t, h, w], dtype=torch.int64),
@@ -101,29 +137,31 @@ class ImageInputs:
         from safetensors.torch import save
 
         tensors = {
-            "pixel_values": self.pixel_values.contiguous(),
+            "pixels": self.pixels.contiguous(),
             "grid_thw": self.grid_thw,
             "token_positions": torch.tensor(self.token_positions, dtype=torch.int64),
             "mrope_positions": self.mrope_positions,
             "cache_keys": torch.tensor(self.cache_keys, dtype=torch.int64),
         }
-        return save(tensors, metadata={"mrope_delta": str(self.mrope_delta)})
+        metadata = {"mrope_delta": str(self.mrope_delta), "scale": json.dumps(dataclasses.asdict(self.scale))}
+        return save(tensors, metadata=metadata)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ImageInputs:
         """`to_bytes`' inputs back (safetensors: no code runs)."""
-        import json
-
         from safetensors.torch import load
 
         tensors = load(data)
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        metadata = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+        scale = json.loads(metadata["scale"])
+        scale.update({k: tuple(scale[k]) for k in ("mean", "std") if scale[k] is not None})
         return cls(
-            pixel_values=tensors["pixel_values"],
+            pixels=tensors["pixels"],
+            scale=PixelScale(**scale),
             grid_thw=tensors["grid_thw"],
             token_positions=tensors["token_positions"].tolist(),
             mrope_positions=tensors["mrope_positions"],
-            mrope_delta=int(header["__metadata__"]["mrope_delta"]),
+            mrope_delta=int(metadata["mrope_delta"]),
             cache_keys=tensors["cache_keys"].tolist(),
         )
 
@@ -165,13 +203,9 @@ class ImagePrompt:
 
 
 def _image_digest(image: ProcessedImage) -> bytes:
-    """What identifies an image's pixel values and grid: the preprocessor's digest where it gave one (a
-    hash of the resized 8-bit image, cheaper than of the float rows), else a hash of the rows."""
-    if image.digest is not None:
-        digest = hashlib.blake2b(image.digest, digest_size=16)
-    else:
-        digest = hashlib.blake2b(image.pixel_values.contiguous().numpy(), digest_size=16)
-    digest.update(repr(image.grid_thw).encode())
+    """What identifies an image's pixel values: a hash of its 8-bit patches, its grid and its scale."""
+    digest = hashlib.sha256(image.patches.contiguous().numpy())
+    digest.update(repr((image.grid_thw, image.scale)).encode())
     return digest.digest()
 
 

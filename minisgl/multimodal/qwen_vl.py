@@ -7,18 +7,18 @@ Qwen2.5-VL; patch 16 and 0.5 for Qwen3-VL):
 1. RGB, transparency composited onto white;
 2. the smart resize: each side a multiple of patch_size * merge_size, the pixel count within
    [min_pixels, max_pixels], the aspect ratio kept as closely as possible (Pillow's bicubic filter);
-3. rescale by 1/255, normalize by the mean and std;
-4. patchify: (grid_h * grid_w, C * temporal_patch_size * patch_size ** 2) rows, the still image repeated
-   over the temporal patch, ordered so that each merge_size x merge_size block of patches is contiguous
-   (the patch merger takes them in fours), with grid_thw = (1, grid_h, grid_w).
+3. cut into patches, (grid_h * grid_w, C, patch_size ** 2) 8-bit values, ordered so that each
+   merge_size x merge_size block of patches is contiguous (the patch merger takes them in fours), with
+   grid_thw = (1, grid_h, grid_w);
+4. on the encoder's device (`minisgl.multimodal.inputs.pixel_rows`): rescale by 1/255, normalize by the
+   mean and std, and the rows (grid_h * grid_w, C * temporal_patch_size * patch_size ** 2), the still
+   image repeated over the temporal patch.
 
 The prompt holds one placeholder token per merged patch: grid_h * grid_w // merge_size ** 2.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from minisgl.multimodal.inputs import PixelScale, pixel_rows
 from minisgl.multimodal.media import MediaError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -130,15 +131,19 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image ready for the vision encoder: `pixel_values` (grid_h * grid_w, C * T * P * P) float32
-    rows and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand for it in the prompt.
-    `digest` identifies the pixel values (a hash of the resized 8-bit image and the numbers that turn it
-    into them; None: `ImageInputs` hashes the rows)."""
+    """One image ready for the vision encoder: `patches` (grid_h * grid_w, C, P * P) uint8, `scale` what
+    makes its rows of them, and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand
+    for it in the prompt."""
 
-    pixel_values: torch.Tensor
+    patches: torch.Tensor
+    scale: PixelScale
     grid_thw: tuple[int, int, int]
     num_tokens: int
-    digest: bytes | None = None
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The encoder's (grid_h * grid_w, C * T * P * P) float32 rows, on the host."""
+        return pixel_rows(self.patches, self.scale)
 
 
 def num_image_tokens(height: int, width: int, config: ImageProcessorConfig) -> int:
@@ -156,57 +161,15 @@ def preprocess_image(image: Image.Image, config: ImageProcessorConfig) -> Proces
             image.height, image.width, config.factor, config.min_pixels, config.max_pixels
         )
         image = image.resize((width, height), resample=config.resample)
-    pixels = np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1))  # (C, H, W) uint8
-    digest = hashlib.sha256(pixels)
-    digest.update(repr((pixels.shape, _value_numbers(config))).encode())
-    # cut the 8-bit image into patches (a cheap copy), then the values, then the copy over time
-    patches, grid_h, grid_w = cut_patches(torch.from_numpy(pixels), config)
-    rows = over_time(_rescale_and_normalize(patches, config), config)
-    return ProcessedImage(rows, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2, digest.digest())
-
-
-def _value_numbers(config: ImageProcessorConfig) -> tuple:
-    """What turns the resized image into its rows, besides its pixels."""
-    return (
-        config.patch_size,
-        config.temporal_patch_size,
-        config.merge_size,
-        config.do_rescale and config.rescale_factor,
-        config.do_normalize and (config.image_mean, config.image_std),
-    )
-
-
-def _rescale_and_normalize(pixels: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
-    """(..., C, N) uint8 -> float32: rescaled as transformers does (the float64 product rounded to
-    float32), then (x - mean) / std in float32."""
-    values = pixels.to(torch.float32)
-    if config.do_rescale:
-        divisor = _exact_rescale_divisor(config.rescale_factor)
-        if divisor is not None:  # one float32 pass (255 for 1/255)
-            values.div_(divisor)
-        else:
-            values = (values.to(torch.float64) * config.rescale_factor).to(torch.float32)
-    if config.do_normalize:
-        mean = torch.tensor(config.image_mean, dtype=torch.float32).view(-1, 1)
-        std = torch.tensor(config.image_std, dtype=torch.float32).view(-1, 1)
-        values.sub_(mean).div_(std)
-    return values
-
-
-@functools.lru_cache(maxsize=8)
-def _exact_rescale_divisor(factor: float) -> float | None:
-    """A divisor whose float32 quotient equals the float64 product `u * factor` rounded to float32 for
-    every 8-bit u (checked on all 256), or None."""
-    divisor = 1 / factor
-    values = torch.arange(256, dtype=torch.float32)
-    expected = (values.to(torch.float64) * factor).to(torch.float32)
-    return divisor if torch.equal(values.div_(divisor), expected) else None
-
-
-def patchify(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[torch.Tensor, int, int]:
-    """(C, H, W) pixels -> (grid_h * grid_w, C * T * P * P) rows, each merge block's patches together."""
+    pixels = torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))  # (C, H, W)
     patches, grid_h, grid_w = cut_patches(pixels, config)
-    return over_time(patches, config), grid_h, grid_w
+    scale = PixelScale(
+        config.rescale_factor if config.do_rescale else None,
+        config.image_mean if config.do_normalize else None,
+        config.image_std if config.do_normalize else None,
+        config.temporal_patch_size,
+    )
+    return ProcessedImage(patches, scale, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2)
 
 
 def cut_patches(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[torch.Tensor, int, int]:
@@ -221,13 +184,6 @@ def cut_patches(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[tor
     blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
     patches = torch.empty(blocks.shape, dtype=pixels.dtype).copy_(blocks)
     return patches.view(grid_h * grid_w, channels, p * p), grid_h, grid_w
-
-
-def over_time(patches: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
-    """(patches, C, P * P) -> (patches, C * T * P * P) rows: the still image over the temporal patch."""
-    count, channels, size = patches.shape
-    t = config.temporal_patch_size
-    return patches.unsqueeze(2).expand(count, channels, t, size).reshape(count, channels * t * size)
 
 
 def preprocess_images(
