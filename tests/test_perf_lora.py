@@ -53,3 +53,27 @@ def test_adapters_are_written_as_peft_folders(tmp_path):
     assert shapes[f"{prefix}.self_attn.k_proj.lora_B.weight"] == (4, 3)
     assert shapes[f"{prefix}.mlp.down_proj.lora_A.weight"] == (3, 12)
     assert shapes[f"{prefix}.mlp.up_proj.lora_B.weight"] == (12, 3)
+
+
+def test_the_kernels_dry_run_times_every_variant_against_the_reference(tmp_path, capsys):
+    """`--kernels`: the four packed projections of the tiny Qwen3 at one row, every expand block with and
+    without the slots' ranks (Triton's interpreter on the CPU), each equal to the torch reference."""
+    out = tmp_path / "kernels.json"
+    results = lora.main(["--shape", "cpu", "--kernels", "--batch", "1", "--out", str(out)])
+    kernels = json.loads(out.read_text())["kernels"]
+    assert kernels == json.loads(json.dumps(results["kernels"])) and kernels["layers"] == 3
+    assert list(kernels["projections"]) == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    variants = [f"{block}{ranked}" for block in lora.KERNEL_BLOCKS for ranked in ("", "r")]
+    for by_rows in kernels["projections"].values():
+        assert list(by_rows) == ["1"] and list(by_rows["1"]) == variants
+        for figures in by_rows["1"].values():
+            assert figures["us"] > 0 and figures["error"] < 1e-5  # float32
+    lines = capsys.readouterr().out.split("--- LoRA (cpu;")[1].splitlines()
+    assert lines[1].split() == ["projection", "rows", *variants, "max", "error"]
+    assert [line.split()[0] for line in lines[2:7]] == [
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+        "all,",
+    ]

@@ -3,6 +3,7 @@ weights (docs/lora.md, "Benchmark").
 
     python -m perf.gpu.lora [--model configs/models/qwen3-8b] [--batch 1 32 128] [--context 512]
                             [--steps 50] [--adapters 8] [--rank 16] [--max-lora-rank N] [--out FILE.json]
+    python -m perf.gpu.lora --kernels [--batch 1 32 128]   # the kernels alone, per variant
     python -m perf.gpu.lora --shape cpu      # a tiny Qwen3 on the CPU: the dry run of the script
 
 In one process, one engine after the other (dummy weights, bf16, CUDA graphs to the largest batch):
@@ -19,7 +20,10 @@ speed of the engine without (a time ratio of at most 1/0.97), mixed at most 1.10
 base step at batch 1 / 32 / 128. `rows_changed`: the mixed rows whose tokens differ from the same
 rows' base tokens (the adapters ran). Last, `LLM.load_lora` of one more such adapter (read and laid
 out on the host; its copy into a slot comes at the first request), `--loads` times, each unloaded
-again: the median. A plain script, not a test (tests/test_perf_lora.py runs the dry run).
+again: the median. `--kernels`: no engine, the LoRA kernels alone at the model's four packed
+projections (`run_kernels`), each expand block width of `KERNEL_BLOCKS` with and without the slots'
+ranks, against the torch reference (on the CPU under Triton's interpreter, TRITON_INTERPRET=1). A plain
+script, not a test (tests/test_perf_lora.py runs the dry runs).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ MODULES = {
     "mlp.up_proj": lambda hidden, q, kv, inter: (hidden, inter),
     "mlp.down_proj": lambda hidden, q, kv, inter: (inter, hidden),
 }
+KERNEL_BLOCKS = (64, 128, 256)  # the expand's column blocks `--kernels` tries (kernels.lora.EXPAND_BLOCK_N)
 BASE_GOAL = 1 / 0.97  # slots_base / no_slots, at most
 MIXED_GOALS = {1: 1.10, 32: 1.20, 128: 1.25}  # mixed / no_slots at most, by the largest batch <= the row's
 
@@ -78,15 +83,20 @@ CPU = Shape(
 )  # fmt: skip
 
 
+def widths(model_config: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden, q, kv, intermediate) sizes of a config.json's layers."""
+    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    kv = model_config.get("num_key_value_heads", heads) * head_dim
+    return hidden, heads * head_dim, kv, model_config["intermediate_size"]
+
+
 def write_adapter(
     folder: Path, model_config: dict[str, Any], rank: int, seed: int, dtype: torch.dtype
 ) -> str:
     """A PEFT LoRA adapter of rank `rank` on every layer's seven projections, N(0, 0.02) A and B and
     lora_alpha 2 * rank, saved in `folder` as `save_pretrained` writes it; the folder's path."""
-    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or hidden // heads
-    sizes = (hidden, heads * head_dim)
-    sizes += (model_config.get("num_key_value_heads", heads) * head_dim, model_config["intermediate_size"])
+    sizes = widths(model_config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(model_config["num_hidden_layers"]):
@@ -192,6 +202,75 @@ def run_engines(shape: Shape, args: argparse.Namespace, folder: Path) -> dict[st
     return results
 
 
+def run_kernels(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """The kernels alone (`--kernels`) at the model's four packed projections: `--adapters` slots of
+    rank `--rank` in a pool of `--max-lora-rank` (64), row i under slot i % adapters, for each batch;
+    per variant (the expand's column block `KERNEL_BLOCKS`, the slots' ranks given or not) the us of
+    one `lora_add_kernels` (10 calls in a CUDA graph on CUDA; one call eagerly elsewhere, where Triton
+    must run its interpreter) and its error against the torch reference."""
+    from minisgl.kernels import lora as K
+    from minisgl.layers.lora import LoraBatch, lora_add_reference
+    from perf.gpu.timing import graph_us
+
+    device, dtype = torch.device(shape.settings["device"]), getattr(torch, shape.settings["dtype"])
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    hidden, q, kv, inter = widths(config)
+    projections = {"qkv_proj": ([q, kv, kv], hidden), "o_proj": ([hidden], q)}
+    projections |= {"gate_up_proj": ([inter, inter], hidden), "down_proj": ([hidden], inter)}
+    pool_rank, slots = args.max_lora_rank or 64, args.adapters
+    generator = torch.Generator(device).manual_seed(0)
+    ranks = torch.full((slots,), args.rank, dtype=torch.int32, device=device)
+    results: dict[str, Any] = {"layers": config["num_hidden_layers"], "projections": {}}
+    kept = K.EXPAND_BLOCK_N
+    try:
+        for name, (sizes, k) in projections.items():
+            a = torch.randn(slots, len(sizes), pool_rank, k, generator=generator, device=device) / k**0.5
+            b = torch.randn(slots, sum(sizes), pool_rank, generator=generator, device=device) / args.rank**0.5
+            a[:, :, args.rank :], b[:, :, args.rank :] = 0, 0  # the pool's padding past each rank
+            a, b = a.flatten(1, 2).to(dtype), b.to(dtype)
+            for rows in args.batch:
+                batch = LoraBatch.build([1] * rows, [i % slots for i in range(rows)], device, slots)
+                x = torch.randn(rows, k, generator=generator, device=device).to(dtype)
+                base = torch.randn(rows, sum(sizes), generator=generator, device=device).to(dtype)
+                want = lora_add_reference(x, base.clone(), a, b, batch.row_slots, sizes).float()
+                row = results["projections"].setdefault(name, {})[str(rows)] = {}
+                for block, ranked in [(block, ranked) for block in KERNEL_BLOCKS for ranked in (False, True)]:
+                    K.EXPAND_BLOCK_N = block
+                    out = base.clone()
+                    call = (x, out, a, b, batch.tiles, batch.order, sizes, ranks if ranked else None)
+                    K.lora_add_kernels(*call)
+                    error = ((out.float() - want).norm() / (want - base.float()).norm()).item()
+                    if device.type == "cuda":
+                        us = graph_us(lambda call=call: [K.lora_add_kernels(*call) for _ in range(10)]) / 10
+                    else:
+                        started = time.perf_counter()
+                        K.lora_add_kernels(*call)
+                        us = 1e6 * (time.perf_counter() - started)
+                    row[f"{block}{'r' if ranked else ''}"] = {"us": us, "error": error}
+    finally:
+        K.EXPAND_BLOCK_N = kept
+    return results
+
+
+def kernels_table(results: dict[str, Any]) -> str:
+    """us per `lora_add` by projection and rows for each variant (the expand's block, `r`: the slots'
+    ranks given), the largest error, and per rows the four projections' sum times the layers, in ms."""
+    projections = results["projections"]
+    variants = list(next(iter(next(iter(projections.values())).values())))
+    lines = [f"{'projection':>12} {'rows':>5} " + " ".join(f"{v:>8}" for v in variants) + "  max error"]
+    totals: dict[str, dict[str, float]] = {}
+    for name, by_rows in projections.items():
+        for rows, row in by_rows.items():
+            us = " ".join(f"{row[v]['us']:8.2f}" for v in variants)
+            lines.append(f"{name:>12} {rows:>5} {us}  {max(r['error'] for r in row.values()):.1e}")
+            for v in variants:
+                totals.setdefault(rows, {}).setdefault(v, 0.0)
+                totals[rows][v] += row[v]["us"] * results["layers"] / 1e3
+    for rows, by_variant in totals.items():
+        lines.append(f"{'all, ms':>12} {rows:>5} " + " ".join(f"{by_variant[v]:8.3f}" for v in variants))
+    return "\n".join(lines)
+
+
 def mixed_goal(batch: int) -> float:
     return MIXED_GOALS[max((b for b in MIXED_GOALS if b <= batch), default=min(MIXED_GOALS))]
 
@@ -241,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-lora-rank", type=int, default=None, help="the engine's (default: its default)")
     parser.add_argument("--loads", type=int, default=None, help="timed adapter loads (5)")
     parser.add_argument("--out", default=None, help="write the figures to this JSON file")
+    parser.add_argument("--kernels", action="store_true", help="the kernels alone, no engine")
     args = parser.parse_args(argv)
     shape = CPU if args.shape == "cpu" else GPU
     for name in ("model", "batch", "context", "steps", "adapters", "loads"):
@@ -252,11 +332,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results |= {"steps": args.steps, "adapters": args.adapters, "rank": args.rank}
     if torch.cuda.is_available() and shape.settings["device"] == "cuda":
         results["device"] = torch.cuda.get_device_name()
-    with tempfile.TemporaryDirectory(prefix="minisgl-lora-") as tmp:
-        results |= run_engines(shape, args, Path(tmp))
+    if args.kernels:
+        results["kernels"] = run_kernels(shape, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="minisgl-lora-") as tmp:
+            results |= run_engines(shape, args, Path(tmp))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\n--- LoRA ({args.shape}; {args.model}) ---\n{table(results)}", flush=True)
+    report = kernels_table(results["kernels"]) if args.kernels else table(results)
+    print(f"\n--- LoRA ({args.shape}; {args.model}) ---\n{report}", flush=True)
     return results
 
 
