@@ -26,9 +26,8 @@ import torch
 
 from minisgl.core import ImageBatch, Req
 
-if TYPE_CHECKING:  # Pillow stays unimported for text models
+if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
-    from minisgl.multimodal.qwen_vl import ProcessedImage
 
 # prefix_key: a placeholder token's key is 2**31 plus 31 bits of a hash of its image and its index in it,
 # past any vocabulary (ids < 2**24) and below LoRA's shift (2**32, minisgl.scheduler.batching)
@@ -65,6 +64,23 @@ def pixel_rows(patches: torch.Tensor, scale: PixelScale, numbers: torch.Tensor |
     count, channels, size = patches.shape
     rows = values.unsqueeze(2).expand(count, channels, scale.temporal, size)
     return rows.reshape(count, channels * scale.temporal * size)
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image ready for the vision encoder: `patches` (grid_h * grid_w, C, P * P) uint8, `scale` what
+    makes its rows of them, and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand
+    for it in the prompt."""
+
+    patches: torch.Tensor
+    scale: PixelScale
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """The encoder's (grid_h * grid_w, C * T * P * P) float32 rows, on the host."""
+        return pixel_rows(self.patches, self.scale)
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from minisgl.multimodal.inputs import PixelScale, pixel_rows
+from minisgl.multimodal.inputs import PixelScale, ProcessedImage
 from minisgl.multimodal.media import MediaError
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -127,23 +127,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
-
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    """One image ready for the vision encoder: `patches` (grid_h * grid_w, C, P * P) uint8, `scale` what
-    makes its rows of them, and `grid_thw` (1, grid_h, grid_w); `num_tokens` placeholder tokens stand
-    for it in the prompt."""
-
-    patches: torch.Tensor
-    scale: PixelScale
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
-
-    @property
-    def pixel_values(self) -> torch.Tensor:
-        """The encoder's (grid_h * grid_w, C * T * P * P) float32 rows, on the host."""
-        return pixel_rows(self.patches, self.scale)
 
 
 def num_image_tokens(height: int, width: int, config: ImageProcessorConfig) -> int:
