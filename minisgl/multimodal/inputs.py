@@ -1,7 +1,8 @@
 """A vision-language request's images as the scheduler side carries them (`ImageInputs`): their 8-bit
 patches and what turns them into the encoder's pixel rows (`PixelScale`, `pixel_rows`: on the device,
-so that the host and the server's messages carry a byte a pixel, not the rows' eight), where their placeholder tokens are in the prompt, the prompt's M-RoPE positions, and
-the prefix cache's keys of the placeholder tokens; and what a prefill chunk takes of them
+so that the host and the server's messages carry a byte a pixel, not the rows' eight), where their
+placeholder tokens are in the prompt, the prompt's M-RoPE positions, and the prefix cache's keys of the
+placeholder tokens; and what a prefill chunk takes of them
 (`chunk_images`, `chunk_positions`). docs/vision.md.
 
 M-RoPE (transformers' ``get_rope_index``): a text token's three positions (t, h, w) are equal and one

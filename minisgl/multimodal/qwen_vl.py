@@ -165,8 +165,7 @@ def cut_patches(pixels: torch.Tensor, config: ImageProcessorConfig) -> tuple[tor
     blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
     # (block row, block col, row in block, col in block, C, p, p)
     blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)
-    patches = torch.empty(blocks.shape, dtype=pixels.dtype).copy_(blocks)
-    return patches.view(grid_h * grid_w, channels, p * p), grid_h, grid_w
+    return blocks.reshape(grid_h * grid_w, channels, p * p), grid_h, grid_w
 
 
 def preprocess_images(
